@@ -1,0 +1,337 @@
+// Python bindings of the core. Blocking calls release the GIL; completion callbacks never run
+// on a progress thread: they are queued and run by one Python thread (run_callbacks).
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <condition_variable>
+#include <deque>
+
+#include "core.hpp"
+
+namespace py = pybind11;
+using namespace rdmaflow;
+
+namespace {
+
+PyObject* exc_base = nullptr;
+PyObject* exc_bounds = nullptr;
+PyObject* exc_peer = nullptr;
+PyObject* exc_auth = nullptr;
+PyObject* exc_region = nullptr;
+PyObject* exc_closed = nullptr;
+PyObject* exc_timeout = nullptr;
+PyObject* exc_invalid = nullptr;
+
+PyObject* exc_for(ErrorKind k) {
+  switch (k) {
+    case ErrorKind::OutOfBounds: return exc_bounds;
+    case ErrorKind::Peer: return exc_peer;
+    case ErrorKind::Auth: return exc_auth;
+    case ErrorKind::Region: return exc_region;
+    case ErrorKind::Closed: return exc_closed;
+    case ErrorKind::Timeout: return exc_timeout;
+    case ErrorKind::Invalid: return exc_invalid;
+    default: return exc_base;
+  }
+}
+
+PyObject* new_exc(py::module_& m, const char* name, std::initializer_list<PyObject*> bases,
+                  const char* doc) {
+  py::tuple t(bases.size());
+  size_t i = 0;
+  for (PyObject* b : bases) t[i++] = py::reinterpret_borrow<py::object>(b);
+  std::string full = std::string("rdmaflow.") + name;
+  PyObject* e = PyErr_NewExceptionWithDoc(full.c_str(), doc, t.ptr(), nullptr);
+  if (!e) throw py::error_already_set();
+  m.add_object(name, py::reinterpret_borrow<py::object>(e));
+  return e;
+}
+
+// Completion callbacks waiting for the Python thread that runs them.
+struct CallbackQueue {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::pair<PyObject*, Future>> q;
+};
+CallbackQueue& callbacks() {
+  static CallbackQueue* q = new CallbackQueue;  // never destroyed: threads may outlive statics
+  return *q;
+}
+
+Callback make_callback(const py::object& cb) {
+  if (cb.is_none()) return nullptr;
+  if (!PyCallable_Check(cb.ptr()))
+    throw Error(ErrorKind::Invalid, "callback must be callable or None");
+  PyObject* fn = cb.ptr();
+  Py_INCREF(fn);  // released by run_callbacks after the call
+  return [fn](const Future& f) {
+    auto& q = callbacks();
+    {
+      std::lock_guard<std::mutex> lk(q.m);
+      q.q.emplace_back(fn, f);
+    }
+    q.cv.notify_one();
+  };
+}
+
+void run_callbacks() {
+  auto& q = callbacks();
+  for (;;) {
+    std::pair<PyObject*, Future> item;
+    {
+      py::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> lk(q.m);
+      q.cv.wait(lk, [&] { return !q.q.empty(); });
+      item = std::move(q.q.front());
+      q.q.pop_front();
+    }
+    PyObject* fn = item.first;
+    try {
+      py::reinterpret_borrow<py::object>(fn)(item.second);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("rdmaflow completion callback");
+    } catch (std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      PyErr_WriteUnraisable(fn);
+    }
+    Py_DECREF(fn);
+  }
+}
+
+size_t check_offset(int64_t v, const char* what) {
+  if (v < 0)
+    throw Error(ErrorKind::OutOfBounds, std::string(what) + " must not be negative, got " +
+                                            std::to_string(v));
+  return size_t(v);
+}
+
+// Waits in short slices so that Ctrl-C reaches Python while a transfer is pending.
+bool wait_future(const Future& f, double timeout) {
+  auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    double slice = 0.05;
+    if (timeout >= 0) {
+      double left =
+          timeout - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (left <= 0) return f->done();
+      slice = std::min(slice, left);
+    }
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = f->wait(slice);
+    }
+    if (done) return true;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
+py::object future_exception(const Future& f) {
+  if (!f->done() || f->ok()) return py::none();
+  py::object cls = py::reinterpret_borrow<py::object>(exc_for(f->error_kind()));
+  return cls(f->error());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "rdmaflow core: the RDMA device (seed 000, Table 1) over UCX";
+
+  exc_base = new_exc(m, "RdmaflowError", {PyExc_RuntimeError}, "Base of every rdmaflow error.");
+  exc_bounds = new_exc(m, "OutOfBoundsError", {exc_base, PyExc_IndexError},
+                       "An offset or length falls outside a region.");
+  exc_peer = new_exc(m, "PeerError", {exc_base, PyExc_ConnectionError},
+                     "A peer is unknown, unreachable or dead.");
+  exc_auth = new_exc(m, "AuthError", {exc_peer},
+                     "A peer does not share this job's secret.");
+  exc_region = new_exc(m, "RegionError", {exc_base},
+                       "A region was freed, or a descriptor is foreign or forged.");
+  exc_closed = new_exc(m, "DeviceClosedError", {exc_base}, "The device is closed.");
+  exc_timeout = new_exc(m, "TimeoutError", {exc_base, PyExc_TimeoutError},
+                        "A bounded wait ran out.");
+  exc_invalid = new_exc(m, "InvalidArgumentError", {exc_base, PyExc_ValueError},
+                        "An argument or message is malformed.");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(exc_for(e.kind), e.what());
+    }
+  });
+
+  py::enum_<Direction>(m, "Direction")
+      .value("WRITE", Direction::Write)
+      .value("READ", Direction::Read)
+      .export_values();
+
+  m.def("ucx_version", &ucx_version, "Version of the UCX library in use.");
+  m.def("run_callbacks", &run_callbacks,
+        "Runs completion callbacks forever; called by one daemon thread.");
+
+  py::class_<FutureState, Future>(m, "Future",
+                                  "Completion of an asynchronous memcpy or flush.")
+      .def("done", &FutureState::done)
+      .def(
+          "wait",
+          [](const Future& f, std::optional<double> timeout) {
+            return wait_future(f, timeout ? *timeout : -1.0);
+          },
+          py::arg("timeout") = py::none(),
+          "Waits until done or timeout seconds pass; returns done().")
+      .def(
+          "result",
+          [](const Future& f, std::optional<double> timeout) {
+            if (!wait_future(f, timeout ? *timeout : -1.0))
+              throw Error(ErrorKind::Timeout, "transfer did not complete within " +
+                                                  std::to_string(*timeout) + " s");
+            if (!f->ok()) throw Error(f->error_kind(), f->error());
+          },
+          py::arg("timeout") = py::none(),
+          "Waits for completion; raises the transfer's error, if any.")
+      .def("exception", &future_exception,
+           "The error the transfer failed with, None if pending or successful.");
+
+  py::class_<MemRegion, std::shared_ptr<MemRegion>>(m, "MemRegion", py::buffer_protocol(),
+                                                     py::dynamic_attr(),
+                                                     "Registered memory a peer can reach.")
+      .def_property_readonly("id", &MemRegion::id)
+      .def_property_readonly("address", &MemRegion::address)
+      .def_property_readonly("nbytes", &MemRegion::length)
+      .def_property_readonly("freed", &MemRegion::freed)
+      .def(
+          "descriptor",
+          [](const MemRegion& r) {
+            auto d = r.descriptor();
+            return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+          },
+          "Address, length, packed remote key and owner, MAC'd with the job secret.")
+      .def(
+          "free",
+          [](MemRegion& r) {
+            py::gil_scoped_release nogil;
+            r.free();
+          },
+          "Revokes peers' access, waits for in-flight use and deregisters the memory. "
+          "Tensors viewing the region keep its memory alive.")
+      .def_buffer([](MemRegion& r) {
+        return py::buffer_info(reinterpret_cast<void*>(r.address()), 1,
+                               py::format_descriptor<uint8_t>::format(), 1,
+                               {py::ssize_t(r.length())}, {py::ssize_t(1)});
+      });
+
+  py::class_<RemoteRegion, std::shared_ptr<RemoteRegion>>(m, "RemoteRegion",
+                                                         "A peer's region, from its descriptor.")
+      .def_static(
+          "from_descriptor",
+          [](py::bytes b) { return RemoteRegion::parse(std::string(b)); },
+          py::arg("descriptor"))
+      .def_readonly("owner_endpoint", &RemoteRegion::owner_endpoint)
+      .def_readonly("region_id", &RemoteRegion::region_id)
+      .def_readonly("address", &RemoteRegion::addr)
+      .def_property_readonly("nbytes", [](const RemoteRegion& r) { return r.length; })
+      .def("__repr__", [](const RemoteRegion& r) {
+        return "<RemoteRegion " + std::to_string(r.region_id) + " of " + r.owner_endpoint +
+               ", " + std::to_string(r.length) + " bytes>";
+      });
+
+  py::class_<Channel, std::shared_ptr<Channel>>(m, "Channel",
+                                                "A queue pair to one peer (seed 000 §3.1).")
+      .def(
+          "memcpy",
+          [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t local_offset,
+             const std::shared_ptr<RemoteRegion>& remote, int64_t remote_offset, int64_t nbytes,
+             Direction direction, py::object callback) {
+            size_t lo = check_offset(local_offset, "local_offset");
+            size_t ro = check_offset(remote_offset, "remote_offset");
+            size_t n = check_offset(nbytes, "nbytes");
+            Callback cb = make_callback(callback);
+            try {
+              return ch.memcpy(local, lo, remote, ro, n, direction, std::move(cb));
+            } catch (...) {
+              if (!callback.is_none()) Py_DECREF(callback.ptr());
+              throw;
+            }
+          },
+          py::arg("local_region"), py::arg("local_offset"), py::arg("remote_region"),
+          py::arg("remote_offset"), py::arg("nbytes"), py::arg("direction"),
+          py::arg("callback") = py::none(),
+          "Asynchronous copy between a local and a remote region. The future completes when "
+          "the data is visible at the destination.")
+      .def("fence", &Channel::fence,
+           "Orders the operations posted after it behind those posted before.")
+      .def(
+          "flush",
+          [](Channel& ch, py::object callback) {
+            Callback cb = make_callback(callback);
+            try {
+              return ch.flush(std::move(cb));
+            } catch (...) {
+              if (!callback.is_none()) Py_DECREF(callback.ptr());
+              throw;
+            }
+          },
+          py::arg("callback") = py::none(),
+          "Completes when every WRITE posted before it is visible at the peer.")
+      .def_property_readonly("qp_idx", &Channel::qp_idx)
+      .def_property_readonly("remote_endpoint", &Channel::remote_endpoint)
+      .def_property_readonly("failed", &Channel::failed);
+
+  py::class_<DeviceImpl, std::shared_ptr<DeviceImpl>>(m, "Device",
+                                                      "The RDMA device of seed 000 §3.1.")
+      .def(py::init([](const std::string& endpoint, int num_cqs, int qps_per_peer,
+                       const std::string& secret, bool busy_poll, int spin_us,
+                       double connect_timeout, double rpc_timeout) {
+             DeviceConfig c;
+             c.endpoint = endpoint;
+             c.num_cqs = num_cqs;
+             c.qps_per_peer = qps_per_peer;
+             c.secret = secret;
+             c.busy_poll = busy_poll;
+             c.spin_us = spin_us;
+             c.connect_timeout = connect_timeout;
+             c.rpc_timeout = rpc_timeout;
+             py::gil_scoped_release nogil;
+             return DeviceImpl::create(c);
+           }),
+           py::arg("endpoint"), py::arg("num_cqs"), py::arg("qps_per_peer"), py::arg("secret"),
+           py::arg("busy_poll"), py::arg("spin_us"), py::arg("connect_timeout"),
+           py::arg("rpc_timeout"))
+      .def_property_readonly("endpoint", &DeviceImpl::endpoint)
+      .def_property_readonly("uuid", &DeviceImpl::uuid)
+      .def_property_readonly("num_cqs", &DeviceImpl::num_cqs)
+      .def_property_readonly("qps_per_peer",
+                             [](const DeviceImpl& d) { return d.config().qps_per_peer; })
+      .def_property_readonly("busy_poll", [](const DeviceImpl& d) { return d.config().busy_poll; })
+      .def_property_readonly("closed", &DeviceImpl::closed)
+      .def("close",
+           [](DeviceImpl& d) {
+             py::gil_scoped_release nogil;
+             d.close();
+           })
+      .def("alloc_region", &DeviceImpl::alloc_region, py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("register_memory", &DeviceImpl::register_memory, py::arg("address"),
+           py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def("channel", &DeviceImpl::channel, py::arg("remote_endpoint"), py::arg("qp_idx") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "publish",
+          [](DeviceImpl& d, const std::string& name, py::bytes value) {
+            d.publish(name, std::string(value));
+          },
+          py::arg("name"), py::arg("value"))
+      .def("unpublish", &DeviceImpl::unpublish, py::arg("name"))
+      .def(
+          "lookup",
+          [](DeviceImpl& d, const std::string& ep, const std::string& name, double timeout) {
+            std::string v;
+            {
+              py::gil_scoped_release nogil;
+              v = d.lookup(ep, name, timeout);
+            }
+            return py::bytes(v);
+          },
+          py::arg("remote_endpoint"), py::arg("name"), py::arg("timeout") = -1.0)
+      .def("ucx_info", &DeviceImpl::ucx_info);
+}
