@@ -281,7 +281,7 @@ PYBIND11_MODULE(_core, m) {
                                                       "The RDMA device of seed 000 §3.1.")
       .def(py::init([](const std::string& endpoint, int num_cqs, int qps_per_peer,
                        const std::string& secret, bool busy_poll, int spin_us,
-                       double connect_timeout, double rpc_timeout) {
+                       double connect_timeout, double rpc_timeout, bool data_error_handling) {
              DeviceConfig c;
              c.endpoint = endpoint;
              c.num_cqs = num_cqs;
@@ -291,12 +291,13 @@ PYBIND11_MODULE(_core, m) {
              c.spin_us = spin_us;
              c.connect_timeout = connect_timeout;
              c.rpc_timeout = rpc_timeout;
+             c.data_error_handling = data_error_handling;
              py::gil_scoped_release nogil;
              return DeviceImpl::create(c);
            }),
            py::arg("endpoint"), py::arg("num_cqs"), py::arg("qps_per_peer"), py::arg("secret"),
            py::arg("busy_poll"), py::arg("spin_us"), py::arg("connect_timeout"),
-           py::arg("rpc_timeout"))
+           py::arg("rpc_timeout"), py::arg("data_error_handling") = false)
       .def_property_readonly("endpoint", &DeviceImpl::endpoint)
       .def_property_readonly("uuid", &DeviceImpl::uuid)
       .def_property_readonly("num_cqs", &DeviceImpl::num_cqs)

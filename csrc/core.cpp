@@ -430,7 +430,12 @@ bool Channel::ensure_ep() {
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.address = reinterpret_cast<const ucp_address_t*>(peer_->worker_addrs[remote_worker_].data());
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  // UCX's peer-failure mode costs TCP puts 2-3x in bandwidth (ucx_perftest -e shows the same),
+  // so data endpoints run without it by default: a dead peer still fails their requests with
+  // a connection error, and the control link (which has it) marks the channels failed.
+  auto dev = dev_.lock();
+  ep.err_mode = dev && dev->config().data_error_handling ? UCP_ERR_HANDLING_MODE_PEER
+                                                          : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = data_ep_err_cb;
   ep.err_handler.arg = this;
   ucs_status_t st = ucp_ep_create(worker_->handle(), &ep, &ep_);
@@ -580,10 +585,14 @@ void Worker::flush_dirty() {
 
 void Worker::op_note(Op* op, ucs_status_t st) {
   if (st != UCS_OK && op->status == UCS_OK) op->status = st;
-  if (--op->pending == 0) op_done(op);
+  if (--op->pending > 0) return;
+  if (!op->finished) op_done(op);
+  delete op;
 }
 
 void Worker::op_done(Op* op) {
+  // Completes the future; the Op itself lives on until UCX has no more callbacks for it.
+  op->finished = true;
   inflight_.erase(op);
   if (op->local) op->local->inflight_.fetch_sub(1);
   if (op->status == UCS_OK) {
@@ -593,7 +602,6 @@ void Worker::op_done(Op* op) {
     std::string msg = dev_->op_error_message(op, op->status, &k);
     op->fut->complete_error(k, msg);
   }
-  delete op;
 }
 
 void Worker::loop() {
@@ -658,16 +666,14 @@ void Worker::stop() {
   stop_.store(true);
   ucp_worker_signal(w_);
   thr_.join();
-  // Whatever UCX did not complete is failed here, after the thread is gone.
+  // Whatever UCX did not complete fails here, after the thread is gone. The Ops stay allocated:
+  // ucp_worker_destroy may still call back for requests it purges.
   std::vector<Op*> left(inflight_.begin(), inflight_.end());
   for (Op* op : left) {
-    op->pending = 1;
-    op_note(op, UCS_ERR_CANCELED);
+    if (op->status == UCS_OK) op->status = UCS_ERR_CANCELED;
+    op_done(op);
   }
-  for (auto& ch : channels_) {
-    for (Op* op : ch->unflushed_) (void)op;  // already failed above via inflight_
-    ch->unflushed_.clear();
-  }
+  for (auto& ch : channels_) ch->unflushed_.clear();
   channels_.clear();
 }
 
@@ -819,6 +825,8 @@ void DeviceImpl::close() {
     p->channels.clear();  // breaks the Peer <-> Channel cycle
     p->cv.notify_all();
   }
+  // Workers go first: destroying them may purge requests that still use the regions.
+  workers_.clear();
   std::vector<std::shared_ptr<MemRegion>> regions;
   {
     std::lock_guard<std::mutex> lk(m_);
@@ -837,7 +845,6 @@ void DeviceImpl::close() {
   links_.clear();
   for (Link* l : dead_links_) delete l;
   dead_links_.clear();
-  workers_.clear();
   if (ctx_) ucp_cleanup(ctx_);
   ctx_ = nullptr;
 }
@@ -851,6 +858,22 @@ std::string DeviceImpl::op_error_message(Op* op, ucs_status_t st, ErrorKind* kin
     *kind = ErrorKind::Peer;
     return op->ch->error();
   }
+  switch (st) {
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_TIMED_OUT:
+      if (op->ch) {
+        op->ch->fail("peer " + op->ch->remote_endpoint() + " is unreachable: " + ucs_error(st));
+        *kind = ErrorKind::Peer;
+        return op->ch->error();
+      }
+      break;
+    default:
+      break;
+  }
   *kind = ErrorKind::Generic;
   return "transfer failed in UCX: " + ucs_error(st);
 }
@@ -861,10 +884,28 @@ std::shared_ptr<MemRegion> DeviceImpl::alloc_region(size_t nbytes) {
   if (nbytes == 0) throw Error(ErrorKind::Invalid, "cannot allocate a region of 0 bytes");
   long page = sysconf(_SC_PAGESIZE);
   size_t len = (nbytes + page - 1) / page * page;
-  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED)
+  // 2 MiB-aligned and huge-page backed where the kernel allows, then faulted in: registration
+  // pins memory on verbs anyway, and the first transfer should not pay for page faults.
+  const size_t huge = size_t(2) << 20;
+  size_t slack = len >= huge ? huge : 0;
+  void* raw = mmap(nullptr, len + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED)
     throw Error(ErrorKind::Generic, "cannot allocate a region of " + std::to_string(nbytes) +
                                         " bytes: " + strerror(errno));
+  char* p = static_cast<char*>(raw);
+  if (slack) {
+    char* aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1));
+    if (aligned > p) munmap(p, size_t(aligned - p));
+    size_t tail = size_t(p + len + slack - (aligned + len));
+    if (tail) munmap(aligned + len, tail);
+    p = aligned;
+    madvise(p, len, MADV_HUGEPAGE);
+  }
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  if (madvise(p, len, MADV_POPULATE_WRITE) != 0)
+    for (size_t off = 0; off < len; off += size_t(page)) p[off] = 0;
   auto mem = std::make_shared<RegionMemory>();
   mem->addr = p;
   mem->length = nbytes;

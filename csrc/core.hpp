@@ -51,6 +51,7 @@ struct DeviceConfig {
   int spin_us = 50;               // progress this long before sleeping on the wakeup fd
   double connect_timeout = 10.0;  // seconds
   double rpc_timeout = 10.0;      // seconds, side RPC and revocation
+  bool data_error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER on data endpoints too
 };
 
 // Completion state shared by the issuer and the progress thread.
@@ -192,6 +193,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
 struct Op {
   Future fut;
   int pending = 1;
+  bool finished = false;  // future completed
   ucs_status_t status = UCS_OK;
   std::shared_ptr<MemRegion> local;
   std::shared_ptr<Channel> ch;

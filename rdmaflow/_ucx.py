@@ -1,8 +1,8 @@
 """Loads the UCX shared libraries before the extension is imported.
 
 With the libucx wheel (the default), its libraries are preloaded so that the extension's
-``libucp.so.0`` dependency resolves. A build against a system UCX finds it through its rpath,
-and ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=1`` makes the wheel prefer a system copy.
+``libucp.so.0`` dependency resolves. A build against a system UCX (``RDMAFLOW_UCX_ROOT``)
+finds it through its rpath and loads nothing from the wheel.
 """
 from __future__ import annotations
 
@@ -17,7 +17,20 @@ def wheel_dir() -> str | None:
     return os.path.dirname(libucx.__file__)
 
 
+def build_source() -> str:
+    """'wheel' or 'system': which UCX the extension was built against."""
+    try:
+        from rdmaflow._build_info import UCX_SOURCE
+    except ImportError:
+        return "wheel"
+    return UCX_SOURCE
+
+
 def load() -> None:
+    # A build against a system UCX finds it through its rpath; preloading the wheel's copy
+    # would put two UCX builds in one process.
+    if build_source() == "system":
+        return
     try:
         import libucx
     except ImportError:

@@ -79,6 +79,7 @@ def Device(
     spin_us: int = 50,
     connect_timeout: float = 10.0,
     rpc_timeout: float = 10.0,
+    data_error_handling: bool = False,
 ) -> _core.Device:
     """Creates an RDMA device listening on ``endpoint`` (``host:port``; port 0 picks one).
 
@@ -86,6 +87,9 @@ def Device(
     ``qps_per_peer`` queue pairs per peer, spread round-robin over them (seed 000, Figure 4).
     Peers must share ``secret`` (default: ``$RDMAFLOW_JOB_SECRET``) before any remote key is
     handed out. Progress threads sleep on UCX's wakeup fd when idle unless ``busy_poll``.
+    ``data_error_handling`` turns on UCX's peer-failure mode for data endpoints as well as the
+    control link; it costs TCP puts much of their bandwidth, and a dead peer is detected
+    without it.
     """
     if secret is None:
         secret = os.environ.get(SECRET_ENV)
@@ -99,7 +103,7 @@ def Device(
     _start_callback_thread()
     return _core.Device(
         endpoint, int(num_cqs), int(qps_per_peer), secret, bool(busy_poll), int(spin_us),
-        float(connect_timeout), float(rpc_timeout),
+        float(connect_timeout), float(rpc_timeout), bool(data_error_handling),
     )
 
 

@@ -7,25 +7,47 @@ Transport settings live in one place, :data:`TRANSPORT_ENV`, and
 benchmark processes must use ``ucx_env`` too so that "ceiling" and
 "measured" run over exactly the same UCX configuration.
 
-Defaults (measured on the 2-core dev VM, UCX 1.22 from the libucx-cu12 wheel,
-16 MiB messages, median of 3; 1 GB = 1e9 B):
+Chosen defaults and why (measured on the 2-core dev VM, UCX 1.22 from the
+libucx-cu12 wheel, 16 MiB messages, several interleaved rounds; the VM is
+noisy, run-to-run spread is often +-30%):
 
-* tcp: ``UCX_TLS=tcp``, ``UCX_NET_DEVICES=lo``. Nothing else in the UCX
-  config helped; larger ``UCX_TCP_{TX,RX}_SEG_SIZE`` / socket buffers were
-  within noise (TCP over loopback is bounded by the kernel memcpy).
-* sm: ``UCX_TLS=cma,posix,self``. ``cma`` (process_vm_writev/readv) gives
-  zero-copy RMA; ``posix`` is still needed because UCP wire-up and
-  rendezvous control messages need an active-message transport, and ``self``
-  covers the loopback endpoint. ``sm,self`` selects the same lanes (sysv,
-  knem and xpmem add nothing here); ``posix,self`` without cma falls back to
-  bounce-buffer copies and is much slower.
-* ``-D zcopy`` is a UCT-only flag (for the UCP tests ``-D`` means
-  contig/iov), so it does not apply to ``ucp_put_bw``/``ucp_get``; UCP picks
-  zero-copy protocols itself for large messages.
-* ``ucp_get`` runs with a window of 1 by default (it is a latency test), so
-  we pass ``-O 32`` to keep 32 gets in flight like ``ucp_put_bw`` does.
-* The ``ucx_perftest`` bandwidth column is in MiB/s (it divides by 1024^2);
-  :func:`run_perftest` converts to bytes per second.
+* tcp: ``UCX_TLS=tcp`` + ``UCX_NET_DEVICES=lo``. Larger
+  ``UCX_TCP_{TX,RX}_SEG_SIZE``, 4 MiB socket buffers, pinning client and
+  server to different cores (``-c``), ``-E sleep`` and other windows
+  (``-O 1/4/32``) were all within noise. ``UCX_TCP_PUT_ENABLE=n`` is 3x
+  slower. (Never set ``UCX_PROTO_ENABLE=n``: it hangs TCP RMA.)
+* sm: ``UCX_TLS=cma,posix,self,tcp``. ``tcp`` is there for rdmaflow's
+  connection manager only: intra-node RMA still takes cma. ``cma`` (process_vm_writev/readv) is the
+  only zero-copy RMA path for memory that UCX did not allocate itself;
+  ``posix`` is still needed because UCP wire-up needs an active-message
+  transport (``cma,self`` alone fails: "no active messages transport");
+  ``self`` covers loopback endpoints. ``sm,self`` picks the same lanes.
+  Without cma (``posix,self``) puts are software-emulated over the shm FIFO.
+  ``UCX_NET_DEVICES=lo`` is set here too: it does not touch shm devices but
+  keeps a tcp lane that a runtime adds (e.g. for its connection manager) on
+  loopback.
+* Memory (perftest only, not in :func:`ucx_env`): ``ucx_perftest``
+  allocates its buffers with ``ucp_mem_map(ALLOCATE)``, which by default
+  (``UCX_ALLOC_PRIO=md:sysv,...``) hands out SysV shared memory. That is not
+  what rdmaflow does (it registers mmap'ed or user memory), and it changes
+  the result both ways: cma on those 4K-page segments is ~2x slower, while
+  posix/sysv can then map the peer's buffer directly (rkey_ptr) and show
+  in-cache memcpy speeds that registered user memory can never get. So by
+  default we set ``UCX_ALLOC_PRIO=thp,mmap,heap`` (``memory="thp"``): plain
+  anonymous memory with transparent huge pages, the best case for cma (THP is
+  "madvise" on this kernel, so rdmaflow regions get it only if they
+  ``madvise(MADV_HUGEPAGE)``). ``memory="mmap"`` (4K pages, like a plain
+  mmap) and ``memory="ucx"`` (UCX's own default) are available for comparison.
+* ``-D zcopy`` is a UCT-layer flag; the UCP tests accept it but ignore it
+  (the header still says "Data layout: (automatic)"); UCP chooses zero-copy
+  protocols by itself, so it is not passed.
+* ``ucp_put_bw`` keeps 32 puts in flight by default; ``ucp_get`` is a
+  latency test with a window of 1, so we pass ``-O 32`` to make it a
+  bandwidth test like put (on this VM the window made no measurable difference).
+* ``ucx_perftest`` prints bandwidth in MiB/s (it divides by 1024^2);
+  :func:`run_perftest` converts to bytes per second (report 1 GB = 1e9 B).
+* Each ucx_perftest process spends ~0.4 s at start-up (UCX calibrates its
+  clock with a sched_yield loop), so a run costs ~0.8 s on top of the transfer.
 """
 
 from __future__ import annotations
@@ -48,11 +70,22 @@ from typing import IO, Any
 if __package__ in (None, ""):
     # Allow `python rdmaflow/bench/perftest.py` as well as `-m`.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from rdmaflow.bench.util import format_size, parse_size, summarize  # noqa: E402
+try:
+    from rdmaflow.bench.util import format_size, parse_size, summarize
+except ImportError:
+    # rdmaflow/__init__ imports the C++ extension, which this tool does not
+    # need; load the sibling util.py directly so it still runs unbuilt.
+    _spec = importlib.util.spec_from_file_location(
+        "_rdmaflow_bench_util", os.path.join(os.path.dirname(os.path.abspath(__file__)), "util.py"))
+    assert _spec is not None and _spec.loader is not None
+    _util = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_util)
+    format_size, parse_size, summarize = _util.format_size, _util.parse_size, _util.summarize
 
 __all__ = [
     "TRANSPORT_ENV",
     "OPS",
+    "MEMORY_ALLOC",
     "find_ucx_bin",
     "ucx_lib_dir",
     "ucx_env",
@@ -62,19 +95,27 @@ __all__ = [
 ]
 
 #: The single source of truth for "transport name -> UCX settings".
-#: ``tcp`` additionally gets ``UCX_NET_DEVICES`` (``lo`` unless a device is
-#: given to :func:`ucx_env`).
+#: :func:`ucx_env` adds ``UCX_NET_DEVICES`` (``lo`` unless a device is given).
 TRANSPORT_ENV: dict[str, dict[str, str]] = {
     "tcp": {"UCX_TLS": "tcp"},
-    "sm": {"UCX_TLS": "cma,posix,self"},
+    # tcp: rdmaflow devices connect through UCX's sockaddr connection manager, which needs
+    # it; intra-node puts and gets still take cma (UCX_PROTO_INFO=y shows the lanes).
+    "sm": {"UCX_TLS": "cma,posix,self,tcp"},
 }
-_TCP_DEFAULT_DEVICE = "lo"
+_DEFAULT_NET_DEVICE = "lo"
 
 # Settings that apply to every transport.
 _COMMON_ENV: dict[str, str] = {
     # rdmaflow processes may carry UCX_* vars meant for other components;
     # the "unused variable" warnings would pollute parsed stderr.
     "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+#: perftest buffer allocation -> UCX_ALLOC_PRIO (see module docstring).
+MEMORY_ALLOC: dict[str, str | None] = {
+    "thp": "thp,mmap,heap",
+    "mmap": "mmap,heap",
+    "ucx": None,  # UCX's default: SysV/POSIX shared-memory segments first
 }
 
 #: op -> (ucx_perftest test name, extra client flags).
@@ -144,7 +185,8 @@ def ucx_env(transport: str, base_env: Mapping[str, str] | None = None, *,
     """Environment for a UCX process restricted to ``transport`` ("tcp" or "sm").
 
     ``base_env`` defaults to ``os.environ``; it is copied, not modified.
-    ``net_device`` overrides the tcp device (e.g. a veth inside a netns).
+    ``net_device`` replaces the default ``lo`` in ``UCX_NET_DEVICES`` (e.g. a
+    veth inside a netns).
     ``LD_LIBRARY_PATH`` gets the wheel's lib dir prepended so the wheel's
     binaries find their libraries.
     """
@@ -153,13 +195,10 @@ def ucx_env(transport: str, base_env: Mapping[str, str] | None = None, *,
     env = dict(os.environ if base_env is None else base_env)
     env.update(_COMMON_ENV)
     env.update(TRANSPORT_ENV[transport])
-    if transport == "tcp":
-        env["UCX_NET_DEVICES"] = net_device or _TCP_DEFAULT_DEVICE
-    elif net_device is not None:
-        raise ValueError("net_device only applies to the tcp transport")
-    else:
-        # An inherited device list could filter out the shared-memory "memory" device.
-        env.pop("UCX_NET_DEVICES", None)
+    # Also for sm: UCX_NET_DEVICES only filters network devices (shared memory
+    # is "memory", under UCX_SHM_DEVICES), and it keeps any tcp lane a runtime
+    # adds for connection setup on loopback instead of eth0.
+    env["UCX_NET_DEVICES"] = net_device or _DEFAULT_NET_DEVICE
     lib = ucx_lib_dir()
     if lib:
         old = env.get("LD_LIBRARY_PATH", "")
@@ -273,18 +312,21 @@ def _parse_bandwidth(stdout: str) -> float:
 def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = None,
                  timeout: float = 60.0, port: int | None = None, *,
                  warmup: int | None = None,
+                 memory: str = "thp",
                  server_addr: str = "127.0.0.1",
                  net_device: str | None = None,
                  server_env: Mapping[str, str] | None = None,
                  client_env: Mapping[str, str] | None = None,
                  extra_args: Sequence[str] = (),
+                 server_args: Sequence[str] = (),
                  server_popen: PopenFn | None = None,
                  client_popen: PopenFn | None = None) -> float:
     """Run one ucx_perftest server/client pair and return bandwidth in bytes/s.
 
     ``op`` is "put" (``ucp_put_bw``) or "get" (``ucp_get -O 32``); the
     client does the RMA on the server's memory. ``iters``/``warmup`` default
-    to :func:`auto_iters` and 10% of it.
+    to :func:`auto_iters` and 10% of it. ``memory`` picks how perftest
+    allocates its buffers (:data:`MEMORY_ALLOC`).
 
     ``server_popen``/``client_popen`` (default ``subprocess.Popen``) let the
     two sides run elsewhere, e.g. ``TwoHosts`` namespaces; they must accept
@@ -296,6 +338,8 @@ def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = N
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {sorted(OPS)}")
+    if memory not in MEMORY_ALLOC:
+        raise ValueError(f"unknown memory {memory!r}; expected one of {sorted(MEMORY_ALLOC)}")
     size_bytes = int(size_bytes)
     if size_bytes <= 0:
         raise ValueError("size_bytes must be positive")
@@ -304,6 +348,8 @@ def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = N
     deadline = time.monotonic() + timeout
     exe = find_ucx_bin("ucx_perftest")
     base = ucx_env(transport, net_device=net_device)
+    if MEMORY_ALLOC[memory] is not None:
+        base["UCX_ALLOC_PRIO"] = MEMORY_ALLOC[memory]
     senv = {**base, **(server_env or {})}
     cenv = {**base, **(client_env or {})}
     server_popen = server_popen or subprocess.Popen
@@ -321,7 +367,7 @@ def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = N
         with tempfile.TemporaryFile() as s_out, tempfile.TemporaryFile() as s_err, \
                 tempfile.TemporaryFile() as c_out, tempfile.TemporaryFile() as c_err:
             try:
-                server = _spawn(server_popen, [exe, "-p", str(p)], senv, s_out, s_err)
+                server = _spawn(server_popen, [exe, "-p", str(p), *server_args], senv, s_out, s_err)
                 while not _listening(server.pid, p):
                     if server.poll() is not None:
                         break
@@ -387,8 +433,9 @@ def perftest_series(transport: str, op: str, sizes: Iterable[int | str], repeats
     return result
 
 
-def _format_table(transport: str, op: str, series: Mapping[int, list[float]]) -> str:
-    rows = [f"# ucx_perftest {transport} {op} (GB/s, 1 GB = 1e9 B)",
+def _format_table(transport: str, op: str, series: Mapping[int, list[float]],
+                  memory: str = "thp") -> str:
+    rows = [f"# ucx_perftest {transport} {op}, memory={memory} (GB/s, 1 GB = 1e9 B)",
             f"{'size':>8} {'median':>8} {'min':>8} {'max':>8} {'iqr':>8} {'runs':>5}"]
     for size, vals in series.items():
         s = summarize(vals)
@@ -405,15 +452,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--iters", type=int, default=None, help="default: auto (~1 GiB per run)")
     ap.add_argument("--timeout", type=float, default=60.0, help="per run, seconds")
+    ap.add_argument("--memory", choices=sorted(MEMORY_ALLOC), default="thp",
+                    help="how ucx_perftest allocates its buffers (default: thp)")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     try:
         series = perftest_series(args.transport, args.op, sizes, repeats=args.repeats,
-                                 iters=args.iters, timeout=args.timeout)
+                                 iters=args.iters, timeout=args.timeout,
+                                 memory=args.memory)
     except (RuntimeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(_format_table(args.transport, args.op, series))
+    print(_format_table(args.transport, args.op, series, args.memory))
     return 0
 
 

@@ -1,0 +1,351 @@
+"""Two "hosts" on one machine: a pair of network namespaces joined by a veth.
+
+Gives multi-host tests a real network path (own IPs, own routing, optional
+rate limit) without touching any real network: the addresses live only
+inside namespaces created here. Standard library only; needs root and the
+``ip`` binary (``tc`` too when ``rate`` is given).
+
+    with TwoHosts() as (a, b):
+        srv = a.popen(["ucx_perftest", "-p", "13337"], env=ucx_env("tcp", net_device=a.ifname))
+        cli = b.popen(["ucx_perftest", a.addr, "-p", "13337", ...], env=...)
+
+Cleanup (``__exit__``, ``close()``, and an atexit hook for anything left
+open) kills the processes still running inside the namespaces and deletes
+both namespaces, which also destroys the veth pair. A SIGKILLed Python
+cannot clean up; :func:`cleanup_stale` removes namespaces left by dead pids.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import ipaddress
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+__all__ = ["Host", "TwoHosts", "netns_unavailable_reason", "cleanup_stale"]
+
+_DEFAULT_TIMEOUT = 10.0
+_IFNAMSIZ = 15  # Linux interface names are at most 15 characters
+_seq = itertools.count()
+_live: dict[int, "TwoHosts"] = {}
+_live_lock = threading.Lock()
+
+
+class NetnsError(RuntimeError):
+    """An ``ip``/``tc`` command needed for the namespaces failed."""
+
+
+def _run(argv: Sequence[str], timeout: float = _DEFAULT_TIMEOUT,
+         check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        cp = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True,
+                            text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise NetnsError(f"`{' '.join(argv)}` timed out after {timeout:.0f}s") from None
+    except OSError as e:
+        raise NetnsError(f"cannot run `{' '.join(argv)}`: {e}") from None
+    if check and cp.returncode != 0:
+        raise NetnsError(f"`{' '.join(argv)}` failed with code {cp.returncode}: "
+                         f"{(cp.stderr or cp.stdout).strip()}")
+    return cp
+
+
+def list_netns(timeout: float = _DEFAULT_TIMEOUT) -> list[str]:
+    """Names from ``ip netns list`` (first column; it may append "(id: N)")."""
+    cp = _run(["ip", "netns", "list"], timeout=timeout)
+    return [line.split()[0] for line in cp.stdout.splitlines() if line.strip()]
+
+
+@functools.lru_cache(maxsize=1)
+def netns_unavailable_reason() -> str | None:
+    """Why TwoHosts cannot work here, or None if it can (probes once, cached)."""
+    if os.geteuid() != 0:
+        return f"network namespaces need root (running as uid {os.geteuid()})"
+    if shutil.which("ip") is None:
+        return "the `ip` binary (iproute2) is not on PATH"
+    probe = f"rflprobe-{os.getpid()}-{next(_seq)}"
+    try:
+        _run(["ip", "netns", "add", probe], timeout=5)
+    except NetnsError as e:
+        return f"`ip netns add` does not work here: {e}"
+    try:
+        # veth support is a separate kernel feature; check it too.
+        _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"], timeout=5)
+    except NetnsError as e:
+        return f"cannot create a veth pair: {e}"
+    finally:
+        _run(["ip", "netns", "del", probe], timeout=5, check=False)
+    return None
+
+
+class Host:
+    """One end of a :class:`TwoHosts` pair."""
+
+    def __init__(self, ns: str, ifname: str, addr: str, prefixlen: int, peer_addr: str) -> None:
+        self.ns = ns                # network namespace name
+        self.ifname = ifname        # veth device inside ns (use for UCX_NET_DEVICES)
+        self.addr = addr            # this host's IPv4 address
+        self.prefixlen = prefixlen
+        self.peer_addr = peer_addr  # the other host's address
+        self._procs: list[subprocess.Popen] = []
+
+    def __repr__(self) -> str:
+        return f"Host(ns={self.ns!r}, ifname={self.ifname!r}, addr={self.addr!r})"
+
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` prefixed to run inside this namespace."""
+        # `ip netns exec` execs the command (no extra fork), so pid and
+        # process group of the Popen are the command's own.
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+    def popen(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              **kw: Any) -> subprocess.Popen:
+        """Start ``argv`` inside this namespace; ``kw`` goes to subprocess.Popen."""
+        p = subprocess.Popen(self.argv(argv), env=None if env is None else dict(env), **kw)
+        self._procs.append(p)
+        return p
+
+    def run(self, argv: Sequence[str], timeout: float = _DEFAULT_TIMEOUT,
+            **kw: Any) -> subprocess.CompletedProcess:
+        """subprocess.run inside this namespace (bounded by ``timeout``)."""
+        kw.setdefault("stdin", subprocess.DEVNULL)
+        return subprocess.run(self.argv(argv), timeout=timeout, **kw)
+
+    def _kill_all(self, timeout: float) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    p.kill()
+                except ProcessLookupError:
+                    pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs.clear()
+        # Anything else still in the namespace (children of our commands)
+        # would keep it alive after `ip netns del`; all of it is ours.
+        cp = _run(["ip", "netns", "pids", self.ns], timeout=timeout, check=False)
+        if cp.returncode == 0:
+            for tok in cp.stdout.split():
+                if tok.isdigit() and int(tok) != os.getpid():
+                    try:
+                        os.kill(int(tok), signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+
+class TwoHosts:
+    """Context manager: two namespaces ``a`` and ``b`` joined by a veth pair.
+
+    ``prefix``: start of the namespace names (``{prefix}-{pid}-{n}-a``/``-b``).
+    ``subnet``: a private /30 (or larger) network; host a gets the first
+    usable address, b the second. The addresses exist only in these namespaces.
+    ``rate``: optional tc rate, e.g. "10gbit", applied as a tbf qdisc on
+    both veth ends (so each direction is limited).
+    ``mtu``: optional MTU for the veth pair (kernel default is 1500).
+    ``timeout``: bound for each ``ip``/``tc`` command.
+    """
+
+    def __init__(self, prefix: str = "rfl", *, subnet: str = "10.251.0.0/30",
+                 rate: str | None = None, mtu: int | None = None,
+                 timeout: float = _DEFAULT_TIMEOUT) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
+            raise ValueError(f"invalid prefix {prefix!r}: use letters, digits, '_', '.', '-'")
+        net = ipaddress.ip_network(subnet)
+        if net.version != 4 or net.num_addresses < 4 or not net.is_private:
+            raise ValueError(f"subnet must be a private IPv4 network of /30 or larger, got {subnet}")
+        hosts = list(itertools.islice(net.hosts(), 2))
+        n = next(_seq)
+        pid = os.getpid()
+        names = (f"{prefix}-{pid}-{n}-a", f"{prefix}-{pid}-{n}-b")
+        # Interfaces live inside the namespaces only, so short fixed names
+        # cannot collide; keep them under IFNAMSIZ anyway.
+        ifs = (f"{prefix}-a"[:_IFNAMSIZ], f"{prefix}-b"[:_IFNAMSIZ])
+        if ifs[0] == ifs[1]:
+            ifs = ("veth-a", "veth-b")
+        self.rate = rate
+        self.mtu = mtu
+        self.timeout = timeout
+        self.a = Host(names[0], ifs[0], str(hosts[0]), net.prefixlen, str(hosts[1]))
+        self.b = Host(names[1], ifs[1], str(hosts[1]), net.prefixlen, str(hosts[0]))
+        self._created: list[str] = []
+        self._closed = False
+
+    # -- sequence-like access: `with TwoHosts() as (a, b)` -----------------
+    @property
+    def hosts(self) -> tuple[Host, Host]:
+        return (self.a, self.b)
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(self.hosts)
+
+    def __getitem__(self, i: int) -> Host:
+        return self.hosts[i]
+
+    def __len__(self) -> int:
+        return 2
+
+    @property
+    def namespaces(self) -> tuple[str, str]:
+        return (self.a.ns, self.b.ns)
+
+    # -- lifecycle ---------------------------------------------------------
+    def __enter__(self) -> "TwoHosts":
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> "TwoHosts":
+        reason = netns_unavailable_reason()
+        if reason is not None:
+            raise NetnsError(f"cannot create network namespaces: {reason}")
+        if self.rate is not None and shutil.which("tc") is None:
+            raise NetnsError("rate shaping needs the `tc` binary (iproute2)")
+        with _live_lock:
+            _live[id(self)] = self
+        t = self.timeout
+        try:
+            for h in self.hosts:
+                _run(["ip", "netns", "add", h.ns], timeout=t)
+                self._created.append(h.ns)
+            a, b = self.a, self.b
+            # Create each end directly in its namespace: nothing ever appears
+            # in the root namespace, even if a later step fails.
+            _run(["ip", "link", "add", a.ifname, "netns", a.ns, "type", "veth",
+                  "peer", "name", b.ifname, "netns", b.ns], timeout=t)
+            for h in self.hosts:
+                _run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{h.prefixlen}", "dev", h.ifname], timeout=t)
+                if self.mtu is not None:
+                    _run(["ip", "-n", h.ns, "link", "set", h.ifname, "mtu", str(self.mtu)], timeout=t)
+                _run(["ip", "-n", h.ns, "link", "set", "lo", "up"], timeout=t)
+                _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"], timeout=t)
+                if self.rate is not None:
+                    self._shape(h)
+            for h in self.hosts:
+                self._wait_carrier(h)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _shape(self, h: Host) -> None:
+        rate_bps = _parse_rate(self.rate or "")
+        # tbf needs a bucket of at least one MTU-sized packet per timer tick;
+        # ~1 ms worth of data (>= 64 KiB) keeps it accurate at multi-Gbit rates.
+        burst = max(64 * 1024, rate_bps // 8 // 1000)
+        _run(["ip", "netns", "exec", h.ns, "tc", "qdisc", "add", "dev", h.ifname, "root",
+              "tbf", "rate", str(self.rate), "burst", str(burst), "latency", "50ms"],
+             timeout=self.timeout)
+
+    def _wait_carrier(self, h: Host) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            cp = _run(["ip", "-n", h.ns, "-o", "link", "show", "dev", h.ifname], timeout=self.timeout)
+            if "LOWER_UP" in cp.stdout:
+                return
+            if time.monotonic() > deadline:
+                raise NetnsError(f"{h.ifname} in {h.ns} did not come up: {cp.stdout.strip()}")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Kill what runs in the namespaces and delete them. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for h in self.hosts:
+            if h.ns in self._created:
+                h._kill_all(self.timeout)
+        for ns in self._created:
+            cp = _run(["ip", "netns", "del", ns], timeout=self.timeout, check=False)
+            if cp.returncode != 0 and ns in list_netns():
+                errors.append(f"{ns}: {cp.stderr.strip()}")
+        self._created.clear()
+        with _live_lock:
+            _live.pop(id(self), None)
+        if errors:
+            raise NetnsError("could not delete namespaces: " + "; ".join(errors))
+
+
+def _parse_rate(rate: str) -> int:
+    """tc rate string -> bits per second (tc units: bit, kbit, mbit, gbit, bps = bytes/s, ...)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", rate, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"invalid rate {rate!r}; use a tc rate such as 10gbit or 500mbit")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+    if (m.group(3) or "bit").lower() == "bps":
+        value *= 8
+    return int(value)
+
+
+def cleanup_stale(prefix: str = "rfl", timeout: float = _DEFAULT_TIMEOUT) -> list[str]:
+    """Delete ``{prefix}-{pid}-...`` namespaces whose creating pid is gone. Returns their names."""
+    pat = re.compile(rf"^{re.escape(prefix)}-(\d+)-\d+-[ab]$")
+    removed = []
+    for ns in list_netns(timeout):
+        m = pat.match(ns)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            if _run(["ip", "netns", "del", ns], timeout=timeout, check=False).returncode == 0:
+                removed.append(ns)
+    return removed
+
+
+@atexit.register
+def _cleanup_at_exit() -> None:
+    with _live_lock:
+        pending = list(_live.values())
+    for th in pending:
+        try:
+            th.close()
+        except Exception:
+            pass
+
+
+def _main() -> int:
+    # Self-check: ucx_perftest server in a, client in b, over the veth.
+    import argparse
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from rdmaflow.bench.perftest import run_perftest
+
+    ap = argparse.ArgumentParser(description="TwoHosts self-check with ucx_perftest over tcp")
+    ap.add_argument("--size", default="16M")
+    ap.add_argument("--op", default="put", choices=["put", "get"])
+    ap.add_argument("--rate", default=None, help="tc rate, e.g. 10gbit")
+    ap.add_argument("--mtu", type=int, default=None)
+    args = ap.parse_args()
+    from rdmaflow.bench.util import parse_size
+    reason = netns_unavailable_reason()
+    if reason:
+        print(f"netns unavailable: {reason}")
+        return 1
+    with TwoHosts(rate=args.rate, mtu=args.mtu) as th:
+        a, b = th.a, th.b
+        print(f"a={a} b={b}")
+        # Each side names its own veth: the server binds on a's, the client on b's.
+        bw = run_perftest("tcp", args.op, parse_size(args.size), timeout=30, server_addr=a.addr,
+                          server_env={"UCX_NET_DEVICES": a.ifname},
+                          client_env={"UCX_NET_DEVICES": b.ifname},
+                          server_popen=a.popen, client_popen=b.popen)
+        print(f"tcp {args.op} {args.size} over veth: {bw / 1e9:.3f} GB/s")
+        names = th.namespaces
+    left = [n for n in list_netns() if n in names]
+    print("namespaces left:", left or "none")
+    return 0 if not left else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,126 @@
+"""Fixtures that start real peer processes over a chosen UCX transport."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+
+import pytest
+
+from rdmaflow.bench.perftest import ucx_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRANSPORTS = ["tcp", "sm"]
+
+
+class PeerProcess:
+    """tests/peer.py in its own process; ``call`` sends one command and waits for its answer."""
+
+    def __init__(self, env: dict, argv_prefix: list[str] | None = None, timeout: float = 30.0):
+        self.proc = subprocess.Popen(
+            (argv_prefix or []) + [sys.executable, os.path.join(HERE, "peer.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.timeout = timeout
+        hello = self._read(timeout)
+        self.endpoint = hello["endpoint"]
+
+    def _read(self, timeout: float) -> dict:
+        box: list = []
+        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if not box or not box[0]:
+            err = ""
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read()
+            raise RuntimeError(f"peer did not answer within {timeout} s (exit {self.proc.poll()}): {err[-2000:]}")
+        return json.loads(box[0])
+
+    def call(self, op: str, timeout: float | None = None, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        if op == "crash":
+            self.proc.wait(timeout or self.timeout)
+            return {}
+        r = self._read(timeout or self.timeout)
+        if not r.get("ok"):
+            raise RuntimeError(f"peer failed {op}: {r.get('error')}\n{r.get('tb', '')}")
+        return r
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 9)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("exit", timeout=10)
+                self.proc.wait(10)
+            except Exception:  # noqa: BLE001 - fall back to killing it
+                pass
+        self.kill()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request, monkeypatch):
+    """Restricts this process and its peers to one UCX transport."""
+    env = ucx_env(request.param)
+    for k, v in env.items():
+        if k.startswith("UCX_"):
+            monkeypatch.setenv(k, v)
+    return request.param
+
+
+@pytest.fixture
+def job_secret(monkeypatch):
+    s = secrets.token_hex(16)
+    monkeypatch.setenv("RDMAFLOW_JOB_SECRET", s)
+    return s
+
+
+@pytest.fixture
+def spawn_peer(transport, job_secret):
+    """Starts peer processes sharing this test's transport and job secret."""
+    peers: list[PeerProcess] = []
+
+    def spawn(secret: str | None = None, **env_extra) -> PeerProcess:
+        env = dict(os.environ)
+        env["RDMAFLOW_JOB_SECRET"] = secret or job_secret
+        env.update({k: str(v) for k, v in env_extra.items()})
+        p = PeerProcess(env)
+        peers.append(p)
+        return p
+
+    yield spawn
+    for p in peers:
+        p.close()
+
+
+@contextmanager
+def local_device(**kw):
+    import rdmaflow
+
+    d = rdmaflow.Device("127.0.0.1:0", **kw)
+    try:
+        yield d
+    finally:
+        d.close()

@@ -1,0 +1,80 @@
+"""A peer process for the tests: one rdmaflow Device driven by JSON lines on stdin.
+
+Each command is answered by one JSON line on stdout. The test process runs the other Device
+itself, so every transfer crosses a real process boundary.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import traceback
+
+
+def main() -> None:
+    import torch
+
+    import rdmaflow
+
+    host = os.environ.get("RDMAFLOW_TEST_HOST", "127.0.0.1")
+    dev = rdmaflow.Device(
+        f"{host}:0",
+        num_cqs=int(os.environ.get("RDMAFLOW_TEST_CQS", "1")),
+        qps_per_peer=int(os.environ.get("RDMAFLOW_TEST_QPS", "1")),
+        busy_poll=os.environ.get("RDMAFLOW_TEST_BUSY_POLL") == "1",
+    )
+    regions: dict[str, rdmaflow.MemRegion] = {}
+    out = sys.stdout
+
+    def reply(**kw) -> None:
+        out.write(json.dumps(kw) + "\n")
+        out.flush()
+
+    reply(endpoint=dev.endpoint)
+    for line in sys.stdin:
+        try:
+            cmd = json.loads(line)
+            op = cmd["op"]
+            if op == "alloc":
+                r = dev.alloc_region(cmd["nbytes"])
+                regions[cmd["name"]] = r
+                dev.publish_region(cmd["name"], r)
+                reply(ok=True, descriptor=r.descriptor().hex())
+            elif op == "fill":
+                # Deterministic pseudo-random bytes the test process can regenerate.
+                r = regions[cmd["name"]]
+                g = torch.Generator().manual_seed(cmd["seed"])
+                t = r.tensor(torch.uint8, r.nbytes)
+                t.copy_(torch.randint(0, 256, (r.nbytes,), dtype=torch.uint8, generator=g))
+                reply(ok=True)
+            elif op == "digest":
+                r = regions[cmd["name"]]
+                mv = memoryview(r)[cmd["offset"] : cmd["offset"] + cmd["nbytes"]]
+                reply(ok=True, digest=hashlib.blake2b(mv, digest_size=32).hexdigest())
+            elif op == "read":
+                r = regions[cmd["name"]]
+                reply(ok=True, data=bytes(memoryview(r)[cmd["offset"] : cmd["offset"] + cmd["nbytes"]]).hex())
+            elif op == "free":
+                regions.pop(cmd["name"]).free()
+                reply(ok=True)
+            elif op == "close":
+                dev.close()
+                reply(ok=True)
+            elif op == "exit":
+                reply(ok=True)
+                break
+            elif op == "crash":
+                os._exit(17)
+            else:
+                reply(ok=False, error=f"unknown op {op}")
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            reply(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
+    dev.close()
+
+
+if __name__ == "__main__":
+    # Die with the test process: a broken pipe on stdin ends the loop.
+    threading.excepthook = lambda args: os._exit(3)
+    main()

@@ -1,0 +1,158 @@
+"""Conformance suite of the device library, run over every UCX transport here (tcp, sm).
+
+Two real processes: this one and tests/peer.py. Every byte that crosses is checked.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+
+import pytest
+import torch
+
+import rdmaflow
+from conftest import local_device
+
+MiB = 1 << 20
+REGION = 256 * MiB + 8192
+SIZES = [1, 2, 7, 64, 4095, 4096, 65537, MiB, MiB + 3, 16 * MiB, 64 * MiB + 5, 256 * MiB]
+
+
+def digest(region: rdmaflow.MemRegion, offset: int, nbytes: int) -> str:
+    return hashlib.blake2b(memoryview(region)[offset : offset + nbytes], digest_size=32).hexdigest()
+
+
+def seeded_bytes(seed: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def test_write_then_read_every_size_at_random_offsets(spawn_peer):
+    peer = spawn_peer()
+    peer.call("alloc", name="buf", nbytes=REGION, timeout=60)
+    rng = random.Random(1234)
+    with local_device() as dev:
+        local = dev.alloc_region(REGION)
+        local.tensor(torch.uint8, REGION).copy_(seeded_bytes(7, REGION))
+        remote = dev.lookup_region(peer.endpoint, "buf")
+        ch = dev.channel(peer.endpoint)
+        for size in SIZES:
+            lo = rng.randrange(0, REGION - size + 1)
+            ro = rng.randrange(0, REGION - size + 1)
+            ch.memcpy(local, lo, remote, ro, size, rdmaflow.WRITE).result(60)
+            got = peer.call("digest", name="buf", offset=ro, nbytes=size, timeout=60)["digest"]
+            assert got == digest(local, lo, size), f"WRITE of {size} B from {lo} to {ro} differs"
+
+        peer.call("fill", name="buf", seed=99, timeout=60)
+        expect = seeded_bytes(99, REGION)
+        view = local.tensor(torch.uint8, REGION)
+        for size in SIZES:
+            lo = rng.randrange(0, REGION - size + 1)
+            ro = rng.randrange(0, REGION - size + 1)
+            view.zero_()
+            ch.memcpy(local, lo, remote, ro, size, rdmaflow.READ).result(60)
+            assert torch.equal(view[lo : lo + size], expect[ro : ro + size]), f"READ of {size} B differs"
+            # Nothing outside the destination range was touched.
+            assert int(view[:lo].count_nonzero()) == 0 and int(view[lo + size :].count_nonzero()) == 0
+
+
+def test_small_transfers_byte_for_byte(spawn_peer):
+    peer = spawn_peer()
+    peer.call("alloc", name="b", nbytes=4096)
+    with local_device() as dev:
+        local = dev.alloc_region(4096)
+        remote = dev.lookup_region(peer.endpoint, "b")
+        ch = dev.channel(peer.endpoint)
+        payload = bytes(range(256)) * 3
+        memoryview(local)[100 : 100 + len(payload)] = payload
+        ch.memcpy(local, 100, remote, 1000, len(payload), rdmaflow.WRITE).result(30)
+        assert bytes.fromhex(peer.call("read", name="b", offset=1000, nbytes=len(payload))["data"]) == payload
+
+
+def test_many_concurrent_memcpys_across_qps_and_cqs(spawn_peer):
+    peer = spawn_peer(RDMAFLOW_TEST_CQS=2)
+    n_chunks, chunk = 512, 64 * 1024 + 3
+    total = n_chunks * chunk
+    peer.call("alloc", name="big", nbytes=total)
+    with local_device(num_cqs=2, qps_per_peer=4) as dev:
+        local = dev.alloc_region(total)
+        local.tensor(torch.uint8, total).copy_(seeded_bytes(5, total))
+        remote = dev.lookup_region(peer.endpoint, "big")
+        chans = [dev.channel(peer.endpoint, q) for q in range(4)]
+        assert [c.qp_idx for c in chans] == [0, 1, 2, 3]
+        order = list(range(n_chunks))
+        random.Random(3).shuffle(order)
+        done = []
+        lock = threading.Lock()
+
+        def cb(f):
+            with lock:
+                done.append(f)
+
+        # All in flight at once, over 4 queue pairs on 2 completion queues, from 4 threads.
+        futures: list = []
+
+        def issue(part):
+            for i in part:
+                futures.append(chans[i % 4].memcpy(local, i * chunk, remote, i * chunk, chunk, rdmaflow.WRITE, cb))
+
+        threads = [threading.Thread(target=issue, args=(order[k::4],)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(futures) == n_chunks
+        rdmaflow.wait_all(futures, timeout=120)
+        got = peer.call("digest", name="big", offset=0, nbytes=total, timeout=60)["digest"]
+        assert got == digest(local, 0, total)
+
+        # Read it all back into a zeroed buffer, again concurrently.
+        local.tensor(torch.uint8, total).zero_()
+        futs = [chans[i % 4].memcpy(local, i * chunk, remote, i * chunk, chunk, rdmaflow.READ) for i in order]
+        rdmaflow.wait_all(futs, timeout=120)
+        assert digest(local, 0, total) == got
+        # Every callback ran exactly once, on the callback thread.
+        deadline = __import__("time").monotonic() + 10
+        while len(done) < n_chunks and __import__("time").monotonic() < deadline:
+            __import__("time").sleep(0.01)
+        assert len(done) == n_chunks and all(f.done() for f in done)
+
+
+def test_fence_orders_data_before_flag(spawn_peer):
+    """put data, fence, put flag: whenever the flag is seen, the data is complete."""
+    peer = spawn_peer()
+    size = 8 * MiB
+    peer.call("alloc", name="d", nbytes=size + 64)
+    with local_device() as dev:
+        local = dev.alloc_region(size + 64)
+        remote = dev.lookup_region(peer.endpoint, "d")
+        ch = dev.channel(peer.endpoint)
+        for it in range(1, 4):
+            local.tensor(torch.uint8, size).fill_(it)
+            memoryview(local)[size] = it
+            ch.memcpy(local, 0, remote, 0, size, rdmaflow.WRITE)
+            ch.fence()
+            ch.memcpy(local, size, remote, size, 1, rdmaflow.WRITE)
+            ch.flush().result(30)
+            data = peer.call("digest", name="d", offset=0, nbytes=size)["digest"]
+            assert data == digest(local, 0, size)
+
+
+def test_region_tensor_views_share_memory(job_secret):
+    with local_device() as dev:
+        r = dev.alloc_region(1024)
+        a = r.tensor(torch.float32, (4, 8))
+        b = r.tensor(torch.float32, 32)
+        a.fill_(2.5)
+        assert float(b.sum()) == 2.5 * 32
+        assert a.data_ptr() == r.address
+        t = torch.arange(16, dtype=torch.int64)
+        reg = dev.register(t)
+        assert reg.address == t.data_ptr() and reg.nbytes == 128
+        assert torch.equal(reg.tensor(torch.int64, 16), t)
+        # Freed region: the tensor keeps its memory alive and readable.
+        r.free()
+        assert float(b.sum()) == 2.5 * 32
+        with pytest.raises(rdmaflow.RegionError):
+            r.tensor(torch.float32, 4)

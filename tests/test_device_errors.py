@@ -1,0 +1,217 @@
+"""Every error case of the device library: a clear Python exception within a bounded time."""
+from __future__ import annotations
+
+import secrets
+import socket
+import time
+
+import pytest
+import torch
+
+import rdmaflow
+from conftest import local_device
+
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def pair(spawn_peer):
+    peer = spawn_peer()
+    peer.call("alloc", name="r", nbytes=MiB)
+    with local_device() as dev:
+        local = dev.alloc_region(MiB)
+        remote = dev.lookup_region(peer.endpoint, "r")
+        yield peer, dev, local, remote, dev.channel(peer.endpoint)
+
+
+def test_out_of_bounds_offsets_and_lengths(pair):
+    peer, dev, local, remote, ch = pair
+    cases = [
+        (0, 0, MiB + 1),   # longer than both
+        (1, 0, MiB),       # local end past the region
+        (0, 1, MiB),       # remote end past the region
+        (MiB + 5, 0, 0),   # offset past the end, zero length
+        (0, MiB + 5, 0),
+        (0, 0, 2**62),     # length that would overflow offset + length
+    ]
+    for lo, ro, n in cases:
+        for d in (rdmaflow.WRITE, rdmaflow.READ):
+            with pytest.raises(rdmaflow.OutOfBoundsError, match="outside"):
+                ch.memcpy(local, lo, remote, ro, n, d)
+    for lo, ro, n in [(-1, 0, 1), (0, -1, 1), (0, 0, -1)]:
+        with pytest.raises(rdmaflow.OutOfBoundsError, match="negative"):
+            ch.memcpy(local, lo, remote, ro, n, rdmaflow.WRITE)
+    with pytest.raises(rdmaflow.OutOfBoundsError, match="qp_idx"):
+        dev.channel(peer.endpoint, 5)
+    with pytest.raises(rdmaflow.OutOfBoundsError):
+        local.tensor(torch.float32, MiB)  # 4 MiB view of a 1 MiB region
+    # The channel still works after the rejected calls.
+    ch.memcpy(local, 0, remote, 0, MiB, rdmaflow.WRITE).result(30)
+
+
+def test_zero_length_memcpy_completes(pair):
+    _, _, local, remote, ch = pair
+    f = ch.memcpy(local, MiB, remote, MiB, 0, rdmaflow.WRITE)
+    f.result(1)
+    assert f.done() and f.exception() is None
+
+
+def test_descriptor_from_another_job(spawn_peer, transport):
+    foreign = spawn_peer(secret=secrets.token_hex(16))
+    desc = bytes.fromhex(foreign.call("alloc", name="x", nbytes=4096)["descriptor"])
+    remote = rdmaflow.RemoteRegion.from_descriptor(desc)
+    with local_device() as dev:
+        local = dev.alloc_region(4096)
+        # The peer itself refuses us: it is not in our job.
+        t0 = time.monotonic()
+        with pytest.raises(rdmaflow.AuthError, match="secret"):
+            dev.channel(foreign.endpoint)
+        assert time.monotonic() - t0 < 15
+        # And its descriptor is refused before anything is sent.
+        own = spawn_peer()
+        own.call("alloc", name="y", nbytes=4096)
+        ch = dev.channel(own.endpoint)
+        with pytest.raises(rdmaflow.RegionError, match="another job"):
+            ch.memcpy(local, 0, remote, 0, 16, rdmaflow.WRITE)
+
+
+def test_forged_and_malformed_descriptors(pair):
+    peer, dev, local, remote, ch = pair
+    desc = bytearray(local.descriptor())
+    good = bytes.fromhex(peer.call("alloc", name="z", nbytes=4096)["descriptor"])
+    forged = bytearray(good)
+    # Widen the length field (after magic, version, flags, job tag, owner, id, address).
+    forged[4 + 2 + 2 + 8 + 8 + 8 + 8] ^= 0x40
+    r = rdmaflow.RemoteRegion.from_descriptor(bytes(forged))
+    with pytest.raises(rdmaflow.RegionError, match="authentication"):
+        ch.memcpy(local, 0, r, 0, 16, rdmaflow.WRITE)
+    for bad in [b"", b"garbage", bytes(desc[:20]), bytes(desc) + b"x", b"RFD1" + b"\xff" * 60]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="malformed"):
+            rdmaflow.RemoteRegion.from_descriptor(bad)
+    # A descriptor for a region owned by someone other than the channel's peer.
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="owned by"):
+        ch.memcpy(local, 0, rdmaflow.RemoteRegion.from_descriptor(bytes(desc)), 0, 16, rdmaflow.WRITE)
+
+
+def test_freed_region(pair):
+    peer, dev, local, remote, ch = pair
+    ch.memcpy(local, 0, remote, 0, 4096, rdmaflow.WRITE).result(30)
+    peer.call("free", name="r")
+    t0 = time.monotonic()
+    with pytest.raises(rdmaflow.RegionError, match="freed"):
+        ch.memcpy(local, 0, remote, 0, 4096, rdmaflow.WRITE)
+    # A descriptor of a freed region that this device never used before.
+    d2 = bytes.fromhex(peer.call("alloc", name="s", nbytes=4096)["descriptor"])
+    peer.call("free", name="s")
+    with pytest.raises(rdmaflow.RegionError, match="not live"):
+        ch.memcpy(local, 0, rdmaflow.RemoteRegion.from_descriptor(d2), 0, 16, rdmaflow.READ)
+    assert time.monotonic() - t0 < 15
+    # Our own freed region is refused too.
+    mine = dev.alloc_region(4096)
+    mine.free()
+    with pytest.raises(rdmaflow.RegionError, match="freed"):
+        mine.descriptor()
+    with pytest.raises(rdmaflow.RegionError, match="freed"):
+        ch.memcpy(mine, 0, remote, 0, 16, rdmaflow.WRITE)
+
+
+def test_unknown_peer(job_secret, transport):
+    with local_device(connect_timeout=5) as dev:
+        t0 = time.monotonic()
+        with pytest.raises(rdmaflow.PeerError):
+            dev.channel(f"127.0.0.1:{free_port()}")
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(rdmaflow.InvalidArgumentError):
+            dev.channel("no-port-here")
+        with pytest.raises(rdmaflow.PeerError):
+            dev.lookup(f"127.0.0.1:{free_port()}", "x")
+
+
+def test_lookup_of_unpublished_name(pair):
+    peer, dev, *_ = pair
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="published nothing"):
+        dev.lookup(peer.endpoint, "no-such-name")
+
+
+def test_dead_peer_mid_transfer(spawn_peer):
+    peer = spawn_peer()
+    peer.call("alloc", name="r", nbytes=64 * MiB)
+    with local_device() as dev:
+        local = dev.alloc_region(64 * MiB)
+        remote = dev.lookup_region(peer.endpoint, "r")
+        ch = dev.channel(peer.endpoint)
+        ch.memcpy(local, 0, remote, 0, MiB, rdmaflow.WRITE).result(30)
+        futs = [ch.memcpy(local, 0, remote, 0, 64 * MiB, rdmaflow.WRITE) for _ in range(16)]
+        peer.call("crash")
+        t0 = time.monotonic()
+        errors = []
+        for f in futs:
+            try:
+                f.result(30)
+            except rdmaflow.PeerError as e:
+                errors.append(e)
+        # Transfers already acknowledged may have completed; the rest fail with PeerError.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ch.memcpy(local, 0, remote, 0, 4096, rdmaflow.WRITE).result(30)
+            except rdmaflow.PeerError as e:
+                errors.append(e)
+                break
+            time.sleep(0.05)
+        assert errors, "a dead peer never produced a PeerError"
+        assert time.monotonic() - t0 < 40
+        with pytest.raises(rdmaflow.PeerError):
+            dev.channel(peer.endpoint)
+
+
+def test_close_with_transfers_in_flight(spawn_peer):
+    peer = spawn_peer()
+    peer.call("alloc", name="r", nbytes=64 * MiB)
+    dev = rdmaflow.Device("127.0.0.1:0")
+    local = dev.alloc_region(64 * MiB)
+    remote = dev.lookup_region(peer.endpoint, "r")
+    ch = dev.channel(peer.endpoint)
+    futs = [ch.memcpy(local, 0, remote, 0, 64 * MiB, rdmaflow.WRITE) for _ in range(32)]
+    t0 = time.monotonic()
+    dev.close()
+    assert time.monotonic() - t0 < 15
+    closed = 0
+    for f in futs:
+        assert f.wait(15), "a transfer was left pending by close()"
+        e = f.exception()
+        if e is not None:
+            assert isinstance(e, rdmaflow.DeviceClosedError), repr(e)
+            closed += 1
+    assert closed > 0
+    with pytest.raises(rdmaflow.DeviceClosedError):
+        ch.memcpy(local, 0, remote, 0, 16, rdmaflow.WRITE)
+    with pytest.raises(rdmaflow.DeviceClosedError):
+        dev.alloc_region(16)
+    dev.close()  # idempotent
+
+
+def test_bad_device_arguments(monkeypatch):
+    monkeypatch.delenv("RDMAFLOW_JOB_SECRET", raising=False)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="secret"):
+        rdmaflow.Device("127.0.0.1:0")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="num_cqs"):
+        rdmaflow.Device("127.0.0.1:0", num_cqs=0, secret="s")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="host:port"):
+        rdmaflow.Device("localhost", secret="s")
+    with rdmaflow.Device("127.0.0.1:0", secret="s") as d:
+        with pytest.raises(rdmaflow.InvalidArgumentError):
+            d.alloc_region(0)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="contiguous"):
+            d.register(torch.zeros(4, 4).t())
+        r = d.alloc_region(64)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="multiple"):
+            r.tensor(torch.float32, 2, offset=2)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="callable"):
+            d.channel(d.endpoint).memcpy(r, 0, rdmaflow.RemoteRegion.from_descriptor(r.descriptor()), 0, 4, rdmaflow.WRITE, callback=3)
