@@ -1,0 +1,236 @@
+"""The two ends of a tensor transfer pair, shared by static and dynamic transfers.
+
+A receiver publishes (through the device's side RPC) a header and its arena's descriptor,
+once. Its sender looks that up, writes an introduction (its endpoint, its arena's descriptor
+and where its ack word is) into the receiver's control block with one-sided WRITEs, once.
+From then on every transfer is one-sided:
+
+    sender                                      receiver
+      wait until ack >= k - depth  (credits: never overwrite an unconsumed slot)
+      WRITE payload of transfer k -> slot
+      fence
+      WRITE k -> flag of slot  ──────────────▶  waits until flag >= k, then reads the slot
+                               ◀──────────────  WRITE k -> sender's ack word, once consumed
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rdmaflow import _core
+from rdmaflow.transfer.common import (
+    CTL_BYTES,
+    FLAG_STRIDE,
+    Endpoint,
+    SenderIntro,
+    Word,
+    align,
+    pack_header,
+    unpack_header,
+)
+
+WAIT_SLICE = 0.05  # seconds between liveness checks while waiting on a word
+ACK_CELLS = 16
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def wait_word(word: Word, value: int, deadline: float | None, channel, what: str) -> None:
+    """Waits until ``word >= value``; raises PeerError if ``channel`` fails, TimeoutError at the deadline."""
+    while True:
+        left = _left(deadline)
+        step = WAIT_SLICE if left is None else min(WAIT_SLICE, left)
+        if word.wait_at_least(value, step):
+            return
+        if channel is not None and channel.failed:
+            raise _core.PeerError(f"{what}: {channel_error(channel)}")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise _core.TimeoutError(f"timed out {what}")
+
+
+def channel_error(channel) -> str:
+    return f"peer {channel.remote_endpoint} failed"
+
+
+class Receiver(Endpoint):
+    """Preallocated slots, flags and a control block in the arena, published under ``name``."""
+
+    kind = ""
+
+    def __init__(self, device, name: str, depth: int, slot_bytes: int, meta: dict, timeout: float | None):
+        super().__init__(device, name, timeout)
+        if depth < 1:
+            raise _core.InvalidArgumentError(f"depth must be at least 1, got {depth}")
+        self.depth = depth
+        self.slot_stride = align(max(slot_bytes, 1))
+        self.ctl_off = FLAG_STRIDE * depth
+        self.data_off = self.ctl_off + CTL_BYTES
+        total = self.data_off + self.slot_stride * depth
+        self.block = self.arena.allocate(total)
+        self.base = self.block.offset
+        raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
+        raw[: self.data_off].zero_()
+        self._raw = raw
+        self.flags = [Word(raw[FLAG_STRIDE * i : FLAG_STRIDE * i + 8].view(torch.int64)) for i in range(depth)]
+        self.ctl_ready = Word(raw[self.ctl_off : self.ctl_off + 8].view(torch.int64))
+        # Registered sources for ack WRITEs; a cell is reused only after its WRITE completed.
+        self._ack_block = self.arena.allocate(8 * ACK_CELLS)
+        self._ack_cells = torch.frombuffer(self._ack_block, dtype=torch.int64, count=ACK_CELLS)
+        self._ack_futures: list = [None] * ACK_CELLS
+        self._ack_next = 0
+        self.seq = 0      # transfers delivered to the user
+        self.acked = 0    # transfers acknowledged to the sender
+        self._sender = None  # (channel, sender arena RemoteRegion, ack offset)
+        header = dict(meta, kind=self.kind, depth=depth, base=self.base, ctl=self.ctl_off,
+                      data=self.data_off, stride=self.slot_stride)
+        device.publish(name, pack_header(header, self.arena.region.descriptor()))
+
+    # -- the sender's side of the link -------------------------------------------------------
+    def _connect_sender(self, deadline: float | None):
+        if self._sender is not None:
+            return self._sender
+        wait_word(self.ctl_ready, 1, deadline, None, f"waiting for a sender to introduce itself to '{self.name}'")
+        raw = bytes(self._raw[self.ctl_off + 8 : self.data_off].numpy())
+        endpoint, desc, ack_off = SenderIntro.decode(raw)
+        remote = _core.RemoteRegion.from_descriptor(desc)
+        if ack_off < 0 or ack_off + 8 > remote.nbytes:
+            raise _core.InvalidArgumentError(f"sender introduction names an ack word outside its arena ({ack_off})")
+        channel = self.device.channel(endpoint)
+        self._sender = (channel, remote, ack_off)
+        return self._sender
+
+    @property
+    def sender_channel(self):
+        return None if self._sender is None else self._sender[0]
+
+    def _ack(self, k: int, deadline: float | None) -> None:
+        channel, remote, ack_off = self._connect_sender(deadline)
+        i = self._ack_next
+        self._ack_next = (i + 1) % ACK_CELLS
+        prev = self._ack_futures[i]
+        if prev is not None:
+            prev.result(_left(deadline))
+        self._ack_cells[i] = k
+        off = self._ack_block.offset + 8 * i
+        self._ack_futures[i] = channel.memcpy(self.arena.region, off, remote, ack_off, 8, _core.Direction.WRITE)
+        self.acked = k
+
+    def release(self) -> None:
+        """Tells the sender the last received transfer is consumed; its slot may be rewritten."""
+        if self.acked < self.seq:
+            self._ack(self.seq, _deadline(self.timeout))
+
+    def _wait_flag(self, k: int, deadline: float | None) -> int:
+        slot = (k - 1) % self.depth
+        wait_word(self.flags[slot], k, deadline, self.sender_channel, f"waiting for transfer {k} on '{self.name}'")
+        v = self.flags[slot].get()
+        if v != k:
+            raise _core.RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
+        return slot
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.device.unpublish(self.name)
+        except _core.RdmaflowError:
+            pass
+        for f in self._ack_futures:
+            if f is not None:
+                f.wait(1.0)
+
+
+class Sender(Endpoint):
+    """Looks up a receiver, introduces itself once, then writes payload + flag per transfer."""
+
+    kind = ""
+
+    def __init__(self, device, remote_endpoint: str, name: str, qp_idx: int, timeout: float | None):
+        super().__init__(device, name, timeout)
+        deadline = _deadline(timeout)
+        value = device.lookup(remote_endpoint, name, -1.0 if timeout is None else timeout)
+        meta, desc = unpack_header(value, name)
+        if meta.get("kind") != self.kind:
+            raise _core.InvalidArgumentError(
+                f"'{name}' at {remote_endpoint} is a {meta.get('kind')} receiver, not a {self.kind} one"
+            )
+        self.meta = meta
+        self.remote = _core.RemoteRegion.from_descriptor(desc)
+        self.remote_endpoint = remote_endpoint
+        self.depth = int(meta["depth"])
+        self.r_base = int(meta["base"])
+        self.r_ctl = int(meta["ctl"])
+        self.r_data = int(meta["data"])
+        self.r_stride = int(meta["stride"])
+        self.channel = device.channel(remote_endpoint, qp_idx)
+        # [ack][pad][flag sources][one][introduction staging]
+        self._flags_off = 64
+        self._one_off = self._flags_off + FLAG_STRIDE * self.depth
+        self._intro_off = self._one_off + 64
+        total = self._intro_off + CTL_BYTES
+        self.block = self.arena.allocate(total)
+        raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
+        raw.zero_()
+        self._raw = raw
+        self.ack = Word(raw[0:8].view(torch.int64))
+        self._flag_src = [raw[self._flags_off + FLAG_STRIDE * i : self._flags_off + FLAG_STRIDE * i + 8].view(torch.int64)
+                          for i in range(self.depth)]
+        self.seq = 0
+        self._pending: list = [None] * self.depth  # per slot: (future, what must stay alive)
+        self._introduce(deadline)
+
+    def _off(self, local: int) -> int:
+        return self.block.offset + local
+
+    def _introduce(self, deadline: float | None) -> None:
+        intro = SenderIntro.encode(self.device.endpoint, self.arena.region.descriptor(), self._off(0))
+        self._raw[self._intro_off : self._intro_off + len(intro)] = torch.frombuffer(bytearray(intro), dtype=torch.uint8)
+        self._raw[self._one_off : self._one_off + 8].view(torch.int64).fill_(1)
+        W = _core.Direction.WRITE
+        region = self.arena.region
+        self.channel.memcpy(region, self._off(self._intro_off), self.remote, self.r_base + self.r_ctl + 8, len(intro), W)
+        self.channel.fence()
+        f = self.channel.memcpy(region, self._off(self._one_off), self.remote, self.r_base + self.r_ctl, 8, W)
+        f.result(_left(deadline))
+
+    def _wait_credit(self, k: int, deadline: float | None) -> int:
+        need = k - self.depth
+        if need > 0:
+            wait_word(self.ack, need, deadline, self.channel,
+                      f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
+                      f"(a sender never overwrites a slot its receiver has not consumed)")
+        return (k - 1) % self.depth
+
+    def _post_flag(self, k: int, slot: int):
+        """fence, then WRITE k into the receiver's flag of ``slot``: the flag never lands before the payload."""
+        self._flag_src[slot].fill_(k)
+        self.channel.fence()
+        return self.channel.memcpy(
+            self.arena.region, self._off(self._flags_off + FLAG_STRIDE * slot),
+            self.remote, self.r_base + FLAG_STRIDE * slot, 8, _core.Direction.WRITE,
+        )
+
+    def consumed(self) -> int:
+        """How many transfers the receiver has acknowledged."""
+        return self.ack.get()
+
+    def wait_consumed(self, k: int | None = None, timeout: float | None = None) -> None:
+        """Waits until the receiver has consumed transfer ``k`` (default: every transfer sent)."""
+        k = self.seq if k is None else k
+        wait_word(self.ack, k, _deadline(timeout), self.channel, f"waiting for '{self.name}' to consume transfer {k}")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for p in self._pending:
+            if p is not None:
+                p[0].wait(1.0)

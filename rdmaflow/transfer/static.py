@@ -1,0 +1,142 @@
+"""Transfer with static placement (seed 000 §3.2).
+
+The receiver preallocates the destination tensor (shape and dtype known in advance) in its
+registered arena and publishes where it is, once. The sender then writes the tensor straight
+into it, a fence, then the slot's flag: the receiver sees the flag only after the data. The
+pair is reused every iteration with no handshake.
+
+The paper relies on RDMA writes landing in ascending address order with the flag byte last;
+neither UCX nor current NICs promise that (adaptive routing, relaxed ordering), so the flag
+WRITE is ordered behind the data WRITE with ``ucp_worker_fence`` (see docs/transfer.md for
+what that costs against a flush). Flags carry the transfer's sequence number instead of a
+set/cleared byte, so the receiver never has to clear one.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rdmaflow import _core
+from rdmaflow.transfer.common import KIND_STATIC, check_tensor, describe, dtype_code
+from rdmaflow.transfer.pair import Receiver, Sender, _deadline, _left
+
+MODES = ("auto", "zerocopy", "copy")
+
+
+def _shape(shape) -> tuple[int, ...]:
+    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise _core.InvalidArgumentError(f"shape {shape} has a negative dimension")
+    return shape
+
+
+class StaticReceiver(Receiver):
+    """Receives tensors of one fixed shape and dtype into preallocated, registered memory.
+
+    ``recv()`` returns a tensor viewing the slot the data was written to: no copy. The slot is
+    handed back to the sender by ``release()``, or by the next ``recv()``; until then the
+    sender cannot overwrite it. ``depth`` slots let the sender run that many transfers ahead.
+    """
+
+    kind = KIND_STATIC
+
+    def __init__(self, device, name: str, shape: Sequence[int] | int, dtype: torch.dtype,
+                 depth: int = 1, timeout: float | None = 60.0):
+        self.shape = _shape(shape)
+        self.dtype = dtype
+        dtype_code(dtype)
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        self.nbytes = numel * self.itemsize
+        meta = {"shape": list(self.shape), "dtype": dtype_code(dtype), "nbytes": self.nbytes}
+        super().__init__(device, name, depth, self.nbytes, meta, timeout)
+        self._views = []
+        for i in range(depth):
+            start = self.data_off + i * self.slot_stride
+            raw = self._raw[start : start + self.nbytes] if self.nbytes else self._raw[start:start]
+            self._views.append(raw.view(dtype).view(self.shape))
+
+    def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
+        """Waits for the next transfer and returns the tensor it landed in (no copy)."""
+        timeout = self.timeout if timeout == -1.0 else timeout
+        deadline = _deadline(timeout)
+        if self.acked < self.seq:
+            self._ack(self.seq, deadline)  # the previous tensor is consumed by now
+        k = self.seq + 1
+        slot = self._wait_flag(k, deadline)
+        self.seq = k
+        return self._views[slot]
+
+
+class StaticSender(Sender):
+    """Writes tensors of the receiver's shape and dtype into its preallocated slots.
+
+    ``mode``: ``"zerocopy"`` sends straight from a tensor that lives in the arena (allocate it
+    with ``device.empty``) and refuses others; ``"copy"`` always copies into a registered
+    staging buffer first (the paper's RDMA.cp); ``"auto"`` does the former when it can.
+    """
+
+    kind = KIND_STATIC
+
+    def __init__(self, device, remote_endpoint: str, name: str, shape: Sequence[int] | int | None = None,
+                 dtype: torch.dtype | None = None, mode: str = "auto", qp_idx: int = 0,
+                 timeout: float | None = 60.0):
+        if mode not in MODES:
+            raise _core.InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+        super().__init__(device, remote_endpoint, name, qp_idx, timeout)
+        self.mode = mode
+        from rdmaflow.transfer.common import CODE_DTYPE
+
+        self.shape = tuple(self.meta["shape"])
+        self.dtype = CODE_DTYPE[int(self.meta["dtype"])]
+        self.nbytes = int(self.meta["nbytes"])
+        if shape is not None and _shape(shape) != self.shape or dtype is not None and dtype != self.dtype:
+            raise _core.InvalidArgumentError(
+                f"receiver '{name}' at {remote_endpoint} holds {describe(self.shape, self.dtype)}; "
+                f"this sender declared {describe(_shape(shape) if shape is not None else self.shape, dtype or self.dtype)}"
+            )
+        self._staging: list = [None] * self.depth
+
+    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0) -> _core.Future:
+        """Writes ``tensor`` into the receiver's next slot, then its flag.
+
+        Returns a future that completes when both are visible at the receiver. With zero copy
+        the tensor is read in place: do not modify it before the future completes.
+        """
+        timeout = self.timeout if timeout == -1.0 else timeout
+        check_tensor(tensor)
+        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+            raise _core.InvalidArgumentError(
+                f"tensor {describe(tuple(tensor.shape), tensor.dtype)} does not match receiver "
+                f"'{self.name}' ({describe(self.shape, self.dtype)})"
+            )
+        deadline = _deadline(timeout)
+        k = self.seq + 1
+        slot = self._wait_credit(k, deadline)
+        prev = self._pending[slot]
+        if prev is not None:
+            prev[0].result(_left(deadline))  # its source buffer may be reused now
+        keep = tensor
+        if self.nbytes:
+            off = None if self.mode == "copy" else self.arena.offset_of(tensor)
+            if off is None:
+                if self.mode == "zerocopy":
+                    raise _core.InvalidArgumentError(
+                        "zero-copy send needs a tensor that lives in the registered arena: allocate it "
+                        "with device.empty(shape, dtype), or use mode='copy'"
+                    )
+                if self._staging[slot] is None:
+                    self._staging[slot] = self.arena.empty(self.shape, self.dtype)
+                self._staging[slot].copy_(tensor)
+                keep = self._staging[slot]
+                off = self.arena.offset_of(keep)
+            self.channel.memcpy(self.arena.region, off, self.remote,
+                                self.r_base + self.r_data + slot * self.r_stride, self.nbytes,
+                                _core.Direction.WRITE)
+        f = self._post_flag(k, slot)
+        self._pending[slot] = (f, keep)
+        self.seq = k
+        return f
