@@ -10,6 +10,7 @@ from rdmaflow import _ucx
 _ucx.load()
 
 from rdmaflow._core import (  # noqa: E402
+    ArenaFullError,
     AuthError,
     DeviceClosedError,
     Direction,
@@ -31,6 +32,7 @@ READ = Direction.READ
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArenaFullError",
     "AuthError",
     "Channel",
     "Device",

@@ -111,6 +111,17 @@ class DynamicSender(Sender):
         code = dtype_code(tensor.dtype)
         if tensor.dim() > MAX_RANK:
             raise _core.InvalidArgumentError(f"rank {tensor.dim()} exceeds the maximum of {MAX_RANK}")
+        with self._send_lock:
+            return self._send(tensor, code, timeout)
+
+    def _validate(self, meta: dict) -> None:
+        if meta.get("record") != RECORD_BYTES or meta.get("max_rank") != MAX_RANK or self.r_stride < RECORD_BYTES:
+            raise _core.InvalidArgumentError(
+                f"the header published as '{self.name}' describes records this sender does not write "
+                f"(record {meta.get('record')!r}, max_rank {meta.get('max_rank')!r}, stride {self.r_stride})"
+            )
+
+    def _send(self, tensor: torch.Tensor, code: int, timeout: float | None) -> _core.Future:
         deadline = _deadline(timeout)
         k = self.seq + 1
         slot = self._wait_credit(k, deadline)

@@ -14,6 +14,8 @@ From then on every transfer is one-sided:
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import torch
@@ -32,6 +34,7 @@ from rdmaflow.transfer.common import (
 
 WAIT_SLICE = 0.05  # seconds between liveness checks while waiting on a word
 ACK_CELLS = 16
+CLOSED = 1 << 62  # ack value a closing receiver leaves for its sender
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -43,20 +46,31 @@ def _left(deadline: float | None) -> float | None:
 
 
 def wait_word(word: Word, value: int, deadline: float | None, channel, what: str) -> None:
-    """Waits until ``word >= value``; raises PeerError if ``channel`` fails, TimeoutError at the deadline."""
+    """Waits until ``word >= value``; raises PeerError if the peer's channel fails, TimeoutError
+    at the deadline. ``channel`` is a Channel, None, or a callable returning either."""
     while True:
         left = _left(deadline)
         step = WAIT_SLICE if left is None else min(WAIT_SLICE, left)
         if word.wait_at_least(value, step):
             return
-        if channel is not None and channel.failed:
-            raise _core.PeerError(f"{what}: {channel_error(channel)}")
+        ch = channel() if callable(channel) else channel
+        if ch is not None and ch.failed:
+            raise _core.PeerError(f"{what}: {channel_error(ch)}")
         if deadline is not None and time.monotonic() >= deadline:
             raise _core.TimeoutError(f"timed out {what}")
 
 
 def channel_error(channel) -> str:
     return f"peer {channel.remote_endpoint} failed"
+
+
+def _int_field(meta: dict, key: str, name: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    v = meta.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _core.InvalidArgumentError(
+            f"the header published as '{name}' has a bad '{key}' field: {v!r} (want an integer in [{lo}, {hi}])"
+        )
+    return v
 
 
 class Receiver(Endpoint):
@@ -97,6 +111,7 @@ class Receiver(Endpoint):
         if self._sender is not None:
             return self._sender
         wait_word(self.ctl_ready, 1, deadline, None, f"waiting for a sender to introduce itself to '{self.name}'")
+        self._generation = self.ctl_ready.get()
         raw = bytes(self._raw[self.ctl_off + 8 : self.data_off].numpy())
         endpoint, desc, ack_off = SenderIntro.decode(raw)
         remote = _core.RemoteRegion.from_descriptor(desc)
@@ -119,6 +134,8 @@ class Receiver(Endpoint):
             prev.result(_left(deadline))
         self._ack_cells[i] = k
         off = self._ack_block.offset + 8 * i
+        # Acks must land in order: a late smaller one would take credits back for good.
+        channel.fence()
         self._ack_futures[i] = channel.memcpy(self.arena.region, off, remote, ack_off, 8, _core.Direction.WRITE)
         self.acked = k
 
@@ -127,15 +144,29 @@ class Receiver(Endpoint):
         if self.acked < self.seq:
             self._ack(self.seq, _deadline(self.timeout))
 
+    def _sender_if_known(self):
+        """The channel to the sender once it has introduced itself, connecting on first sight,
+        so that a wait notices the sender's death."""
+        if self._sender is None and self.ctl_ready.get() >= 1:
+            self._connect_sender(None)
+        elif self._sender is not None and self.ctl_ready.get() != self._generation:
+            raise _core.RdmaflowError(
+                f"a second sender introduced itself to '{self.name}': a receiver pairs with one sender"
+            )
+        return self.sender_channel
+
     def _wait_flag(self, k: int, deadline: float | None) -> int:
         slot = (k - 1) % self.depth
-        wait_word(self.flags[slot], k, deadline, self.sender_channel, f"waiting for transfer {k} on '{self.name}'")
+        wait_word(self.flags[slot], k, deadline, self._sender_if_known, f"waiting for transfer {k} on '{self.name}'")
         v = self.flags[slot].get()
         if v != k:
             raise _core.RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
         return slot
 
     def close(self) -> None:
+        """Unpublishes, tells a connected sender that the receiver is gone, and keeps the
+        slots allocated until the device closes, so that a write still in flight lands in
+        memory nobody reuses."""
         if self.closed:
             return
         self.closed = True
@@ -143,9 +174,18 @@ class Receiver(Endpoint):
             self.device.unpublish(self.name)
         except _core.RdmaflowError:
             pass
+        if self._sender is not None and not self._sender[0].failed:
+            try:
+                self._ack(CLOSED, _deadline(1.0))
+            except _core.RdmaflowError:
+                pass
         for f in self._ack_futures:
             if f is not None:
                 f.wait(1.0)
+        quarantine = getattr(self.device, "_rdmaflow_quarantine", None)
+        if quarantine is None:
+            quarantine = self.device._rdmaflow_quarantine = []
+        quarantine.append(self.block)
 
 
 class Sender(Endpoint):
@@ -165,12 +205,21 @@ class Sender(Endpoint):
         self.meta = meta
         self.remote = _core.RemoteRegion.from_descriptor(desc)
         self.remote_endpoint = remote_endpoint
-        self.depth = int(meta["depth"])
-        self.r_base = int(meta["base"])
-        self.r_ctl = int(meta["ctl"])
-        self.r_data = int(meta["data"])
-        self.r_stride = int(meta["stride"])
+        self.depth = _int_field(meta, "depth", name, 1, 1 << 16)
+        self.r_base = _int_field(meta, "base", name)
+        self.r_ctl = _int_field(meta, "ctl", name)
+        self.r_data = _int_field(meta, "data", name)
+        self.r_stride = _int_field(meta, "stride", name, 1)
+        if (self.r_ctl < FLAG_STRIDE * self.depth or self.r_data < self.r_ctl + CTL_BYTES
+                or self.r_base + self.r_data + self.r_stride * self.depth > self.remote.nbytes):
+            raise _core.InvalidArgumentError(
+                f"the header published as '{name}' lays out its slots outside its region"
+            )
+        # Everything the subclass needs from the header is checked before the receiver is
+        # touched: a rejected sender must leave no trace there.
+        self._validate(meta)
         self.channel = device.channel(remote_endpoint, qp_idx)
+        self._send_lock = threading.Lock()
         # [ack][pad][flag sources][one][introduction staging]
         self._flags_off = 64
         self._one_off = self._flags_off + FLAG_STRIDE * self.depth
@@ -187,13 +236,18 @@ class Sender(Endpoint):
         self._pending: list = [None] * self.depth  # per slot: (future, what must stay alive)
         self._introduce(deadline)
 
+    def _validate(self, meta: dict) -> None:
+        """Checks the subclass's fields of the receiver's header; raises InvalidArgumentError."""
+
     def _off(self, local: int) -> int:
         return self.block.offset + local
 
     def _introduce(self, deadline: float | None) -> None:
         intro = SenderIntro.encode(self.device.endpoint, self.arena.region.descriptor(), self._off(0))
         self._raw[self._intro_off : self._intro_off + len(intro)] = torch.frombuffer(bytearray(intro), dtype=torch.uint8)
-        self._raw[self._one_off : self._one_off + 8].view(torch.int64).fill_(1)
+        # A fresh generation number, so that the receiver notices if another sender takes over.
+        generation = int.from_bytes(os.urandom(7), "little") | 1
+        self._raw[self._one_off : self._one_off + 8].view(torch.int64).fill_(generation)
         W = _core.Direction.WRITE
         region = self.arena.region
         self.channel.memcpy(region, self._off(self._intro_off), self.remote, self.r_base + self.r_ctl + 8, len(intro), W)
@@ -202,11 +256,15 @@ class Sender(Endpoint):
         f.result(_left(deadline))
 
     def _wait_credit(self, k: int, deadline: float | None) -> int:
+        if self.ack.get() >= CLOSED:
+            raise _core.PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
         need = k - self.depth
         if need > 0:
             wait_word(self.ack, need, deadline, self.channel,
                       f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
                       f"(a sender never overwrites a slot its receiver has not consumed)")
+            if self.ack.get() >= CLOSED:
+                raise _core.PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
         return (k - 1) % self.depth
 
     def _post_flag(self, k: int, slot: int):

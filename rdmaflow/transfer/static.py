@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from rdmaflow import _core
-from rdmaflow.transfer.common import KIND_STATIC, check_tensor, describe, dtype_code
+from rdmaflow.transfer.common import CODE_DTYPE, KIND_STATIC, check_tensor, describe, dtype_code
 from rdmaflow.transfer.pair import Receiver, Sender, _deadline, _left
 
 MODES = ("auto", "zerocopy", "copy")
@@ -86,19 +86,36 @@ class StaticSender(Sender):
                  timeout: float | None = 60.0):
         if mode not in MODES:
             raise _core.InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
-        super().__init__(device, remote_endpoint, name, qp_idx, timeout)
         self.mode = mode
-        from rdmaflow.transfer.common import CODE_DTYPE
-
-        self.shape = tuple(self.meta["shape"])
-        self.dtype = CODE_DTYPE[int(self.meta["dtype"])]
-        self.nbytes = int(self.meta["nbytes"])
-        if shape is not None and _shape(shape) != self.shape or dtype is not None and dtype != self.dtype:
-            raise _core.InvalidArgumentError(
-                f"receiver '{name}' at {remote_endpoint} holds {describe(self.shape, self.dtype)}; "
-                f"this sender declared {describe(_shape(shape) if shape is not None else self.shape, dtype or self.dtype)}"
-            )
+        self._declared = (None if shape is None else _shape(shape), dtype)
+        super().__init__(device, remote_endpoint, name, qp_idx, timeout)
         self._staging: list = [None] * self.depth
+
+    def _validate(self, meta: dict) -> None:
+        shape, code, nbytes = meta.get("shape"), meta.get("dtype"), meta.get("nbytes")
+        if not isinstance(shape, list) or len(shape) > 64 or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
+            raise _core.InvalidArgumentError(f"the header published as '{self.name}' has a bad shape: {shape!r}")
+        if not isinstance(code, int) or code not in CODE_DTYPE:
+            raise _core.InvalidArgumentError(f"the header published as '{self.name}' has an unknown dtype code {code!r}")
+        self.shape, self.dtype = tuple(shape), CODE_DTYPE[code]
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        want = numel * torch.empty((), dtype=self.dtype).element_size()
+        if nbytes != want or self.r_stride < want:
+            raise _core.InvalidArgumentError(
+                f"the header published as '{self.name}' says {nbytes!r} bytes for {describe(self.shape, self.dtype)} "
+                f"({want} bytes) in slots of {self.r_stride}"
+            )
+        self.nbytes = want
+        d_shape, d_dtype = self._declared
+        if d_shape is not None and d_shape != self.shape or d_dtype is not None and d_dtype != self.dtype:
+            raise _core.InvalidArgumentError(
+                f"receiver '{self.name}' at {self.remote_endpoint} holds {describe(self.shape, self.dtype)}; "
+                f"this sender declared {describe(d_shape or self.shape, d_dtype or self.dtype)}"
+            )
 
     def send(self, tensor: torch.Tensor, timeout: float | None = -1.0) -> _core.Future:
         """Writes ``tensor`` into the receiver's next slot, then its flag.
@@ -113,6 +130,10 @@ class StaticSender(Sender):
                 f"tensor {describe(tuple(tensor.shape), tensor.dtype)} does not match receiver "
                 f"'{self.name}' ({describe(self.shape, self.dtype)})"
             )
+        with self._send_lock:
+            return self._send(tensor, timeout)
+
+    def _send(self, tensor: torch.Tensor, timeout: float | None) -> _core.Future:
         deadline = _deadline(timeout)
         k = self.seq + 1
         slot = self._wait_credit(k, deadline)

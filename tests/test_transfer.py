@@ -1,0 +1,829 @@
+"""The tensor-transfer layer (rdmaflow.transfer) between two real processes, over tcp and sm.
+
+This process runs one Device; tests/transfer_peer.py runs the other. No tensor data crosses
+the command pipe: both sides regenerate "tensor i of sequence seed" (transfer_peer.py), and
+whichever process receives checks every tensor it gets, element by element, dtype and shape.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import rdmaflow
+from rdmaflow import _core
+from rdmaflow.transfer import Arena, DynamicReceiver, DynamicSender, StaticReceiver, StaticSender
+from rdmaflow.transfer.arena import ALIGNMENT
+
+from conftest import HERE, PeerProcess, local_device
+from transfer_peer import (
+    DTYPES,
+    dynamic_spec,
+    dynamic_tensor,
+    mismatch,
+    planned_tensor,
+    static_tensor,
+)
+
+KiB, MiB = 1 << 10, 1 << 20
+ArenaFullError = _core.ArenaFullError
+WAIT = 60.0  # bound on any single answer from a peer
+
+
+# -- the peer process ---------------------------------------------------------------------------
+class TransferPeer(PeerProcess):
+    """tests/transfer_peer.py in its own process.
+
+    ``post`` sends a command without waiting, so that this process can send or receive while
+    the peer does the other half; ``answer`` collects the reply.
+    """
+
+    def __init__(self, env: dict, timeout: float = WAIT):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "transfer_peer.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env, start_new_session=True,
+        )
+        self.timeout = timeout
+        self.endpoint = self._read(timeout)["endpoint"]
+
+    def post(self, op: str, **kw) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, wait: float = WAIT) -> dict:
+        r = self._read(wait)
+        if not r.get("ok"):
+            raise AssertionError(f"peer failed: {r.get('error_type')}: {r.get('error')}\n{r.get('tb', '')}")
+        return r
+
+    def call(self, op: str, timeout: float | None = None, wait: float = WAIT, **kw) -> dict:
+        # ``timeout`` keeps PeerProcess.close()'s meaning (how long to wait for the answer).
+        self.post(op, **kw)
+        if op == "crash":
+            self.proc.wait(timeout or wait)
+            return {}
+        return self.answer(timeout or wait)
+
+    def crash(self) -> None:
+        self.post("crash")
+        self.proc.wait(WAIT)
+
+
+@pytest.fixture
+def tpeer(transport, job_secret):
+    """Starts transfer peers sharing this test's UCX transport and job secret; cleans them up."""
+    peers: list[TransferPeer] = []
+
+    def spawn(**env_extra) -> TransferPeer:
+        env = dict(os.environ)
+        env["RDMAFLOW_JOB_SECRET"] = job_secret
+        env.update({k: str(v) for k, v in env_extra.items()})
+        p = TransferPeer(env)
+        peers.append(p)
+        return p
+
+    yield spawn
+    for p in peers:
+        p.close()
+
+
+@pytest.fixture
+def dev(transport, job_secret):
+    """This process's device (after ``transport`` restricted UCX), with a 64 MiB arena."""
+    with local_device() as d:
+        d.create_arena(64 * MiB)
+        yield d
+
+
+def assert_all_verified(r: dict, n: int, what: str = "") -> None:
+    assert r["first_mismatch"] is None, f"{what}: tensor {r['first_mismatch']['i']} is wrong: {r['first_mismatch']['what']}"
+    assert r["received"] == n and r["verified"] == n, f"{what}: {r}"
+
+
+def random_shape(rng: random.Random, max_rank: int = 4, max_dim: int = 40) -> tuple[int, ...]:
+    return tuple(rng.randint(1, max_dim) for _ in range(rng.randint(1, max_rank)))
+
+
+def send_static(s: StaticSender, seed: int, n: int, start: int = 0, in_arena=False, dev=None) -> None:
+    for i in range(start, start + n):
+        x = static_tensor(seed, i, s.shape, s.dtype)
+        if in_arena is True or (in_arena == "alternate" and i % 2 == 0):
+            y = dev.empty(s.shape, s.dtype)
+            y.copy_(x)
+            x = y
+        s.send(x, timeout=30)
+
+
+def recv_check(r, n: int, expect, start: int = 0) -> None:
+    """Receives n tensors in this process and checks each against ``expect(i)``; each one
+    (unless empty) lives in the receiver's registered arena."""
+    for i in range(start, start + n):
+        got = r.recv(timeout=30)
+        bad = mismatch(got, expect(i))
+        assert bad is None, f"tensor {i} on '{r.name}': {bad}"
+        assert got.numel() == 0 or r.arena.contains(got), f"tensor {i} on '{r.name}' is not in the arena"
+
+
+def raises_within(exc, seconds: float, fn, *a, **kw):
+    """Runs fn, expects ``exc``, and that it came within ``seconds`` (no hang)."""
+    t0 = time.monotonic()
+    with pytest.raises(exc) as ei:
+        fn(*a, **kw)
+    took = time.monotonic() - t0
+    assert took < seconds, f"{exc.__name__} took {took:.1f} s"
+    return ei.value
+
+
+# ==============================================================================================
+# Arena: the allocator, device.empty
+# ==============================================================================================
+def test_arena_alignment_and_accounting(job_secret):
+    with local_device() as d:
+        a = Arena(d, 4 * MiB)
+        assert a.nbytes == 4 * MiB and a.used == 0 and a.largest_free == 4 * MiB
+        assert a.num_allocations == 0 and a.num_free_blocks == 1
+        blocks = [a.allocate(n) for n in (1, 255, 256, 257, 4095, 100_000, 0)]
+        for b, n in zip(blocks, (1, 255, 256, 257, 4095, 100_000, 0)):
+            assert b.offset % ALIGNMENT == 0 and b.address % ALIGNMENT == 0
+            assert b.address == a.base + b.offset and b.nbytes == n
+        # Every allocation takes a whole number of alignment units (a zero-byte one takes one).
+        want = sum(max(1, -(-n // ALIGNMENT)) * ALIGNMENT for n in (1, 255, 256, 257, 4095, 100_000, 0))
+        assert a.used == want and a.num_allocations == 7
+        # Blocks never overlap.
+        spans = sorted((b.offset, b.offset + max(b.nbytes, 1)) for b in blocks)
+        assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+        del blocks, b
+        gc.collect()
+        assert a.used == 0 and a.num_allocations == 0 and a.num_free_blocks == 1 and a.largest_free == 4 * MiB
+        with pytest.raises(rdmaflow.OutOfBoundsError):
+            a.allocate(-1)
+        with pytest.raises(rdmaflow.InvalidArgumentError):
+            Arena(d, 0)
+
+
+def test_arena_is_thread_safe(job_secret):
+    """Threads allocate, fill, check and free concurrently: no block is ever shared."""
+    with local_device() as d:
+        a = Arena(d, 16 * MiB)
+        errors: list[str] = []
+        n_threads, rounds = 8, 1500
+
+        def worker(tid: int) -> None:
+            rng = random.Random(tid)
+            live: list = []
+            try:
+                for r in range(rounds):
+                    if live and (len(live) > 24 or rng.random() < 0.45):
+                        b, tag = live.pop(rng.randrange(len(live)))
+                        view = torch.frombuffer(b, dtype=torch.uint8, count=b.nbytes)
+                        if not bool((view == tag).all()):
+                            errors.append(f"thread {tid}: block at {b.offset} was overwritten")
+                        del view, b
+                    else:
+                        b = a.allocate(rng.choice([1, 8, 100, 256, 1000, 4096, 10_000, 65_536]))
+                        if b.offset % ALIGNMENT:
+                            errors.append(f"unaligned offset {b.offset}")
+                        tag = (tid * 31 + r) % 251 + 1
+                        torch.frombuffer(b, dtype=torch.uint8, count=b.nbytes).fill_(tag)
+                        live.append((b, tag))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"thread {tid}: {type(e).__name__}: {e}")
+            live.clear()
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "an allocating thread hung"
+        assert not errors, errors[:5]
+        gc.collect()
+        assert a.used == 0 and a.num_allocations == 0
+        assert a.num_free_blocks == 1 and a.largest_free == a.nbytes
+
+
+def test_arena_training_pattern_does_not_fragment(job_secret):
+    """Parameters live forever; each step allocates activations forward, frees them backward
+    while gradients and temporaries come and go. Many steps must not fragment the arena."""
+    with local_device() as d:
+        cap = 32 * MiB
+        a = Arena(d, cap)
+        rng = random.Random(7)
+        params = [a.allocate(rng.choice([4 * KiB, 64 * KiB, 300 * KiB, MiB + 17])) for _ in range(12)]
+        p_used = a.used
+        layers = [rng.choice([16 * KiB, 200 * KiB, 512 * KiB + 3, MiB]) for _ in range(10)]
+        free_after_params = a.largest_free
+        for step in range(300):
+            batch = rng.choice([1, 2, 3])  # the activation sizes change with the batch
+            acts, temps = [], []
+            for size in layers:
+                acts.append(a.allocate(size * batch))
+                temps.append(a.allocate(rng.randint(1, 64 * KiB)))
+                if rng.random() < 0.5:
+                    temps.pop(rng.randrange(len(temps)))
+            grads = []
+            while acts:  # backward: a gradient appears, the activation goes
+                grads.append(a.allocate(rng.randint(1, 512 * KiB)))
+                acts.pop()
+                if temps and rng.random() < 0.7:
+                    temps.pop(rng.randrange(len(temps)))
+            rng.shuffle(grads)  # the optimizer frees gradients in any order
+            grads.clear()
+            temps.clear()
+            assert a.used == p_used, f"step {step}: {a.used - p_used} bytes leaked"
+            assert a.largest_free == free_after_params, f"step {step}: fragmented: {a.num_free_blocks} free blocks"
+        params.clear()
+        assert a.used == 0 and a.num_allocations == 0
+        assert a.num_free_blocks == 1 and a.largest_free == cap
+
+
+def test_full_arena_error_names_the_sizes(job_secret):
+    with local_device() as d:
+        a = Arena(d, MiB)
+        b = a.allocate(600 * KiB)
+        e = raises_within(ArenaFullError, 5, a.allocate, 600 * KiB)
+        msg = str(e)
+        assert str(600 * KiB) in msg, msg                 # requested
+        assert str(MiB - 600 * KiB) in msg, msg           # free, which is also the largest block
+        assert str(MiB) in msg, msg                       # the arena's size
+        assert isinstance(e, rdmaflow.RdmaflowError) and isinstance(e, MemoryError)
+        del b
+        # Fragmented: enough bytes free in total, but no block large enough.
+        blocks = [a.allocate(256 * KiB) for _ in range(4)]
+        del blocks[2], blocks[0]
+        msg = str(raises_within(ArenaFullError, 5, a.allocate, 300 * KiB))
+        assert str(300 * KiB) in msg and str(512 * KiB) in msg and str(256 * KiB) in msg, msg
+        # The arena is intact after the failures.
+        blocks.append(a.allocate(256 * KiB))
+        assert a.used == 3 * 256 * KiB
+        # device.empty reports the same error.
+        d.create_arena(MiB)
+        keep = d.empty((600 * KiB,), torch.uint8)
+        msg = str(raises_within(ArenaFullError, 5, d.empty, (200 * KiB,), torch.float32))
+        assert str(800 * KiB) in msg and str(MiB - 600 * KiB) in msg, msg
+        del keep
+
+
+def test_arena_full_error_is_exported():
+    assert rdmaflow.ArenaFullError is _core.ArenaFullError
+
+
+def test_device_empty_lives_in_the_arena_and_returns_its_memory(job_secret, monkeypatch):
+    monkeypatch.setenv("RDMAFLOW_ARENA_BYTES", "8M")
+    with local_device() as d:
+        t = d.empty((3, 5), torch.float16)  # the first use creates the arena, sized by the env
+        arena = d.arena
+        assert arena.nbytes == 8 * MiB
+        assert t.shape == (3, 5) and t.dtype == torch.float16 and t.is_contiguous()
+        assert arena.contains(t) and t.data_ptr() % ALIGNMENT == 0
+        assert arena.used == ALIGNMENT and arena.num_allocations == 1
+        v = t[1:]  # a view keeps the memory alive
+        del t
+        gc.collect()
+        assert arena.used == ALIGNMENT
+        del v
+        gc.collect()
+        assert arena.used == 0 and arena.num_free_blocks == 1
+        for dtype in DTYPES.values():
+            x = d.empty(7, dtype)
+            assert x.shape == (7,) and x.dtype == dtype and arena.contains(x)
+        del x
+        # Memory comes back as tensors die: 1000 x 1 MiB through an 8 MiB arena.
+        for i in range(1000):
+            y = d.empty((MiB // 4,), torch.float32)
+            y.fill_(i)
+        del y
+        gc.collect()
+        assert arena.used == 0 and arena.largest_free == arena.nbytes
+        # Empty tensors take no arena memory.
+        z = d.empty((3, 0, 2), torch.bool)
+        assert z.shape == (3, 0, 2) and arena.used == 0
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="negative"):
+            d.empty((2, -1))
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="dtype"):
+            d.empty((2,), "float32")
+        # One arena per device.
+        assert d.create_arena(8 * MiB) is arena
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="one arena per device"):
+            d.create_arena(16 * MiB)
+
+
+def test_receiver_construction_errors(job_secret):
+    with local_device() as d:
+        d.create_arena(4 * MiB)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="depth"):
+            StaticReceiver(d, "a", (4,), torch.float32, depth=0)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="depth"):
+            DynamicReceiver(d, "b", depth=0)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="negative"):
+            StaticReceiver(d, "c", (4, -2), torch.float32)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="cannot be transferred"):
+            StaticReceiver(d, "e", (4,), torch.uint16)
+        with pytest.raises(ArenaFullError):
+            StaticReceiver(d, "f", (MiB,), torch.float64)  # 8 MiB of slots in a 4 MiB arena
+        assert d.arena.used == 0, "a failed constructor leaked arena memory"
+
+
+# ==============================================================================================
+# Static and dynamic transfer, checked tensor by tensor
+# ==============================================================================================
+def test_static_random_shapes_every_dtype_both_directions(tpeer, dev):
+    peer = tpeer()
+    rng = random.Random(2024)
+    shapes = {name: random_shape(rng) for name in DTYPES}
+    n = 12
+    # This process sends, the peer receives and checks.
+    for k, (name, shape) in enumerate(shapes.items()):
+        peer.call("static_receiver", name=f"to_{name}", shape=shape, dtype=name, depth=2)
+        s = StaticSender(dev, peer.endpoint, f"to_{name}", shape=shape, dtype=DTYPES[name])
+        peer.post("recv", name=f"to_{name}", n=n, seed=k)
+        send_static(s, k, n, in_arena="alternate", dev=dev)
+        assert_all_verified(peer.answer(), n, f"{name}{list(shape)}")
+        s.wait_consumed(timeout=30)
+        assert s.consumed() == n
+    # The peer sends, this process receives and checks.
+    for k, (name, shape) in enumerate(shapes.items()):
+        r = StaticReceiver(dev, f"from_{name}", shape, DTYPES[name], depth=2)
+        peer.post("static_sender", remote=dev.endpoint, name=f"from_{name}")
+        peer.answer()
+        peer.post("send", name=f"from_{name}", n=n, seed=100 + k)
+        recv_check(r, n, lambda i: static_tensor(100 + k, i, shape, DTYPES[name]))
+        r.release()
+        assert peer.answer()["sent"] == n
+
+
+def test_empty_tensors_static_and_dynamic(tpeer, dev):
+    peer = tpeer()
+    for shape, dtype in [((0,), "float32"), ((3, 0, 2), "bool"), ((3, 0, 2), "bfloat16")]:
+        name = f"e_{dtype}_{len(shape)}"
+        peer.call("static_receiver", name=name, shape=shape, dtype=dtype, depth=2)
+        s = StaticSender(dev, peer.endpoint, name)
+        assert s.shape == shape and s.nbytes == 0
+        peer.post("recv", name=name, n=5, seed=1)
+        for mode_tensor in [torch.empty(shape, dtype=DTYPES[dtype]), dev.empty(shape, DTYPES[dtype])] * 2 + [
+                torch.zeros(shape, dtype=DTYPES[dtype])]:
+            s.send(mode_tensor, timeout=30)
+        assert_all_verified(peer.answer(), 5, name)
+    # Dynamic: empty shapes among ordinary ones, both directions.
+    plan = [[[0], "float32"], [[3, 0, 2], "int64"], [[], "float16"], [[5], "bool"], [[0, 0], "bfloat16"],
+            [[1, 0, 1, 0, 1, 0, 1, 0], "bool"], [[3, 0, 2], "float32"], [[2, 3], "bfloat16"]]
+    peer.call("dynamic_receiver", name="ed", depth=2)
+    s = DynamicSender(dev, peer.endpoint, "ed")
+    peer.post("recv", name="ed", n=2 * len(plan), seed=9, plan=plan)
+    for i in range(2 * len(plan)):
+        s.send(planned_tensor(9, i, plan), timeout=30)
+    assert_all_verified(peer.answer(), 2 * len(plan), "dynamic empties")
+    r = DynamicReceiver(dev, "ed_back", depth=2)
+    peer.call("dynamic_sender", remote=dev.endpoint, name="ed_back")
+    peer.post("send", name="ed_back", n=len(plan), seed=10, plan=plan, in_arena=True)
+    recv_check(r, len(plan), lambda i: planned_tensor(10, i, plan))
+    peer.answer()
+
+
+def test_thousands_back_to_back(tpeer, dev):
+    """2000 static 4 KiB tensors and 1000 dynamic ones of random shapes and dtypes, each
+    checked by the process that receives it; then a shorter run the other way round."""
+    peer = tpeer()
+    peer.call("static_receiver", name="bb", shape=[1024], dtype="float32", depth=3)
+    s = StaticSender(dev, peer.endpoint, "bb", mode="auto")
+    peer.post("recv", name="bb", n=2000, seed=5)
+    send_static(s, 5, 2000, in_arena="alternate", dev=dev)
+    assert_all_verified(peer.answer(), 2000, "static 4 KiB")
+    # 1 MiB tensors into a single slot: if a flag ever landed before its data, the receiver
+    # would see (part of) the previous tensor.
+    peer.call("static_receiver", name="bbig", shape=[512, 512], dtype="float32", depth=1)
+    sb = StaticSender(dev, peer.endpoint, "bbig")
+    peer.post("recv", name="bbig", n=60, seed=15)
+    send_static(sb, 15, 60, in_arena="alternate", dev=dev)
+    assert_all_verified(peer.answer(), 60, "static 1 MiB")
+
+    # The dynamic sequence covers every dtype, rank 0 to 8 and empty tensors.
+    specs = [dynamic_spec(6, i) for i in range(1000)]
+    assert {d for _, d in specs} == set(DTYPES.values())
+    assert {len(sh) for sh, _ in specs} == set(range(9))
+    assert any(0 in sh for sh, _ in specs)
+
+    r = DynamicReceiver(dev, "bbd", depth=3)
+    gc.collect()
+    before = dev.arena.used
+    peer.call("dynamic_sender", remote=dev.endpoint, name="bbd")
+    peer.post("send", name="bbd", n=1000, seed=6, in_arena=True)
+    recv_check(r, 1000, lambda i: dynamic_tensor(6, i))
+    assert peer.answer()["sent"] == 1000
+    gc.collect()
+    assert dev.arena.used == before, "received dynamic tensors did not return their memory"
+
+    # This process sends with copies: each copy is released once the receiver has READ it,
+    # so at most depth + 1 of them are held at any time.
+    peer.call("dynamic_receiver", name="bbd2", depth=2)
+    gc.collect()
+    base = dev.arena.used
+    s2 = DynamicSender(dev, peer.endpoint, "bbd2", mode="copy")
+    own = dev.arena.used - base
+    peer.post("recv", name="bbd2", n=300, seed=7)
+    sizes = []
+    for i in range(300):
+        x = dynamic_tensor(7, i)
+        sizes.append(-(-x.numel() * x.element_size() // ALIGNMENT) * ALIGNMENT)
+        s2.send(x, timeout=30)
+        held = dev.arena.used - base - own
+        assert held <= sum(sizes[-3:]), f"transfer {i}: {held} bytes of copies held, more than depth + 1 transfers"
+    assert_all_verified(peer.answer(), 300, "dynamic, this process sending")
+    s2.wait_consumed(timeout=30)
+    s2.close()
+    gc.collect()
+    assert dev.arena.used == base + own, "the sender still holds copies after close()"
+
+    r2 = StaticReceiver(dev, "bb2", (16, 16), torch.int64, depth=1)
+    peer.call("static_sender", remote=dev.endpoint, name="bb2")
+    peer.post("send", name="bb2", n=300, seed=8, in_arena=True)
+    recv_check(r2, 300, lambda i: static_tensor(8, i, (16, 16), torch.int64))
+    r2.release()
+    peer.answer()
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_sender_runs_ahead_of_a_slow_receiver(tpeer, dev, depth):
+    """The sender sends as fast as it can; the receiver is slow. No tensor is overwritten
+    before it is consumed (static), and no source buffer is released before it is read
+    (dynamic), so every tensor still holds its own iteration's values when checked."""
+    peer = tpeer()
+    n = 40
+    peer.call("static_receiver", name="ra", shape=[32, 32], dtype="float32", depth=depth)
+    s = StaticSender(dev, peer.endpoint, "ra", mode="copy")
+    # Static: the receiver holds each tensor 10 ms before checking it.
+    peer.post("recv", name="ra", n=n, seed=3, sleep=0.01)
+    buf = torch.empty(32, 32)
+    lead = 0
+    for i in range(n):
+        buf.copy_(static_tensor(3, i, (32, 32), torch.float32))
+        s.send(buf, timeout=30)  # copy mode: buf may be refilled as soon as send() returns
+        ahead = s.seq - s.consumed()
+        assert ahead <= depth, f"sender is {ahead} transfers ahead with depth {depth}"
+        lead = max(lead, ahead)
+    assert lead == depth, f"the sender never ran ahead (at most {lead} of {depth})"
+    assert_all_verified(peer.answer(), n, f"static, depth {depth}")
+    s.wait_consumed(timeout=30)
+
+    # Dynamic: the receiver READs each tensor 10 ms late. The sender sends zero-copy from
+    # arena tensors it drops at once and then scribbles over fresh allocations of the same
+    # size: if a buffer were released before the READ, the scribble would land in it.
+    peer.call("dynamic_receiver", name="rad", depth=depth)
+    ds = DynamicSender(dev, peer.endpoint, "rad", mode="zerocopy")
+    peer.post("recv", name="rad", n=n, seed=4, sleep_before=0.01)
+    scribbles: list = []
+    for i in range(n):
+        x = dynamic_tensor(4, i)
+        y = dev.empty(tuple(x.shape), x.dtype)
+        y.copy_(x)
+        if y.numel():
+            ds.send(y, timeout=30)
+        else:
+            ds.send(x, timeout=30)
+        del x, y
+        junk = dev.empty((4096,), torch.uint8).fill_(0xA5)
+        scribbles = (scribbles + [junk])[-4:]
+        assert ds.seq - ds.consumed() <= depth
+    assert_all_verified(peer.answer(), n, f"dynamic, depth {depth}")
+    ds.wait_consumed(timeout=30)
+
+
+def test_zero_copy_and_copy_modes_agree(tpeer, dev):
+    peer = tpeer()
+    shape, n = (64, 33), 20
+    used = {}
+    for mode in ("zerocopy", "copy", "auto"):
+        peer.call("static_receiver", name=f"m_{mode}", shape=list(shape), dtype="bfloat16", depth=2)
+        s = StaticSender(dev, peer.endpoint, f"m_{mode}", mode=mode)
+        srcs = []
+        for i in range(n):
+            x = static_tensor(11, i, shape, torch.bfloat16)
+            if mode == "zerocopy" or (mode == "auto" and i % 2):
+                y = dev.empty(shape, torch.bfloat16)
+                y.copy_(x)
+                x = y
+            srcs.append(x)
+        if mode == "zerocopy":
+            # A tensor outside the arena cannot be sent without a copy: refused, nothing sent.
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="zero-copy"):
+                s.send(torch.zeros(shape, dtype=torch.bfloat16))
+            assert s.seq == 0
+        before = dev.arena.used
+        peer.post("recv", name=f"m_{mode}", n=n, seed=11)
+        for x in srcs:
+            s.send(x, timeout=30)
+        assert_all_verified(peer.answer(), n, f"static {mode}")
+        used[mode] = dev.arena.used - before
+    # Zero copy sends every tensor from its own memory: no staging buffer was allocated.
+    assert used["zerocopy"] == 0
+    assert used["copy"] > 0
+
+    for mode in ("zerocopy", "copy", "auto"):
+        peer.call("dynamic_receiver", name=f"md_{mode}", depth=2)
+        s = DynamicSender(dev, peer.endpoint, f"md_{mode}", mode=mode)
+        if mode == "zerocopy":
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="zero-copy"):
+                s.send(torch.ones(3, 4))
+        peer.post("recv", name=f"md_{mode}", n=n, seed=12)
+        for i in range(n):
+            x = dynamic_tensor(12, i)
+            if x.numel() and (mode == "zerocopy" or (mode == "auto" and i % 2)):
+                y = dev.empty(tuple(x.shape), x.dtype)
+                y.copy_(x)
+                x = y
+            s.send(x, timeout=30)
+        assert_all_verified(peer.answer(), n, f"dynamic {mode}")
+    for cls in (StaticSender, DynamicSender):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="mode"):
+            cls(dev, peer.endpoint, "m_copy", mode="fast")
+
+
+# ==============================================================================================
+# Bad input: a clear exception, never a hang, a crash or a wrong tensor
+# ==============================================================================================
+def test_mismatched_and_bad_tensors_are_refused(tpeer, dev):
+    peer = tpeer()
+    peer.call("static_receiver", name="m", shape=[4, 5], dtype="float32", depth=2)
+    peer.call("dynamic_receiver", name="md", depth=2)
+    ep = peer.endpoint
+    # Declared shape / dtype that do not match the receiver: refused at construction.
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"float32\[4, 5\].*float32\[5, 4\]"):
+        StaticSender(dev, ep, "m", shape=(5, 4))
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"float32\[4, 5\].*float16\[4, 5\]"):
+        StaticSender(dev, ep, "m", dtype=torch.float16)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="float32"):
+        StaticSender(dev, ep, "m", shape=(20,), dtype=torch.float32)
+    # Wrong kind, unknown name, a name that is not a receiver.
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="dynamic receiver, not a static"):
+        StaticSender(dev, ep, "md")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="static receiver, not a dynamic"):
+        DynamicSender(dev, ep, "m")
+    for cls in (StaticSender, DynamicSender):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="published nothing named 'nope'"):
+            cls(dev, ep, "nope")
+    peer.call("publish_raw", name="raw", hex=b"hello, world".hex())
+    peer.call("publish_raw", name="trunc", hex=(b"RFX1" + struct.pack("<I", 1000) + b"{}").hex())
+    peer.call("publish_raw", name="json", hex=(b"RFX1" + struct.pack("<I", 5) + b"{nope").hex())
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="not an rdmaflow tensor receiver"):
+        StaticSender(dev, ep, "raw")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="truncated"):
+        DynamicSender(dev, ep, "trunc")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="malformed"):
+        StaticSender(dev, ep, "json")
+
+    # At send: wrong shape, wrong dtype, non-contiguous, not a tensor. Nothing is sent.
+    s = StaticSender(dev, ep, "m", shape=(4, 5), dtype=torch.float32)
+    for bad, what in [(torch.zeros(5, 4), "does not match"), (torch.zeros(4, 5, dtype=torch.float64), "does not match"),
+                      (torch.zeros(20), "does not match"), (torch.zeros(5, 4).t(), "not contiguous"),
+                      ([[0.0] * 5] * 4, "torch.Tensor")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=what):
+            s.send(bad, timeout=5)
+    assert s.seq == 0
+    ds = DynamicSender(dev, ep, "md")
+    for bad, what in [(torch.zeros(4, 6)[:, ::2], "not contiguous"), (torch.zeros([1] * 9), "rank 9 exceeds"),
+                      (torch.zeros(3, dtype=torch.uint16), "cannot be transferred"), ("x", "torch.Tensor")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=what):
+            ds.send(bad, timeout=5)
+    assert ds.seq == 0
+    # The refused calls left no trace: the next good tensors arrive as transfers 1, 2, 3.
+    peer.post("recv", name="m", n=3, seed=21)
+    send_static(s, 21, 3)
+    assert_all_verified(peer.answer(), 3, "static after refusals")
+    peer.post("recv", name="md", n=3, seed=22)
+    for i in range(3):
+        ds.send(dynamic_tensor(22, i), timeout=5)
+    assert_all_verified(peer.answer(), 3, "dynamic after refusals")
+
+
+_STATIC_META = {"kind": "static", "depth": 1, "base": 0, "ctl": 64, "data": 64 + 4096, "stride": 64,
+                "shape": [4], "dtype": 1, "nbytes": 16}
+_DYNAMIC_META = {"kind": "dynamic", "depth": 1, "base": 0, "ctl": 64, "data": 64 + 4096, "stride": 128,
+                 "max_rank": 8, "record": 128}
+
+
+@pytest.mark.parametrize("what, meta", [
+    pytest.param("a valid static header", _STATIC_META, id="valid-static"),
+    pytest.param("a valid dynamic header", _DYNAMIC_META, id="valid-dynamic"),
+    pytest.param("missing fields", {"kind": "static"}, id="missing-fields"),
+    pytest.param("unknown dtype code", dict(_STATIC_META, dtype=99), id="unknown-dtype"),
+    pytest.param("non-integer depth", dict(_DYNAMIC_META, depth="x"), id="depth-not-int"),
+    pytest.param("depth 0", dict(_DYNAMIC_META, depth=0), id="depth-0"),
+    pytest.param("nbytes larger than the shape", dict(_STATIC_META, nbytes=4096, stride=4096), id="nbytes"),
+])
+def test_published_header_is_validated(job_secret, what, meta):
+    """A header a receiver published (through the side RPC, so from a peer in the job) is
+    checked by the sender: a bad one is an InvalidArgumentError at construction."""
+    from rdmaflow.transfer.common import pack_header
+
+    with local_device() as a, local_device() as b:
+        a.create_arena(MiB)
+        b.create_arena(MiB)
+        b.publish("h", pack_header(meta, b.arena.region.descriptor()))
+        cls = DynamicSender if meta["kind"] == "dynamic" else StaticSender
+        if what.startswith("a valid"):
+            cls(a, b.endpoint, "h", timeout=5)  # the harness itself is sound
+            return
+        with pytest.raises(rdmaflow.InvalidArgumentError):
+            cls(a, b.endpoint, "h", timeout=5)
+
+
+def test_rejected_sender_does_not_hijack_the_receiver(job_secret):
+    with local_device() as a, local_device() as b:
+        a.create_arena(MiB)
+        b.create_arena(MiB)
+        r = StaticReceiver(b, "s", (4,), torch.float32, depth=1)
+        good = StaticSender(a, b.endpoint, "s")
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="declared"):
+            StaticSender(a, b.endpoint, "s", shape=(5,))
+        gc.collect()
+        victim = a.empty(8192, torch.uint8).zero_()  # takes the rejected sender's freed block
+        for i in range(3):
+            good.send(torch.full((4,), float(i)), timeout=3)
+            assert torch.equal(r.recv(timeout=3), torch.full((4,), float(i)))
+            r.release()  # consumed: the sender may write the slot again
+        good.wait_consumed(timeout=3)
+        assert int(victim.count_nonzero()) == 0, "the receiver wrote into the sending process's memory"
+
+
+MALFORMED = [
+    # (what, fields to change in a valid record of a float32[3, 4] tensor, expected message)
+    ("unknown dtype code", {"code": 99}, "unknown dtype code 99"),
+    ("dtype code zero", {"code": 0}, "unknown dtype code 0"),
+    ("rank above 8", {"rank": 9, "dims": [1] * 8}, "rank 9 exceeds the maximum of 8"),
+    ("huge rank", {"rank": 2**32 - 1}, "exceeds the maximum of 8"),
+    ("negative dimension", {"dims": [3, -4]}, "bad dimensions"),
+    ("dimension past the rank", {"dims": [3, 4, 5]}, "bad dimensions"),
+    ("nbytes too small", {"nbytes": 47}, "47 bytes do not match"),
+    ("nbytes too large", {"nbytes": 96}, "96 bytes do not match"),
+    ("nbytes of an empty shape", {"dims": [3, 0]}, "48 bytes do not match"),
+    ("source past the arena", {"src_off": "past_end"}, "outside the sender's registered arena"),
+    ("source straddles the arena's end", {"src_off": "straddle"}, "outside the sender's registered arena"),
+    ("source offset wraps around", {"src_off": "wrap"}, "outside the sender's registered arena"),
+    ("enormous consistent shape", {"dims": [2**40, 2**20], "nbytes": 2**62}, "outside the sender's registered arena"),
+    ("another registered region", {"src_region": "other"}, "not the sender's registered arena"),
+    ("unknown region id", {"src_region": 987654321}, "not the sender's registered arena"),
+    ("wrong sequence number", {"seq": 1000}, "sequence number is 1000"),
+]
+
+
+def test_malformed_metadata_records(tpeer, dev):
+    """A sender (the peer) writes a corrupt record + flag into this receiver's slot: recv()
+    raises InvalidArgumentError naming the problem, returns no tensor and allocates nothing."""
+    peer = tpeer()
+    for k, (what, fields, msg) in enumerate(MALFORMED):
+        r = DynamicReceiver(dev, f"bad{k}", depth=2)
+        peer.post("forge", remote=dev.endpoint, name=f"bad{k}", set=fields)
+        gc.collect()
+        used = dev.arena.used
+        got = []
+        e = raises_within(rdmaflow.InvalidArgumentError, 20, lambda: got.append(r.recv(timeout=15)))
+        assert not got, f"{what}: a tensor was returned"
+        assert "malformed metadata record" in str(e) and msg in str(e), f"{what}: {e}"
+        assert dev.arena.used == used, f"{what}: the receiver allocated memory for a bad record"
+        assert r.seq == 0
+        # Asking again does not hang or crash either: the same record is refused again.
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="malformed"):
+            r.recv(timeout=5)
+        peer.answer()
+        r.close()
+    # A valid forged record goes through (the forging itself is sound).
+    r = DynamicReceiver(dev, "good", depth=1)
+    peer.call("forge", remote=dev.endpoint, name="good", set={})
+    t = r.recv(timeout=15)
+    assert torch.equal(t, torch.arange(12, dtype=torch.float32).view(3, 4))
+
+
+def test_receiver_arena_too_small_is_a_clear_error(tpeer, dev):
+    """A valid record for a tensor that does not fit the receiver's arena: ArenaFullError
+    naming the sizes, and the same transfer succeeds once memory is freed."""
+    peer = tpeer(RDMAFLOW_TEST_ARENA=str(64 * MiB))
+    r = DynamicReceiver(dev, "big", depth=1)
+    hog = dev.empty((48 * MiB,), torch.uint8)
+    plan = [[[8 * MiB], "float32"]]  # 32 MiB
+    peer.call("dynamic_sender", remote=dev.endpoint, name="big")
+    peer.post("send", name="big", n=1, seed=1, plan=plan, in_arena=True)
+    e = raises_within(ArenaFullError, 20, r.recv, timeout=15)
+    assert str(32 * MiB) in str(e), str(e)
+    del hog
+    gc.collect()
+    recv_check(r, 1, lambda i: planned_tensor(1, i, plan))
+    assert peer.answer()["sent"] == 1
+
+
+# -- peers that die ---------------------------------------------------------------------------
+def test_sender_dies_mid_transfer(tpeer, dev):
+    """The sending process crashes while this process's receivers wait: each gets PeerError
+    within a bounded time. A large tensor whose sender died while writing it is either
+    complete and correct (its flag landed) or never returned."""
+    peer = tpeer()
+    big_shape = (8 * MiB // 4,)  # 8 MiB of float32
+    rs = StaticReceiver(dev, "ds", (100,), torch.int64, depth=4)
+    rd = DynamicReceiver(dev, "dd", depth=4)
+    rb = StaticReceiver(dev, "db", big_shape, torch.float32, depth=1)
+    for kind, name in [("static", "ds"), ("dynamic", "dd"), ("static", "db")]:
+        peer.call(f"{kind}_sender", remote=dev.endpoint, name=name)
+    peer.call("send", name="ds", n=3, seed=31, wait_consumed=False)
+    peer.post("send", name="dd", n=3, seed=32)
+    recv_check(rs, 3, lambda i: static_tensor(31, i, (100,), torch.int64))
+    rs.release()
+    recv_check(rd, 3, lambda i: dynamic_tensor(32, i))
+    peer.answer()
+    # Dies right after posting the big WRITE and its flag, without waiting for them.
+    peer.post("send", name="db", n=1, seed=33, crash_after=1, crash_wait=False)
+    peer.proc.wait(30)
+    try:
+        t = rb.recv(timeout=30)
+    except rdmaflow.PeerError:
+        pass
+    else:
+        assert mismatch(t, static_tensor(33, 0, big_shape, torch.float32)) is None, "a torn tensor was returned"
+        del t
+        raises_within(rdmaflow.PeerError, 20, rb.recv, timeout=30)
+    # The others wait for their transfer 4 from a dead sender.
+    e = raises_within(rdmaflow.PeerError, 20, rd.recv, timeout=30)
+    assert peer.endpoint in str(e), str(e)
+    raises_within(rdmaflow.PeerError, 20, rs.recv, timeout=30)
+
+
+def test_receiver_dies_while_sender_waits_for_credit(tpeer, dev):
+    """The receiving process crashes while senders are blocked (every slot unconsumed)."""
+    peer = tpeer()
+    peer.call("static_receiver", name="cs", shape=[256], dtype="float16", depth=2)
+    peer.call("dynamic_receiver", name="cd", depth=2)
+    s = StaticSender(dev, peer.endpoint, "cs")
+    ds = DynamicSender(dev, peer.endpoint, "cd")
+    send_static(s, 41, 2)
+    for i in range(2):
+        ds.send(dynamic_tensor(42, i), timeout=10)
+    results: dict = {}
+
+    def blocked(key, fn, x):
+        t0 = time.monotonic()
+        try:
+            fn(x, timeout=60)
+            results[key] = ("sent", None)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results[key] = (e, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=blocked, args=("static", s.send, static_tensor(41, 2, (256,), torch.float16))),
+               threading.Thread(target=blocked, args=("dynamic", ds.send, dynamic_tensor(42, 2)))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    assert not results, f"a sender did not wait for credit: {results}"
+    t_crash = time.monotonic()
+    peer.crash()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a sender hung after its receiver died"
+    for key in ("static", "dynamic"):
+        e, _ = results[key]
+        assert isinstance(e, rdmaflow.PeerError), f"{key}: {e!r}"
+    assert time.monotonic() - t_crash < 30
+    # Later calls fail at once.
+    raises_within(rdmaflow.PeerError, 10, s.wait_consumed, timeout=30)
+
+
+# -- timeouts ---------------------------------------------------------------------------------
+def test_send_and_recv_timeouts(tpeer, dev):
+    peer = tpeer()
+    # No sender at all.
+    rs = StaticReceiver(dev, "t_s", (8,), torch.float32, depth=1)
+    rd = DynamicReceiver(dev, "t_d", depth=1, timeout=0.3)
+    raises_within(rdmaflow.TimeoutError, 10, rs.recv, timeout=0.3)
+    raises_within(rdmaflow.TimeoutError, 10, rd.recv)  # the receiver's own default timeout
+    # A connected sender that sends nothing more.
+    peer.call("static_sender", remote=dev.endpoint, name="t_s")
+    peer.call("send", name="t_s", n=1, seed=51, wait_consumed=False)
+    recv_check(rs, 1, lambda i: static_tensor(51, i, (8,), torch.float32))
+    e = raises_within(rdmaflow.TimeoutError, 10, rs.recv, timeout=0.3)
+    assert isinstance(e, TimeoutError)  # also the builtin
+    # A receiver that does not consume: the sender's next send times out, and can be retried.
+    peer.call("static_receiver", name="t_r", shape=[8], dtype="float32", depth=1)
+    peer.call("dynamic_receiver", name="t_rd", depth=1)
+    s = StaticSender(dev, peer.endpoint, "t_r")
+    ds = DynamicSender(dev, peer.endpoint, "t_rd", timeout=0.3)
+    send_static(s, 52, 1)
+    ds.send(dynamic_tensor(53, 0))
+    x1 = static_tensor(52, 1, (8,), torch.float32)
+    e = raises_within(rdmaflow.TimeoutError, 10, s.send, x1, timeout=0.3)
+    assert "never overwrites" in str(e), str(e)
+    raises_within(rdmaflow.TimeoutError, 10, ds.send, dynamic_tensor(53, 1))
+    raises_within(rdmaflow.TimeoutError, 10, s.wait_consumed, timeout=0.3)
+    assert s.seq == 1 and ds.seq == 1
+    peer.post("recv", name="t_r", n=2, seed=52)
+    s.send(x1, timeout=30)
+    assert_all_verified(peer.answer(), 2, "static after a send timeout")
+    peer.post("recv", name="t_rd", n=2, seed=53)
+    ds.send(dynamic_tensor(53, 1), timeout=30)
+    assert_all_verified(peer.answer(), 2, "dynamic after a send timeout")
