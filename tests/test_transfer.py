@@ -827,3 +827,33 @@ def test_send_and_recv_timeouts(tpeer, dev):
     peer.post("recv", name="t_rd", n=2, seed=53)
     ds.send(dynamic_tensor(53, 1), timeout=30)
     assert_all_verified(peer.answer(), 2, "dynamic after a send timeout")
+
+
+def test_second_sender_is_detected(job_secret):
+    """A receiver pairs with one sender: another one introducing itself is an error, not a silent takeover."""
+    with local_device() as a, local_device() as b, local_device() as c:
+        for d in (a, b, c):
+            d.create_arena(MiB)
+        r = StaticReceiver(b, "one", (4,), torch.float32)
+        first = StaticSender(a, b.endpoint, "one")
+        first.send(torch.ones(4), timeout=5)
+        assert torch.equal(r.recv(timeout=5), torch.ones(4))
+        StaticSender(c, b.endpoint, "one")  # introduces itself over the first one
+        with pytest.raises(rdmaflow.RdmaflowError, match="second sender"):
+            r.recv(timeout=5)
+
+
+def test_closed_receiver_stops_its_sender(job_secret):
+    with local_device() as a, local_device() as b:
+        a.create_arena(MiB)
+        b.create_arena(MiB)
+        r = StaticReceiver(b, "c", (4,), torch.float32)
+        s = StaticSender(a, b.endpoint, "c")
+        s.send(torch.ones(4), timeout=5)
+        r.recv(timeout=5)
+        r.close()
+        with pytest.raises(rdmaflow.PeerError, match="closed"):
+            s.send(torch.ones(4), timeout=5)
+            s.send(torch.ones(4), timeout=5)
+        # The receiver's slots stay allocated (a late write lands in memory nobody reuses).
+        assert b.arena.used > 0

@@ -158,6 +158,8 @@ class Receiver(Endpoint):
     def _wait_flag(self, k: int, deadline: float | None) -> int:
         slot = (k - 1) % self.depth
         wait_word(self.flags[slot], k, deadline, self._sender_if_known, f"waiting for transfer {k} on '{self.name}'")
+        # The sender that wrote this transfer introduced itself before it: latch it now.
+        self._sender_if_known()
         v = self.flags[slot].get()
         if v != k:
             raise _core.RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
