@@ -22,6 +22,7 @@ PyObject* exc_region = nullptr;
 PyObject* exc_closed = nullptr;
 PyObject* exc_timeout = nullptr;
 PyObject* exc_invalid = nullptr;
+PyObject* exc_full = nullptr;
 
 PyObject* exc_for(ErrorKind k) {
   switch (k) {
@@ -32,6 +33,7 @@ PyObject* exc_for(ErrorKind k) {
     case ErrorKind::Closed: return exc_closed;
     case ErrorKind::Timeout: return exc_timeout;
     case ErrorKind::Invalid: return exc_invalid;
+    case ErrorKind::Full: return exc_full;
     default: return exc_base;
   }
 }
@@ -152,6 +154,8 @@ PYBIND11_MODULE(_core, m) {
                         "A bounded wait ran out.");
   exc_invalid = new_exc(m, "InvalidArgumentError", {exc_base, PyExc_ValueError},
                         "An argument or message is malformed.");
+  exc_full = new_exc(m, "ArenaFullError", {exc_base, PyExc_MemoryError},
+                     "The registered arena cannot fit an allocation.");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -277,7 +281,71 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("remote_endpoint", &Channel::remote_endpoint)
       .def_property_readonly("failed", &Channel::failed);
 
-  py::class_<DeviceImpl, std::shared_ptr<DeviceImpl>>(m, "Device",
+  py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena",
+                                            "Allocator over one registered region.")
+      .def(py::init<std::shared_ptr<MemRegion>, size_t>(), py::arg("region"),
+           py::arg("alignment") = 256)
+      .def_property_readonly("region", &Arena::region)
+      .def_property_readonly("capacity", &Arena::capacity)
+      .def_property_readonly("alignment", &Arena::alignment)
+      .def_property_readonly("used", &Arena::used)
+      .def_property_readonly("largest_free", &Arena::largest_free)
+      .def_property_readonly("num_allocations", &Arena::num_allocations)
+      .def_property_readonly("num_free_blocks", &Arena::num_free_blocks)
+      .def(
+          "allocate",
+          [](std::shared_ptr<Arena> a, int64_t nbytes) {
+            size_t n = check_offset(nbytes, "nbytes");
+            auto b = std::make_shared<ArenaBlock>();
+            b->offset = a->alloc(n);
+            b->length = n;
+            b->arena = a;
+            return b;
+          },
+          py::arg("nbytes"), "A block of at least nbytes; freed when the block object dies.");
+
+  py::class_<ArenaBlock, std::shared_ptr<ArenaBlock>>(m, "ArenaBlock", py::buffer_protocol())
+      .def_readonly("offset", &ArenaBlock::offset)
+      .def_readonly("nbytes", &ArenaBlock::length)
+      .def_property_readonly("address",
+                             [](const ArenaBlock& b) {
+                               return b.arena->region()->address() + b.offset;
+                             })
+      .def_buffer([](ArenaBlock& b) {
+        return py::buffer_info(
+            reinterpret_cast<void*>(b.arena->region()->address() + b.offset), 1,
+            py::format_descriptor<uint8_t>::format(), 1, {py::ssize_t(b.length)},
+            {py::ssize_t(1)});
+      });
+
+  m.def(
+      "wait_u64_at_least",
+      [](uintptr_t addr, uint64_t value, std::optional<double> timeout) {
+        double t = timeout ? *timeout : -1.0;
+        // Short slices so Ctrl-C reaches Python during a long wait.
+        auto t0 = std::chrono::steady_clock::now();
+        for (;;) {
+          double slice = 0.05;
+          if (t >= 0) {
+            double left =
+                t - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            if (left <= 0) slice = 0;
+            else slice = std::min(slice, left);
+          }
+          bool ok;
+          {
+            py::gil_scoped_release nogil;
+            ok = wait_u64_at_least(addr, value, slice);
+          }
+          if (ok) return true;
+          if (t >= 0 && slice == 0) return false;
+          if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        }
+      },
+      py::arg("address"), py::arg("value"), py::arg("timeout") = py::none(),
+      "Waits until the 8-byte word at address is >= value; False on timeout.");
+
+  py::class_<DeviceImpl, std::shared_ptr<DeviceImpl>>(m, "Device", py::dynamic_attr(),
                                                       "The RDMA device of seed 000 §3.1.")
       .def(py::init([](const std::string& endpoint, int num_cqs, int qps_per_peer,
                        const std::string& secret, bool busy_poll, int spin_us,

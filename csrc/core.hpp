@@ -32,7 +32,7 @@
 
 namespace rdmaflow {
 
-enum class ErrorKind { Generic, OutOfBounds, Peer, Region, Closed, Timeout, Auth, Invalid };
+enum class ErrorKind { Generic, OutOfBounds, Peer, Region, Closed, Timeout, Auth, Invalid, Full };
 
 class Error : public std::runtime_error {
  public:
@@ -340,6 +340,45 @@ class DeviceImpl : public std::enable_shared_from_this<DeviceImpl> {
   std::unordered_map<ucp_ep_h, Link*> links_;
   std::vector<Link*> dead_links_;  // kept until close: queued commands may still name them
 };
+
+// A thread-safe allocator over one registered region (seed 000 §3.4: one region registered
+// once, sized up front, carved up by an allocator). Best fit with coalescing of free neighbours.
+class Arena : public std::enable_shared_from_this<Arena> {
+ public:
+  Arena(std::shared_ptr<MemRegion> region, size_t alignment);
+  size_t alloc(size_t nbytes);  // offset into the region; throws Error(Full)
+  void free(size_t offset);
+  const std::shared_ptr<MemRegion>& region() const { return region_; }
+  size_t capacity() const { return capacity_; }
+  size_t alignment() const { return align_; }
+  size_t used() const;
+  size_t largest_free() const;
+  size_t num_allocations() const;
+  size_t num_free_blocks() const;
+
+ private:
+  void insert_free(size_t off, size_t len);
+  void erase_free(std::map<size_t, size_t>::iterator it);
+  std::shared_ptr<MemRegion> region_;
+  size_t capacity_ = 0, align_ = 256, used_ = 0;
+  mutable std::mutex m_;
+  std::map<size_t, size_t> free_by_off_;        // offset -> length
+  std::multimap<size_t, size_t> free_by_len_;   // length -> offset
+  std::unordered_map<size_t, size_t> live_;     // offset -> length
+};
+
+// One allocation; returns itself to the arena when the last reference (e.g. a tensor) goes.
+struct ArenaBlock {
+  std::shared_ptr<Arena> arena;
+  size_t offset = 0, length = 0;
+  ~ArenaBlock() {
+    if (arena) arena->free(offset);
+  }
+};
+
+// Waits until the 8-byte word at addr is >= value (acquire). Spins briefly, then yields and
+// sleeps with backoff. Returns false on timeout (negative: none).
+bool wait_u64_at_least(uintptr_t addr, uint64_t value, double timeout_s);
 
 std::string ucx_version();
 std::string ucs_error(ucs_status_t st);
