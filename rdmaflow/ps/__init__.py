@@ -1,0 +1,133 @@
+"""Parameter server for PyTorch training over one-sided transfers (seeds 000, 003, 004).
+
+A few lines turn a single-process training loop into a parameter-server job::
+
+    import rdmaflow.ps as ps
+
+    ctx = ps.init()                       # shards serve here and exit when the job ends
+    model = Net()
+    opt = ps.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()                        # push gradients, shards run SGD, weights come back
+    opt.close()
+
+Start it with ``rdmaflow launch --nproc-per-node 1 train.py`` (one worker and one shard per
+host), or any launcher that sets torchrun's variables.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from rdmaflow import _core
+from rdmaflow.ps.context import Role, Store, job_secret, local_address, resolve_role
+from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES, make_plan
+from rdmaflow.ps.worker import MODES, Worker
+
+__all__ = ["DistributedOptimizer", "PSContext", "init", "MODES", "POLICIES"]
+
+
+@dataclass
+class PSContext:
+    role: Role
+    store: Store
+    device: _core.Device
+    timeout: float
+    step_timeout: float
+
+    @property
+    def is_shard(self) -> bool:
+        return self.role.kind == "shard"
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role.kind == "worker"
+
+    def close(self) -> None:
+        self.device.close()
+
+
+_CTX: PSContext | None = None
+
+
+def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True) -> PSContext:
+    """Joins the job. On a shard this serves until every worker is done, then exits the process
+    (``exit_shards=False`` returns the shard's statistics instead); on a worker it returns the
+    context that ``DistributedOptimizer`` uses."""
+    global _CTX
+    import rdmaflow
+
+    timeout = float(os.environ.get("RDMAFLOW_PS_TIMEOUT", 60.0)) if timeout is None else timeout
+    step_timeout = float(os.environ.get("RDMAFLOW_PS_STEP_TIMEOUT", 300.0)) if step_timeout is None else step_timeout
+    role = resolve_role()
+    secret = job_secret()
+    store = Store(role, timeout)
+    host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    device = rdmaflow.Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
+    ctx = PSContext(role, store, device, timeout, step_timeout)
+    if role.kind == "shard":
+        from rdmaflow.ps.shard import Shard
+
+        try:
+            stats = Shard(ctx).run()
+        except _core.RdmaflowError as e:
+            print(f"rdmaflow ps: shard {role.index} failed: {e}", file=sys.stderr, flush=True)
+            device.close()
+            if exit_shards:
+                sys.exit(1)
+            raise
+        if exit_shards:
+            device.close()
+            sys.exit(0)
+        stats["ctx"] = ctx
+        return stats
+    _CTX = ctx
+    return ctx
+
+
+class DistributedOptimizer:
+    """Wraps a model and its optimizer, in the style of DistributedDataParallel.
+
+    ``mode``: ``"sync"`` (every step aggregates all workers' gradients), ``"async"`` (a shard
+    applies each gradient on arrival), ``"bounded"`` (async, but no worker runs more than
+    ``staleness`` steps ahead of the slowest). ``policy``: ``"block"`` (blocks of
+    ``block_bytes`` spread over the shards, iRDMA) or ``"variable"`` (whole variables
+    round-robin, seed 000). The optimizer's algorithm and hyperparameters run on the shards.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, mode: str = "sync",
+                 staleness: int = 0, policy: str = "block", block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 log_every: int = 0, progress: bool | None = None, ctx: PSContext | None = None):
+        ctx = ctx or _CTX
+        if ctx is None:
+            raise _core.InvalidArgumentError("call rdmaflow.ps.init() first")
+        if not ctx.is_worker:
+            raise _core.InvalidArgumentError("DistributedOptimizer runs on workers; this process is a shard")
+        self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,
+                             block_bytes=block_bytes, log_every=log_every, progress=progress)
+        self.optimizer = optimizer
+        self.model = model
+
+    def step(self) -> None:
+        self.worker.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.worker.zero_grad()
+
+    @property
+    def step_count(self) -> int:
+        return self.worker.step_count
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
