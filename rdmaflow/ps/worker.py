@@ -204,7 +204,9 @@ class Worker:
                    "push_ms": 1e3 * self.timings["push"] / n, "pull_ms": 1e3 * self.timings["pull"] / n,
                    "compute_ms": 1e3 * self.timings["compute"] / n,
                    "steps_per_s": t / elapsed, "bytes_per_s": t * self.bytes_per_step / elapsed}
-            print(json.dumps(rec), flush=True)
+            # One write per line, so that lines of several workers sharing a pipe never interleave.
+            sys.stdout.write(json.dumps(rec) + "\n")
+            sys.stdout.flush()
             self.timings = {"push": 0.0, "pull": 0.0, "compute": 0.0}
 
     def close(self) -> None:
