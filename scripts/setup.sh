@@ -22,4 +22,4 @@ if ! $PY -c "import torch" 2>/dev/null; then
   $PY -m pip install -q $TORCH_SPEC
 fi
 $PY -m pip install -q -e ".[test,bench]"
-$PY -m rdmaflow info --brief
+$PY -m rdmaflow info

@@ -27,9 +27,10 @@ import torch
 from rdmaflow import _core
 from rdmaflow.ps.context import Role, Store, job_secret, local_address, resolve_role
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES, make_plan
+from rdmaflow.ps.kv import KVHandle, KVStore
 from rdmaflow.ps.worker import MODES, Worker
 
-__all__ = ["DistributedOptimizer", "PSContext", "init", "MODES", "POLICIES"]
+__all__ = ["DistributedOptimizer", "KVHandle", "KVStore", "PSContext", "init", "MODES", "POLICIES"]
 
 
 @dataclass
@@ -55,13 +56,17 @@ class PSContext:
 _CTX: PSContext | None = None
 
 
-def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True) -> PSContext:
+def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,
+         kv_handler=None) -> PSContext:
     """Joins the job. On a shard this serves until every worker is done, then exits the process
     (``exit_shards=False`` returns the shard's statistics instead); on a worker it returns the
-    context that ``DistributedOptimizer`` uses."""
+    context that ``DistributedOptimizer`` or ``KVStore`` uses. ``kv_handler(key, stored, pushed)``
+    is what the shards of a ``KVStore`` job apply to each push (default: ``stored += pushed``)."""
     global _CTX
     import rdmaflow
 
+    if kv_handler is not None and not callable(kv_handler):
+        raise _core.InvalidArgumentError(f"kv_handler must be callable, got {type(kv_handler).__name__}")
     timeout = float(os.environ.get("RDMAFLOW_PS_TIMEOUT", 60.0)) if timeout is None else timeout
     step_timeout = float(os.environ.get("RDMAFLOW_PS_STEP_TIMEOUT", 300.0)) if step_timeout is None else step_timeout
     role = resolve_role()
@@ -71,10 +76,11 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     device = rdmaflow.Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
     ctx = PSContext(role, store, device, timeout, step_timeout)
     if role.kind == "shard":
+        from rdmaflow.ps.kv import KVShard, job_kind
         from rdmaflow.ps.shard import Shard
 
         try:
-            stats = Shard(ctx).run()
+            stats = KVShard(ctx, kv_handler).run() if job_kind(ctx) == "kv" else Shard(ctx).run()
         except _core.RdmaflowError as e:
             print(f"rdmaflow ps: shard {role.index} failed: {e}", file=sys.stderr, flush=True)
             device.close()

@@ -1,0 +1,6 @@
+"""``python -m rdmaflow``: the ``rdmaflow`` command."""
+import sys
+
+from rdmaflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,625 @@
+"""``rdmaflow bench device``: bandwidth of ``Channel.memcpy`` next to ``ucx_perftest``.
+
+Two processes on this host: a receiver (``python -m rdmaflow.bench.device --serve``) that
+publishes two large regions (a WRITE destination and a READ source), and the sender, this
+process, that streams WRITEs into one and READs out of the other with a window of memcpys in
+flight. In the same run, on the same transport (the
+same environment from :func:`rdmaflow.bench.perftest.ucx_env`), ``ucx_perftest`` measures UCX's
+own ``put`` and ``get`` between two processes: the ceiling rdmaflow is held against.
+
+Method, per transport:
+
+* rdmaflow and ucx_perftest move the same number of messages per measurement: a calibration
+  pass streams each size once with rdmaflow and picks ``iters`` so that a measurement moves
+  at least ``--target-bytes`` and lasts about ``--target-seconds`` (write's count is used for
+  write and put, read's for read and get), after ``iters // 10`` (at least one) untimed
+  warm-up messages. ucx_perftest gets the same ``-n``/``-w``.
+* rdmaflow: each message is ``ch.memcpy(local, 0, remote, 0, size, WRITE|READ)`` (always the
+  same offsets, as ucx_perftest reuses its buffers), at most ``--window`` outstanding; the
+  sender waits for the oldest future before posting the next. A WRITE future completes only
+  when the data is visible at the receiver (flush), so the last one ends the timed interval
+  with everything delivered. Bandwidth = bytes / elapsed, 1 GB = 10^9 B.
+* The systems are interleaved: for repeat 1, every size, each of rdmaflow write, rdmaflow
+  read, perftest put, perftest get; then repeat 2, and so on, so that noise on this shared
+  machine hits all of them alike. Each cell reports the median and min/max over repeats.
+* rdmaflow devices connect through UCX's sockaddr connection manager, which needs ``tcp`` in
+  ``UCX_TLS``, so the rdmaflow processes get ``,tcp`` appended where ``ucx_env`` lacks it
+  (:func:`rdmaflow_env`); UCX still picks cma for intra-node puts on ``sm``.
+* Memory (``--memory``, see the notes at "Memory" below): by default rdmaflow moves real,
+  written data from ``Device.alloc_region`` buffers. ucx_perftest never writes its buffers, so
+  its put/get source is the kernel's zero page, always in cache: for messages that do not fit
+  the last-level cache that flatters perftest (measured 2x for cma at 16 MiB).
+  ``--memory zero`` gives rdmaflow the same untouched sources, for a like-for-like ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import csv
+import ctypes
+import json
+import math
+import mmap
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rdmaflow.bench.perftest import run_perftest, ucx_env
+from rdmaflow.bench.util import format_size, parse_size, summarize
+
+DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M,256M"
+QUICK_SIZES = "1M,16M"
+DEFAULT_REPEATS = 5
+QUICK_REPEATS = 3
+TRANSPORTS = ("tcp", "sm")
+DEFAULT_CSV = os.path.join("bench-results", "device.csv")
+#: Outstanding memcpys per stream. Measured on the 2-core VM (UCX 1.22): tcp WRITE is best at
+#: 16-32 (64K: 2.3 GB/s at 4, 3.8 at 16, 4.0 at 32, 4.2 at 64; 16M: 4.2 at 4, 5.3 at 16, 5.1
+#: at 32, 4.1 at 128); sm keeps gaining for small messages (256K: 17 at 4, 26 at 16, 29 at 32,
+#: 33 at 128 GB/s) and is flat from 4M up. 32 is also ucp_put_bw's default outstanding count.
+#: The cost per memcpy is ~2 us on sm at 32+ in flight (22 us with one at a time).
+DEFAULT_WINDOW = 32
+DEFAULT_TARGET_BYTES = 256 << 20
+QUICK_TARGET_BYTES = 64 << 20
+DEFAULT_TARGET_SECONDS = 0.3
+QUICK_TARGET_SECONDS = 0.05
+DEFAULT_MIN_ITERS = 4
+MAX_ITERS = 200_000
+REGION_NAME = "rdmaflow-bench-device"
+#: The acceptance bar: rdmaflow WRITE / perftest put, for sizes from ACCEPT_MIN_SIZE up.
+ACCEPT_RATIO = 0.90
+ACCEPT_MIN_SIZE = 1 << 20
+
+CSV_COLUMNS = [
+    "system", "transport", "op", "size_bytes", "size", "gb_per_s_median", "gb_per_s_min",
+    "gb_per_s_max", "gb_per_s_iqr", "repeats", "iters", "window", "memory", "ratio_vs_perftest",
+    "paired_ratio_vs_perftest", "values_gb_per_s",
+]
+
+# (system, op) in the order they run inside one repeat; rdmaflow op -> perftest op it is held
+# against.
+SYSTEMS = (("rdmaflow", "write"), ("rdmaflow", "read"), ("ucx_perftest", "put"),
+           ("ucx_perftest", "get"))
+PAIRS = {"write": "put", "read": "get"}
+
+
+# ------------------------------------------------------------------------------------------
+# Environment
+
+
+def with_tcp(env: dict[str, str]) -> dict[str, str]:
+    """Makes sure ``UCX_TLS`` in ``env`` (modified in place, and returned) allows ``tcp``.
+
+    rdmaflow devices connect through UCX's sockaddr connection manager, which needs tcp even
+    when the data goes over shared memory.
+    """
+    tls = env.get("UCX_TLS", "").strip()
+    if not tls:
+        return env  # UCX's default: every transport
+    if tls.startswith("^"):
+        names = [t for t in tls[1:].split(",") if t and t != "tcp"]
+        env["UCX_TLS"] = "^" + ",".join(names) if names else "all"
+        return env
+    names = [t.strip() for t in tls.split(",") if t.strip()]
+    if not {"tcp", "all"} & set(names):
+        env["UCX_TLS"] = ",".join(names + ["tcp"])
+    return env
+
+
+def rdmaflow_env(transport: str, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """:func:`ucx_env` for ``transport``, with tcp added for rdmaflow's connection manager."""
+    return with_tcp(ucx_env(transport, base_env))
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]):
+    """Temporarily makes ``os.environ`` equal ``env`` (UCX reads it when a context is made)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+# ------------------------------------------------------------------------------------------
+# Memory
+#
+# Each side has a source buffer (what a WRITE or READ copies from) and a destination buffer,
+# as ucx_perftest has a send and a receive buffer. How they are made is --memory:
+#
+#   region  Device.alloc_region, every byte written first (what rdmaflow users get)
+#   thp     mmap + madvise(MADV_HUGEPAGE), written first, registered with Device.register
+#   zero    as thp, but the source is never written, so the kernel backs it with its (huge)
+#           zero page: exactly ucx_perftest's buffers (UCX_ALLOC_PRIO=thp allocates and
+#           nobody writes them). A zero-page source is always cache-hot, which makes copies
+#           of messages larger than the last-level cache look up to 2-3x faster than copies
+#           of real data; this mode shows rdmaflow under the same conditions as perftest.
+
+MEMORY_KINDS = ("region", "thp", "zero")
+_FILL = 0x5A
+
+
+class _MappedBuffer:
+    """Anonymous MADV_HUGEPAGE memory registered through Device.register."""
+
+    def __init__(self, dev: Any, nbytes: int, write: bool):
+        import torch
+
+        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(AttributeError, OSError):
+            self.map.madvise(mmap.MADV_HUGEPAGE)
+        t = torch.frombuffer(self.map, dtype=torch.uint8)
+        if write:
+            t.fill_(_FILL)
+        self.region = dev.register(t)
+
+
+def _alloc(dev: Any, nbytes: int, memory: str, source: bool) -> tuple[Any, Any]:
+    """(region, keepalive): a source or destination buffer of ``nbytes`` of kind ``memory``."""
+    if memory in ("thp", "zero"):
+        buf = _MappedBuffer(dev, nbytes, write=not (memory == "zero" and source))
+        return buf.region, buf
+    if memory != "region":
+        raise ValueError(f"unknown memory kind {memory!r}; expected one of {MEMORY_KINDS}")
+    import torch
+
+    r = dev.alloc_region(nbytes)
+    r.tensor(torch.uint8, nbytes).fill_(_FILL)  # real data, pages faulted in before timing
+    return r, None
+
+
+# ------------------------------------------------------------------------------------------
+# Receiver process
+
+
+def serve(region_bytes: int, memory: str, busy_poll: bool, out=None, inp=None) -> int:
+    """The receiver: publishes a destination (WRITE target) and a source (READ origin) region,
+    prints ``{"endpoint": ...}`` and serves until stdin says "exit" or closes."""
+    import rdmaflow
+
+    out = out or sys.stdout
+    inp = inp or sys.stdin
+    dev = rdmaflow.Device("127.0.0.1:0", busy_poll=busy_poll)
+    try:
+        dst, keep_dst = _alloc(dev, region_bytes, memory, source=False)
+        src, keep_src = _alloc(dev, region_bytes, memory, source=True)
+        dev.publish_region(REGION_NAME + "-dst", dst)
+        dev.publish_region(REGION_NAME + "-src", src)
+        out.write(json.dumps({"endpoint": dev.endpoint, "dst": REGION_NAME + "-dst",
+                              "src": REGION_NAME + "-src", "nbytes": region_bytes,
+                              "pid": os.getpid()}) + "\n")
+        out.flush()
+        for line in inp:
+            if line.strip() == "exit":
+                break
+        del keep_dst, keep_src
+    finally:
+        dev.close()
+    return 0
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Receiver:
+    """The ``--serve`` process: started in its own session, killed as a group on exit."""
+
+    def __init__(self, env: Mapping[str, str], region_bytes: int, memory: str,
+                 busy_poll: bool = False, timeout: float = 60.0):
+        argv = [sys.executable, "-m", "rdmaflow.bench.device", "--serve",
+                "--region-bytes", str(region_bytes), "--memory", memory]
+        if busy_poll:
+            argv.append("--busy-poll")
+        self.proc = subprocess.Popen(
+            argv, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        self._stderr: list[str] = []
+        self._err_thread = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._err_thread.start()
+        try:
+            hello = self._readline(timeout)
+            info = json.loads(hello)
+            self.endpoint: str = info["endpoint"]
+            self.dst_name: str = info["dst"]
+            self.src_name: str = info["src"]
+        except BaseException:
+            self.close()
+            raise
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+            del self._stderr[:-200]
+
+    def stderr_tail(self) -> str:
+        return "".join(self._stderr)[-2000:]
+
+    def _readline(self, timeout: float) -> str:
+        box: list[str] = []
+        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if not box or not box[0]:
+            self._err_thread.join(0.5)
+            raise RuntimeError(
+                f"benchmark receiver did not start within {timeout:.0f} s "
+                f"(exit code {self.proc.poll()}); its stderr:\n{self.stderr_tail()}")
+        return box[0]
+
+    def close(self) -> None:
+        p = self.proc
+        if p.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                p.stdin.write("exit\n")
+                p.stdin.flush()
+            with contextlib.suppress(OSError, ValueError):
+                p.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+        else:
+            # The receiver is gone; anything it started in its group goes with it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in (p.stdin, p.stdout):
+            with contextlib.suppress(Exception):
+                f.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Sender
+
+
+class RdmaflowStream:
+    """The sender side: a local Device connected to a receiver, timing windows of memcpys."""
+
+    def __init__(self, transport: str, region_bytes: int, *, memory: str = "region",
+                 busy_poll: bool = False, timeout: float = 60.0):
+        import rdmaflow
+
+        self.rdmaflow = rdmaflow
+        self.timeout = timeout
+        env = rdmaflow_env(transport)
+        env["RDMAFLOW_JOB_SECRET"] = secrets.token_hex(16)
+        self.env = env
+        self.receiver: Receiver | None = None
+        self.dev = None
+        try:
+            self.receiver = Receiver(env, region_bytes, memory, busy_poll, timeout)
+            # UCX_WARN_UNUSED_ENV_VARS is a global option, read when libucs loaded; set now,
+            # the new context would only warn that it is unused.
+            denv = {k: v for k, v in env.items() if k != "UCX_WARN_UNUSED_ENV_VARS"}
+            with _environ(denv):
+                self.dev = rdmaflow.Device("127.0.0.1:0", busy_poll=busy_poll,
+                                           secret=env["RDMAFLOW_JOB_SECRET"])
+            self.local_src, keep_src = _alloc(self.dev, region_bytes, memory, source=True)
+            self.local_dst, keep_dst = _alloc(self.dev, region_bytes, memory, source=False)
+            self._keep = (keep_src, keep_dst)
+            ep = self.receiver.endpoint
+            self.remote_dst = self.dev.lookup_region(ep, self.receiver.dst_name, timeout)
+            self.remote_src = self.dev.lookup_region(ep, self.receiver.src_name, timeout)
+            self.ch = self.dev.channel(ep)
+            # Fault in and warm every page both ways once, before anything is timed (this
+            # writes only destinations, so a "zero" source stays the zero page).
+            self.run("write", region_bytes, 1, 1, 0)
+            self.run("read", region_bytes, 1, 1, 0)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, op: str, size: int, iters: int, window: int, warmup: int) -> float:
+        """Streams ``iters`` memcpys of ``size`` bytes, ``window`` outstanding; bytes/s."""
+        if op == "write":
+            direction, local, remote = self.rdmaflow.WRITE, self.local_src, self.remote_dst
+        elif op == "read":
+            direction, local, remote = self.rdmaflow.READ, self.local_dst, self.remote_src
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        memcpy = self.ch.memcpy
+        timeout = self.timeout
+
+        def stream(n: int) -> None:
+            futs: collections.deque = collections.deque()
+            for _ in range(n):
+                if len(futs) >= window:
+                    futs.popleft().result(timeout)
+                futs.append(memcpy(local, 0, remote, 0, size, direction))
+            while futs:
+                futs.popleft().result(timeout)
+
+        if warmup > 0:
+            stream(warmup)
+        t0 = time.perf_counter()
+        stream(iters)
+        elapsed = time.perf_counter() - t0
+        return size * iters / elapsed
+
+    def close(self) -> None:
+        if self.dev is not None:
+            with contextlib.suppress(Exception):
+                self.dev.close()
+            self.dev = None
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+    def __enter__(self) -> RdmaflowStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def iterations(size: int, target_bytes: int, min_iters: int, target_seconds: float = 0.0,
+               bytes_per_s: float = 0.0) -> int:
+    """Messages per measurement: at least ``min_iters``, ``target_bytes`` and, at the given
+    rate, ``target_seconds``; at most MAX_ITERS (unless min_iters asks for more)."""
+    n = max(math.ceil(target_bytes / size), math.ceil(target_seconds * bytes_per_s / size))
+    return max(min_iters, min(MAX_ITERS, n))
+
+
+Key = tuple[str, str, str, int]  # (system, transport, op, size)
+
+
+def bench_transport(transport: str, sizes: Sequence[int], *, repeats: int, window: int,
+                    target_bytes: int, target_seconds: float, min_iters: int,
+                    memory: str = "region", busy_poll: bool = False, timeout: float = 120.0,
+                    log: Callable[[str], None] | None = None) -> dict[Key, dict[str, Any]]:
+    """Measures every (system, op, size) ``repeats`` times, interleaved; see the module doc.
+
+    A calibration pass first streams each op and size once with rdmaflow to size the
+    measurements (``target_seconds`` at that rate); put and get get the same message counts
+    as write and read.
+    """
+    log = log or (lambda s: None)
+    results: dict[Key, dict[str, Any]] = {}
+    with RdmaflowStream(transport, max(sizes), memory=memory, busy_poll=busy_poll,
+                        timeout=timeout) as stream:
+        iters: dict[tuple[str, int], int] = {}
+        for size in sizes:
+            for op in PAIRS:
+                n = iterations(size, target_bytes, min_iters)
+                bw = stream.run(op, size, n, window, max(1, n // 10))
+                iters[(op, size)] = iterations(size, target_bytes, min_iters, target_seconds, bw)
+                log(f"[{transport} calibration] rdmaflow {op} {format_size(size)}: "
+                    f"{bw / 1e9:.3f} GB/s -> {iters[(op, size)]} messages per measurement")
+        for system, op in SYSTEMS:
+            wr = op if op in PAIRS else {v: k for k, v in PAIRS.items()}[op]
+            for size in sizes:
+                results[(system, transport, op, size)] = {"values": [],
+                                                          "iters": iters[(wr, size)]}
+        for rep in range(repeats):
+            for size in sizes:
+                for system, op in SYSTEMS:
+                    r = results[(system, transport, op, size)]
+                    n = r["iters"]
+                    warmup = max(1, n // 10)
+                    if system == "rdmaflow":
+                        bw = stream.run(op, size, n, window, warmup)
+                    else:
+                        bw = run_perftest(transport, op, size, n, timeout=timeout, warmup=warmup)
+                    r["values"].append(bw)
+                    log(f"[{transport} {rep + 1}/{repeats}] {system} {op} {format_size(size)}: "
+                        f"{bw / 1e9:.3f} GB/s")
+    return results
+
+
+def _ratio(results: Mapping[Key, dict[str, Any]], transport: str, op: str, size: int) -> float | None:
+    mine = results.get(("rdmaflow", transport, op, size))
+    ref = results.get(("ucx_perftest", transport, PAIRS[op], size))
+    if not mine or not ref or not mine["values"] or not ref["values"]:
+        return None
+    den = summarize(ref["values"])["median"]
+    return summarize(mine["values"])["median"] / den if den > 0 else None
+
+
+def _paired_ratio(results: Mapping[Key, dict[str, Any]], transport: str, op: str,
+                  size: int) -> float | None:
+    """Median over repeats of rdmaflow / perftest measured in the same repeat (seconds apart):
+    less sensitive to load that comes and goes than the ratio of the medians."""
+    mine = results.get(("rdmaflow", transport, op, size))
+    ref = results.get(("ucx_perftest", transport, PAIRS[op], size))
+    if not mine or not ref:
+        return None
+    pairs = [a / b for a, b in zip(mine["values"], ref["values"]) if b > 0]
+    return summarize(pairs)["median"] if pairs else None
+
+
+def format_table(results: Mapping[Key, dict[str, Any]], transport: str, sizes: Sequence[int], *,
+                 repeats: int, window: int, memory: str) -> str:
+    env = ucx_env(transport)
+    renv = rdmaflow_env(transport)
+    desc = f"UCX_TLS={env['UCX_TLS']}"
+    if env.get("UCX_NET_DEVICES"):
+        desc += f" UCX_NET_DEVICES={env['UCX_NET_DEVICES']}"
+    if renv["UCX_TLS"] != env["UCX_TLS"]:
+        desc += f" (rdmaflow: UCX_TLS={renv['UCX_TLS']})"
+    lines = [
+        f"# transport {transport}: {desc}",
+        f"# GB/s (1 GB = 1e9 B), median [min-max] of {repeats} interleaved repeats; "
+        f"rdmaflow window {window}, memory {memory}; WRITE/put, READ/get: ratio of the medians",
+    ]
+    if memory != "zero":
+        lines.append("# note: ucx_perftest never writes its buffers, so it copies from the kernel's "
+                     "zero page (always cached); rdmaflow copies written data. "
+                     "--memory zero compares like for like")
+
+    def cell(system: str, op: str, size: int) -> str:
+        r = results.get((system, transport, op, size))
+        if not r or not r["values"]:
+            return "-"
+        s = summarize(r["values"])
+        return f"{s['median'] / 1e9:6.2f} [{s['min'] / 1e9:.2f}-{s['max'] / 1e9:.2f}]"
+
+    def ratio(op: str, size: int) -> str:
+        x = _ratio(results, transport, op, size)
+        return "-" if x is None else f"{x * 100:5.0f}%"
+
+    head = (f"{'size':>6}  {'rdmaflow WRITE':>19}  {'perftest put':>19}  {'WRITE/put':>9}  "
+            f"{'rdmaflow READ':>19}  {'perftest get':>19}  {'READ/get':>8}")
+    lines += [head, "-" * len(head)]
+    for size in sizes:
+        lines.append(
+            f"{format_size(size):>6}  {cell('rdmaflow', 'write', size):>19}  "
+            f"{cell('ucx_perftest', 'put', size):>19}  {ratio('write', size):>9}  "
+            f"{cell('rdmaflow', 'read', size):>19}  {cell('ucx_perftest', 'get', size):>19}  "
+            f"{ratio('read', size):>8}")
+    checked = [s for s in sizes if s >= ACCEPT_MIN_SIZE]
+    if checked:
+        ratios = {s: _ratio(results, transport, "write", s) for s in checked}
+        bad = [s for s, x in ratios.items() if x is None or x < ACCEPT_RATIO]
+        worst = min((x for x in ratios.values() if x is not None), default=float("nan"))
+        verdict = "PASS" if not bad else "MISS at " + ",".join(format_size(s) for s in bad)
+        paired = [_paired_ratio(results, transport, "write", s) for s in checked]
+        pworst = min((x for x in paired if x is not None), default=float("nan"))
+        lines.append(f"WRITE >= {ACCEPT_RATIO:.0%} of perftest put for sizes >= "
+                     f"{format_size(ACCEPT_MIN_SIZE)}: {verdict} (lowest {worst * 100:.0f}%; "
+                     f"lowest median of per-repeat ratios {pworst * 100:.0f}%)")
+    return "\n".join(lines)
+
+
+def write_csv(path: str, results: Mapping[Key, dict[str, Any]], *, window: int, memory: str) -> None:
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for (system, transport, op, size), r in results.items():
+            if not r["values"]:
+                continue
+            s = summarize(r["values"])
+            ratio = _ratio(results, transport, op, size) if system == "rdmaflow" else None
+            paired = _paired_ratio(results, transport, op, size) if system == "rdmaflow" else None
+            w.writerow({
+                "system": system, "transport": transport, "op": op, "size_bytes": size,
+                "size": format_size(size),
+                "gb_per_s_median": f"{s['median'] / 1e9:.4f}",
+                "gb_per_s_min": f"{s['min'] / 1e9:.4f}",
+                "gb_per_s_max": f"{s['max'] / 1e9:.4f}",
+                "gb_per_s_iqr": f"{s['iqr'] / 1e9:.4f}",
+                "repeats": len(r["values"]), "iters": r["iters"],
+                "window": window if system == "rdmaflow" else "",
+                "memory": memory if system == "rdmaflow" else "zero",  # perftest never writes its buffers
+                "ratio_vs_perftest": "" if ratio is None else f"{ratio:.4f}",
+                "paired_ratio_vs_perftest": "" if paired is None else f"{paired:.4f}",
+                "values_gb_per_s": " ".join(f"{v / 1e9:.4f}" for v in r["values"]),
+            })
+
+
+# ------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--transport", choices=(*TRANSPORTS, "both"), default="both",
+                    help="UCX transport (default: both, tcp then sm)")
+    ap.add_argument("--sizes", default=None,
+                    help=f"comma list of message sizes (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES})")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help=f"interleaved repeats per cell (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                    help=f"rdmaflow memcpys kept in flight (default {DEFAULT_WINDOW})")
+    ap.add_argument("--target-bytes", default=None,
+                    help="each measurement moves at least this much (default 256M; --quick: 64M)")
+    ap.add_argument("--target-seconds", type=float, default=None,
+                    help="and lasts about this long at the calibrated rdmaflow rate "
+                         f"(default {DEFAULT_TARGET_SECONDS}; --quick: {QUICK_TARGET_SECONDS})")
+    ap.add_argument("--min-iters", type=int, default=DEFAULT_MIN_ITERS,
+                    help=f"fewest messages per measurement (default {DEFAULT_MIN_ITERS})")
+    ap.add_argument("--memory", choices=MEMORY_KINDS, default="region",
+                    help="rdmaflow buffers: region = Device.alloc_region, written (default); "
+                         "thp = registered MADV_HUGEPAGE memory, written; zero = as thp but "
+                         "sources never written (kernel zero page), like ucx_perftest's buffers")
+    ap.add_argument("--busy-poll", action="store_true",
+                    help="rdmaflow devices busy-poll instead of sleeping on the wakeup fd")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="bound on any single measurement, seconds (default 120)")
+    ap.add_argument("--csv", default=DEFAULT_CSV, help=f"CSV output (default {DEFAULT_CSV})")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"short run: sizes {QUICK_SIZES}, {QUICK_REPEATS} repeats")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every measurement")
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes_text = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    sizes = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
+    if not sizes or any(s <= 0 for s in sizes):
+        print("error: --sizes needs positive sizes", file=sys.stderr)
+        return 2
+    repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    if repeats < 1 or args.window < 1 or args.min_iters < 1:
+        print("error: --repeats, --window and --min-iters must be >= 1", file=sys.stderr)
+        return 2
+    target = parse_size(args.target_bytes) if args.target_bytes else (
+        QUICK_TARGET_BYTES if args.quick else DEFAULT_TARGET_BYTES)
+    seconds = args.target_seconds if args.target_seconds is not None else (
+        QUICK_TARGET_SECONDS if args.quick else DEFAULT_TARGET_SECONDS)
+    transports = list(TRANSPORTS) if args.transport == "both" else [args.transport]
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else None
+
+    import rdmaflow
+
+    print(f"rdmaflow {rdmaflow.__version__} bench device: UCX {rdmaflow.ucx_version()}, "
+          f"{os.cpu_count()} CPUs, sizes {','.join(format_size(s) for s in sizes)}, "
+          f"{repeats} repeats, window {args.window}, memory {args.memory}", flush=True)
+    results: dict[Key, dict[str, Any]] = {}
+    status = 0
+    for t in transports:
+        try:
+            r = bench_transport(t, sizes, repeats=repeats, window=args.window,
+                                target_bytes=target, target_seconds=seconds,
+                                min_iters=args.min_iters,
+                                memory=args.memory, busy_poll=args.busy_poll,
+                                timeout=args.timeout, log=log)
+        except (RuntimeError, OSError, rdmaflow.RdmaflowError) as e:
+            print(f"error: transport {t}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        results.update(r)
+        print()
+        print(format_table(r, t, sizes, repeats=repeats, window=args.window, memory=args.memory),
+              flush=True)
+        write_csv(args.csv, results, window=args.window, memory=args.memory)
+    if results:
+        print(f"\nCSV: {args.csv}")
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="rdmaflow bench device",
+        description="WRITE/READ bandwidth of Channel.memcpy next to ucx_perftest put/get.")
+    add_arguments(ap)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--region-bytes", default="256M", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        return serve(parse_size(args.region_bytes), args.memory, args.busy_poll)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,929 @@
+"""``rdmaflow bench transfer``: one-way tensor transfer, side by side with the peers (seed 000
+§5.1, Figure 8).
+
+A sender process streams float32 tensors of one size to a receiver process, which consumes
+each with a reduce_max (``tensor.max()``), as in the paper's micro-benchmark. Systems:
+
+==================  =========================================================================
+rdmaflow-zerocopy   ``StaticSender(mode="zerocopy")`` from a tensor made by ``device.empty``
+                    (it lives in the registered arena) into a ``StaticReceiver``; the receiver
+                    ``recv()``s, reduces, and the next ``recv()`` releases the slot (RDMA.zerocp)
+rdmaflow-copy       ``StaticSender(mode="copy")`` from an ordinary torch tensor: copied into a
+                    registered staging buffer first (the paper's RDMA.cp)
+rdmaflow-dynamic    ``DynamicSender``/``DynamicReceiver`` from an arena tensor: metadata by
+                    WRITE, data fetched by the receiver with a READ into a fresh arena tensor
+grpc-protobuf       gRPC (Python grpcio) unary calls carrying the tensor's bytes in a protobuf
+                    ``BytesValue``; the receiver makes a tensor of them (``torch.frombuffer``)
+                    and reduces: the way TensorFlow's gRPC transport moves tensors
+tensorpipe          ``torch.distributed.rpc`` (TensorPipe backend): ``rpc_async(receiver,
+                    consume, args=(tensor,))``, pipelined: at most ``window`` calls in flight
+gloo                ``torch.distributed`` gloo ``isend``/``irecv``; the receiver keeps
+                    ``window`` receives posted
+ucx-perftest-put    ``ucx_perftest ucp_put_bw`` (:func:`rdmaflow.bench.perftest.run_perftest`):
+                    the UCX transport's own ceiling (bandwidth only; no per-transfer time)
+memcpy              single-thread ``dst.copy_(src)`` of the same size in one process: the
+                    machine's ceiling
+==================  =========================================================================
+
+Transports (``--transport``): ``tcp`` restricts every system to TCP over loopback (rdmaflow via
+``ucx_env("tcp")``; TensorPipe's ``uv`` transport and ``basic`` channel; gRPC on 127.0.0.1);
+``sm`` gives each its best same-host path (rdmaflow via ``ucx_env("sm")``: cma; TensorPipe
+``shm`` transport and ``cma`` channel; gRPC over a unix domain socket; gloo has TCP only).
+
+Method:
+
+* Every system sends the same ``warmup + count`` tensors per measurement (``count`` from
+  ``--target-bytes``, between ``--min-iters`` and ``--max-iters``; ``warmup`` is a tenth of it,
+  at least 1). At most ``window`` transfers are in flight in every system (rdmaflow: the
+  receiver's slot depth; TensorPipe/gRPC: outstanding calls; gloo: posted receives), fewer
+  where ``window * size`` would exceed ``--max-inflight-bytes``.
+* The receiver records, on CLOCK_MONOTONIC, the instant each reduce_max finished: ``t_0`` (the
+  last warm-up transfer) ... ``t_count``. ``gb_per_s = count * size / (t_count - t_0)``
+  (10^9 B = 1 GB), bytes moved per second as seen at the receiver, after the reduce_max of the
+  last one. ``p50_us`` = median of ``t_i - t_(i-1)``: the time per transfer in a stream of
+  back-to-back transfers (receiver-observed inter-arrival time). memcpy: best of 3 loops of
+  ``count`` copies; the per-copy times of that loop. ucx_perftest reports bandwidth only.
+* The systems are interleaved: for each repeat, for each size, every system once (the order
+  rotates each repeat), so noise on this shared machine hits them alike. Each cell is the
+  median of ``--repeats`` repeats, with min, max and IQR.
+* Each system is a sender and a receiver process (memcpy: one), started once per transport in
+  their own process groups, with the transport's environment; every wait is bounded, and
+  every process is killed when the run ends, fails or is interrupted. A system that fails is
+  reported as such in its cells and restarted for the next measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import ctypes
+import json
+import math
+import os
+import queue
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rdmaflow.bench.perftest import run_perftest, ucx_env
+from rdmaflow.bench.util import format_size, parse_size, summarize
+
+SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic", "grpc-protobuf",
+           "tensorpipe", "gloo", "ucx-perftest-put", "memcpy")
+RDMAFLOW_SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic")
+TRANSPORTS = ("tcp", "sm")
+DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
+QUICK_SIZES = "64K,1M"
+DEFAULT_REPEATS = 5
+QUICK_REPEATS = 2
+DEFAULT_TARGET_BYTES = 256 << 20
+QUICK_TARGET_BYTES = 8 << 20
+DEFAULT_MIN_ITERS = 1
+DEFAULT_MAX_ITERS = 1000
+QUICK_MAX_ITERS = 100
+DEFAULT_WINDOW = 2
+DEFAULT_MAX_INFLIGHT = 1 << 30
+DEFAULT_OUT = "bench-results"
+CSV_NAME = "transfer.csv"
+PNG_NAME = "transfer.png"
+START_TIMEOUT = 90.0
+
+#: The project's acceptance bars: (transports, numerator, denominator, bar), at ACCEPT_SIZES.
+ACCEPT_SIZES = (16 << 20, 64 << 20)
+ACCEPTANCE: tuple[tuple[tuple[str, ...], str, str, float], ...] = (
+    (("tcp",), "rdmaflow-zerocopy", "grpc-protobuf", 10.0),
+    (("tcp",), "rdmaflow-zerocopy", "tensorpipe", 1.5),
+    (("tcp",), "rdmaflow-zerocopy", "gloo", 1.2),
+    (("tcp",), "rdmaflow-zerocopy", "ucx-perftest-put", 0.9),
+    (("sm",), "rdmaflow-zerocopy", "tensorpipe", 1.3),
+    (("sm",), "rdmaflow-zerocopy", "gloo", 1.5),
+    (("sm",), "rdmaflow-zerocopy", "memcpy", 0.7),
+    (("tcp", "sm"), "rdmaflow-zerocopy", "rdmaflow-copy", 1.2),
+)
+
+#: What each system uses per transport (printed with the tables).
+PATHS = {
+    "tcp": {"rdmaflow": "UCX_TLS=tcp", "grpc-protobuf": "TCP 127.0.0.1",
+            "tensorpipe": "uv transport, basic channel", "gloo": "TCP lo"},
+    "sm": {"rdmaflow": "UCX_TLS=cma,posix,self,tcp (puts/gets on cma)",
+           "grpc-protobuf": "unix domain socket",
+           "tensorpipe": "shm transport, cma channel", "gloo": "TCP lo (gloo has no shm transport)"},
+}
+
+CSV_COLUMNS = [
+    "system", "transport", "size_bytes", "size", "gb_per_s", "p50_us",
+    "gb_per_s_min", "gb_per_s_max", "gb_per_s_iqr", "p50_us_min", "p50_us_max",
+    "repeats", "failures", "iters", "warmup", "window", "status", "values_gb_per_s",
+]
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------
+# Parameters of a measurement
+
+
+def iterations(size: int, target_bytes: int, min_iters: int, max_iters: int) -> int:
+    return max(min_iters, min(max_iters, math.ceil(target_bytes / size)))
+
+
+def warmup_of(count: int) -> int:
+    return max(1, count // 10)
+
+
+def window_of(size: int, window: int, max_inflight: int) -> int:
+    return max(1, min(window, max_inflight // size))
+
+
+def arena_bytes(system: str, role: str, sizes: Sequence[int], window: int, max_inflight: int) -> int:
+    """The registered arena an rdmaflow process of ``system`` needs for these sizes.
+
+    Each size has its own pair for the whole run (made once, reused by every repeat): a static
+    receiver holds ``window`` slots per size, a copy-mode sender as many staging buffers, a
+    zero-copy or dynamic sender one source tensor per size; a dynamic receiver allocates
+    each received tensor and frees it after the reduce_max.
+    """
+    def slot(s: int) -> int:
+        return (s + 255) // 256 * 256
+
+    if role == "receiver" and system == "rdmaflow-dynamic":
+        need = max(slot(s) for s in sizes)
+    elif role == "receiver" or system == "rdmaflow-copy":
+        need = sum(window_of(s, window, max_inflight) * slot(s) for s in sizes)
+    else:
+        need = sum(slot(s) for s in sizes)
+    return need + (16 << 20) + len(sizes) * (64 << 10)  # control blocks, flags, acks, records
+
+
+# ------------------------------------------------------------------------------------------
+# Processes
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """One worker process: JSON lines in and out, stderr kept, every read bounded."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str], label: str):
+        self.label = label
+        self.proc = subprocess.Popen(
+            argv, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        self.lines: queue.Queue = queue.Queue()
+        self._err: list[str] = []
+        threading.Thread(target=self._pump_out, daemon=True).start()
+        threading.Thread(target=self._pump_err, daemon=True).start()
+
+    def _pump_out(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _pump_err(self) -> None:
+        for line in self.proc.stderr:
+            self._err.append(line)
+            del self._err[:-100]
+
+    def stderr_tail(self, n: int = 1500) -> str:
+        text = "".join(self._err).strip()
+        return text if len(text) <= n else "..." + text[-n:]
+
+    def send(self, obj: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(obj) + "\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as e:
+            raise BenchError(f"{self.label} is gone ({e}); stderr: {self.stderr_tail()}") from None
+
+    def read(self, timeout: float) -> dict:
+        try:
+            line = self.lines.get(timeout=max(0.001, timeout))
+        except queue.Empty:
+            raise BenchError(f"{self.label} did not answer within {timeout:.0f} s") from None
+        if line is None:
+            time.sleep(0.2)  # let the stderr pump catch up
+            raise BenchError(f"{self.label} exited (code {self.proc.poll()}); stderr: {self.stderr_tail()}")
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            raise BenchError(f"{self.label} wrote {line.strip()[:200]!r}") from None
+        if not msg.get("ok"):
+            raise BenchError(f"{self.label}: {msg.get('error')}")
+        return msg
+
+    def kill(self) -> None:
+        p = self.proc
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)  # its own group: whatever it started goes too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(5)
+        for f in (p.stdin, p.stdout, p.stderr):
+            with contextlib.suppress(Exception):
+                f.close()
+
+    def close(self, grace: float = 3.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(BenchError):
+                self.send({"cmd": "exit"})
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
+        self.kill()
+
+
+class System:
+    """A system under test on one transport: ``measure(size, count, warmup, window)``."""
+
+    def __init__(self, name: str, transport: str):
+        self.name = name
+        self.transport = transport
+
+    def start(self) -> None:
+        pass
+
+    def measure(self, size: int, count: int, warmup: int, window: int, timeout: float,
+                tag: int) -> dict[str, float | None]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _stream_metrics(times: Sequence[float], size: int, count: int) -> dict[str, float]:
+    """gb_per_s and p50_us from receiver-side consume instants t_0 .. t_count."""
+    if len(times) != count + 1:
+        raise BenchError(f"expected {count + 1} timestamps, got {len(times)}")
+    elapsed = times[-1] - times[0]
+    if elapsed <= 0:
+        raise BenchError("non-positive elapsed time")
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"gb_per_s": count * size / elapsed / 1e9, "p50_us": statistics.median(gaps) * 1e6}
+
+
+class WorkerPair(System):
+    """A sender and a receiver process of one system."""
+
+    def __init__(self, name: str, transport: str, env: Mapping[str, str], *, sizes: Sequence[int],
+                 window: int, max_inflight: int, busy_poll: bool, sock_dir: str, timeout: float,
+                 torch_threads: int, reduce: bool = True):
+        super().__init__(name, transport)
+        self.reduce = reduce
+        self.env = dict(env)
+        self.sizes = sizes
+        self.window = window
+        self.max_inflight = max_inflight
+        self.busy_poll = busy_poll
+        self.sock_dir = sock_dir
+        self.timeout = timeout
+        self.torch_threads = torch_threads
+        self.rx: Proc | None = None
+        self.tx: Proc | None = None
+        self.peer: dict = {}
+        self._hello_pending = False
+
+    def _argv(self, role: str, port: int) -> list[str]:
+        argv = [sys.executable, "-m", "rdmaflow.bench.transfer", "--worker", self.name, role,
+                "--transport", self.transport, "--port", str(port), "--sock-dir", self.sock_dir,
+                "--timeout", str(self.timeout), "--torch-threads", str(self.torch_threads)]
+        if self.name in RDMAFLOW_SYSTEMS:
+            argv += ["--arena-bytes", str(arena_bytes(self.name, role, self.sizes, self.window,
+                                                      self.max_inflight))]
+            if self.busy_poll:
+                argv.append("--busy-poll")
+        return argv
+
+    def spawn(self) -> None:
+        """Starts both processes without waiting for them (so that start-ups overlap)."""
+        if self.rx is not None:
+            return
+        port = _free_port()  # torch.distributed rendezvous (racy: a clash fails the start)
+        try:
+            self.rx = Proc(self._argv("receiver", port), self.env, f"{self.name} receiver")
+            self.tx = Proc(self._argv("sender", port), self.env, f"{self.name} sender")
+        except BaseException:
+            self.close()
+            raise
+        self._hello_pending = True
+
+    def start(self) -> None:
+        self.spawn()
+        if not self._hello_pending:
+            return
+        assert self.rx is not None and self.tx is not None
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            hello = self.rx.read(deadline - time.monotonic())
+            self.tx.read(deadline - time.monotonic())
+            self.peer = hello.get("info", {})
+            self._hello_pending = False
+        except BaseException:
+            self.close()
+            raise
+
+    def measure(self, size, count, warmup, window, timeout, tag):
+        self.start()
+        assert self.rx is not None and self.tx is not None
+        cmd = {"size": size, "count": warmup + count, "window": window, "tag": tag,
+               "timeout": timeout, "reduce": self.reduce}
+        deadline = time.monotonic() + timeout
+        self.rx.send({"cmd": "recv", **cmd})
+        self.rx.read(min(timeout, 60.0))  # ready
+        self.tx.send({"cmd": "send", "peer": self.peer, **cmd})
+        self.tx.read(deadline - time.monotonic())
+        res = self.rx.read(deadline - time.monotonic() + 5.0)
+        if res.get("bad"):
+            raise BenchError(f"{res['bad']} of {warmup + count} received tensors had a wrong max")
+        return _stream_metrics(res["times"][warmup - 1:], size, count)
+
+    def close(self) -> None:
+        procs = [p for p in (self.tx, self.rx) if p is not None]
+        for p in procs:
+            with contextlib.suppress(BenchError):
+                p.send({"cmd": "exit"})
+        end = time.monotonic() + 5.0
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(max(0.01, end - time.monotonic()))
+            p.kill()
+        self.rx = self.tx = None
+        self._hello_pending = False
+
+
+class Memcpy(System):
+    def __init__(self, transport: str, env: Mapping[str, str]):
+        super().__init__("memcpy", transport)
+        self.env = dict(env)
+        self.proc: Proc | None = None
+
+    def start(self) -> None:
+        if self.proc is None:
+            argv = [sys.executable, "-m", "rdmaflow.bench.transfer", "--worker", "memcpy", "local",
+                    "--transport", self.transport, "--torch-threads", "1"]
+            self.proc = Proc(argv, self.env, "memcpy")
+            try:
+                self.proc.read(START_TIMEOUT)
+            except BaseException:
+                self.close()
+                raise
+
+    def measure(self, size, count, warmup, window, timeout, tag):
+        self.start()
+        assert self.proc is not None
+        self.proc.send({"cmd": "memcpy", "size": size, "count": count, "loops": 3, "tag": tag})
+        res = self.proc.read(timeout)
+        if res.get("bad"):
+            raise BenchError("memcpy destination has a wrong max")
+        return _stream_metrics(res["times"], size, count)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.close()
+            self.proc = None
+
+
+class Perftest(System):
+    def __init__(self, transport: str):
+        super().__init__("ucx-perftest-put", transport)
+
+    def measure(self, size, count, warmup, window, timeout, tag):
+        bw = run_perftest(self.transport, "put", size, iters=count, warmup=warmup, timeout=timeout)
+        return {"gb_per_s": bw / 1e9, "p50_us": None}
+
+
+def system_env(name: str, transport: str, secret: str, torch_threads: int) -> dict[str, str]:
+    if name in RDMAFLOW_SYSTEMS:
+        env = ucx_env(transport)
+        env["RDMAFLOW_JOB_SECRET"] = secret
+    else:
+        env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(torch_threads)
+    env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["TP_SOCKET_IFNAME"] = "lo"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def make_system(name: str, transport: str, *, secret: str, sizes: Sequence[int], window: int,
+                max_inflight: int, busy_poll: bool, sock_dir: str, timeout: float,
+                torch_threads: int, reduce: bool = True) -> System:
+    if name == "ucx-perftest-put":
+        return Perftest(transport)
+    env = system_env(name, transport, secret, torch_threads)
+    if name == "memcpy":
+        return Memcpy(transport, env)
+    return WorkerPair(name, transport, env, sizes=sizes, window=window, max_inflight=max_inflight,
+                      busy_poll=busy_poll, sock_dir=sock_dir, timeout=timeout,
+                      torch_threads=torch_threads, reduce=reduce)
+
+
+# ------------------------------------------------------------------------------------------
+# Noise from other processes
+
+
+def _tree_cpu(root: int) -> float:
+    """CPU seconds of ``root`` and its live descendants, plus the children they reaped."""
+    tck = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ppid = int(fields[1])
+        cpu = sum(int(x) for x in fields[11:15]) / tck  # utime stime cutime cstime
+        stats[int(d)] = (ppid, cpu)
+    total, todo = 0.0, [root]
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        kids.setdefault(ppid, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+        todo.extend(kids.get(pid, []))
+    return total
+
+
+def _busy_cpu() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class BackgroundMeter:
+    """How much CPU processes other than this benchmark used while it ran: the noise."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.busy0 = _busy_cpu()
+        self.mine0 = _tree_cpu(os.getpid())
+
+    def report(self) -> dict[str, float]:
+        wall = max(1e-9, time.monotonic() - self.t0)
+        others = max(0.0, (_busy_cpu() - self.busy0) - (_tree_cpu(os.getpid()) - self.mine0))
+        return {"wall_s": wall, "other_cpu_s": others,
+                "other_cores": others / wall, "cpus": float(os.cpu_count() or 1)}
+
+
+# ------------------------------------------------------------------------------------------
+# The benchmark
+
+Key = tuple[str, str, int]  # (system, transport, size)
+
+
+def measurement_timeout(size: int, count: int, base: float) -> float:
+    # Generous: the slowest system (gRPC, ~0.2 GB/s here) must finish, not be cut off.
+    return base + (count + warmup_of(count)) * size / 20e6
+
+
+def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int], *, repeats: int,
+                    target_bytes: int, min_iters: int, max_iters: int, window: int,
+                    max_inflight: int, busy_poll: bool, timeout: float, torch_threads: int,
+                    results: dict[Key, dict[str, Any]],
+                    log: Callable[[str], None], reduce: bool = True) -> None:
+    """Fills ``results`` for one transport; see the module doc for the method."""
+    secret = secrets.token_hex(16)
+    sock_dir = tempfile.mkdtemp(prefix="rdmaflow-bench-")
+    objs: dict[str, System] = {}
+    failures_in_row: dict[str, int] = {}
+    try:
+        for name in systems:
+            objs[name] = make_system(name, transport, secret=secret, sizes=sizes, window=window,
+                                     max_inflight=max_inflight, busy_poll=busy_poll,
+                                     sock_dir=sock_dir, timeout=timeout,
+                                     torch_threads=torch_threads, reduce=reduce)
+        for size in sizes:
+            count = iterations(size, target_bytes, min_iters, max_iters)
+            for name in systems:
+                results.setdefault((name, transport, size), {
+                    "gb_per_s": [], "p50_us": [], "errors": [], "iters": count,
+                    "warmup": warmup_of(count), "window": window_of(size, window, max_inflight)})
+        # Start every pair up front (their start-ups overlap); failures show at first use.
+        for obj in objs.values():
+            if isinstance(obj, WorkerPair):
+                with contextlib.suppress(BenchError, OSError):
+                    obj.spawn()
+        tag = 0
+        for rep in range(repeats):
+            order = list(systems[rep % len(systems):]) + list(systems[:rep % len(systems)])
+            for size in sizes:
+                count = iterations(size, target_bytes, min_iters, max_iters)
+                warm = warmup_of(count)
+                win = window_of(size, window, max_inflight)
+                for name in order:
+                    cell = results[(name, transport, size)]
+                    if failures_in_row.get(name, 0) >= 3:
+                        cell["errors"].append("skipped after 3 failures in a row")
+                        continue
+                    tag += 1
+                    t0 = time.monotonic()
+                    try:
+                        m = objs[name].measure(size, count, warm, win,
+                                               measurement_timeout(size, count, timeout), tag)
+                    except (BenchError, RuntimeError, OSError, ValueError) as e:
+                        msg = " ".join(str(e).split())[:300]
+                        cell["errors"].append(msg)
+                        failures_in_row[name] = failures_in_row.get(name, 0) + 1
+                        log(f"[{transport} {rep + 1}/{repeats}] {name} {format_size(size)}: "
+                            f"failed: {msg}")
+                        objs[name].close()  # restarted at its next measurement
+                        continue
+                    failures_in_row[name] = 0
+                    cell["gb_per_s"].append(m["gb_per_s"])
+                    if m["p50_us"] is not None:
+                        cell["p50_us"].append(m["p50_us"])
+                    p50 = "" if m["p50_us"] is None else f", p50 {m['p50_us']:.1f} us"
+                    log(f"[{transport} {rep + 1}/{repeats}] {name} {format_size(size)}: "
+                        f"{m['gb_per_s']:.3f} GB/s{p50} ({time.monotonic() - t0:.1f} s)")
+    finally:
+        for obj in objs.values():
+            with contextlib.suppress(Exception):
+                obj.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+
+
+# ------------------------------------------------------------------------------------------
+# Reporting
+
+
+def cell_summary(cell: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not cell or not cell["gb_per_s"]:
+        return None
+    g = summarize(cell["gb_per_s"])
+    p = summarize(cell["p50_us"]) if cell["p50_us"] else None
+    return {"gb_per_s": g, "p50_us": p}
+
+
+def ratio(results: Mapping[Key, dict[str, Any]], transport: str, num: str, den: str,
+          size: int) -> float | None:
+    a = cell_summary(results.get((num, transport, size)))
+    b = cell_summary(results.get((den, transport, size)))
+    if a is None or b is None or b["gb_per_s"]["median"] <= 0:
+        return None
+    return a["gb_per_s"]["median"] / b["gb_per_s"]["median"]
+
+
+def _status(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "not run"
+    if not cell["errors"]:
+        return "ok"
+    if not cell["gb_per_s"]:
+        return "failed: " + cell["errors"][0]
+    return f"ok ({len(cell['errors'])} failed: {cell['errors'][0]})"
+
+
+def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems: Sequence[str],
+                  sizes: Sequence[int], repeats: int) -> str:
+    env = ucx_env(transport)
+    paths = PATHS[transport]
+    lines = [
+        f"## transport {transport}: rdmaflow and ucx_perftest with UCX_TLS={env['UCX_TLS']} "
+        f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES', '')}; gRPC: {paths['grpc-protobuf']}; "
+        f"TensorPipe: {paths['tensorpipe']}; gloo: {paths['gloo']}",
+        f"GB/s (1 GB = 1e9 B) at the receiver, after reduce_max; median [min-max] of {repeats} "
+        f"interleaved repeats",
+    ]
+    width = 17
+    head = f"{'size':>6} " + " ".join(f"{s:>{width}}" for s in systems)
+    lines += [head, "-" * len(head)]
+    notes: dict[str, str] = {}
+    for size in sizes:
+        row = [f"{format_size(size):>6}"]
+        for s in systems:
+            cell = results.get((s, transport, size))
+            sm = cell_summary(cell)
+            if sm is None:
+                txt = "failed" if cell and cell["errors"] else "-"
+                if cell and cell["errors"]:
+                    notes.setdefault(s, cell["errors"][0])
+            else:
+                g = sm["gb_per_s"]
+                txt = f"{g['median']:.3g} [{g['min']:.2g}-{g['max']:.2g}]"
+                if cell["errors"]:
+                    txt += "*"
+                    notes.setdefault(s, cell["errors"][0])
+            row.append(f"{txt:>{width}}")
+        lines.append(" ".join(row))
+    lines += ["", "p50 per-transfer time, us (median over repeats of the median receiver "
+                  "inter-arrival time)", head, "-" * len(head)]
+    for size in sizes:
+        row = [f"{format_size(size):>6}"]
+        for s in systems:
+            sm = cell_summary(results.get((s, transport, size)))
+            txt = "-" if sm is None or sm["p50_us"] is None else f"{sm['p50_us']['median']:.4g}"
+            row.append(f"{txt:>{width}}")
+        lines.append(" ".join(row))
+    for s, msg in notes.items():
+        lines.append(f"* {s}: failed: {msg}")
+    return "\n".join(lines)
+
+
+def acceptance(results: Mapping[Key, dict[str, Any]], transports: Sequence[str]) -> list[dict[str, Any]]:
+    rows = []
+    for ts, num, den, bar in ACCEPTANCE:
+        for t in ts:
+            if t not in transports:
+                continue
+            for size in ACCEPT_SIZES:
+                if (num, t, size) not in results and (den, t, size) not in results:
+                    continue
+                x = ratio(results, t, num, den, size)
+                rows.append({"transport": t, "size": size, "num": num, "den": den, "bar": bar,
+                             "ratio": x, "verdict": "n/a" if x is None else ("PASS" if x >= bar else "MISS")})
+    return rows
+
+
+def format_acceptance(rows: Sequence[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    lines = ["acceptance ratios (median GB/s over median GB/s):"]
+    for r in rows:
+        x = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(f"  {r['transport']:>3} {format_size(r['size']):>4}  {r['num']} / {r['den']:<17}"
+                     f" = {x:>6}  (bar >= {r['bar']:g})  {r['verdict']}")
+    return "\n".join(lines)
+
+
+def write_csv(path: str, results: Mapping[Key, dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for (system, transport, size), cell in results.items():
+            sm = cell_summary(cell)
+            g = sm["gb_per_s"] if sm else None
+            p = sm["p50_us"] if sm else None
+            w.writerow({
+                "system": system, "transport": transport, "size_bytes": size,
+                "size": format_size(size),
+                "gb_per_s": f"{g['median']:.4f}" if g else "",
+                "p50_us": f"{p['median']:.2f}" if p else "",
+                "gb_per_s_min": f"{g['min']:.4f}" if g else "",
+                "gb_per_s_max": f"{g['max']:.4f}" if g else "",
+                "gb_per_s_iqr": f"{g['iqr']:.4f}" if g else "",
+                "p50_us_min": f"{p['min']:.2f}" if p else "",
+                "p50_us_max": f"{p['max']:.2f}" if p else "",
+                "repeats": len(cell["gb_per_s"]), "failures": len(cell["errors"]),
+                "iters": cell["iters"], "warmup": cell["warmup"], "window": cell["window"],
+                "status": _status(cell),
+                "values_gb_per_s": " ".join(f"{v:.4f}" for v in cell["gb_per_s"]),
+            })
+
+
+STYLE = {
+    "rdmaflow-zerocopy": ("tab:red", "o", "-"),
+    "rdmaflow-copy": ("tab:orange", "s", "-"),
+    "rdmaflow-dynamic": ("tab:brown", "^", "-"),
+    "grpc-protobuf": ("tab:blue", "v", "-"),
+    "tensorpipe": ("tab:green", "D", "-"),
+    "gloo": ("tab:purple", "P", "-"),
+    "ucx-perftest-put": ("black", "x", "--"),
+    "memcpy": ("grey", "", ":"),
+}
+
+
+def plot(path: str, results: Mapping[Key, dict[str, Any]], transports: Sequence[str],
+         systems: Sequence[str], sizes: Sequence[int], title: str = "") -> None:
+    """Figure 8 style: log-log, throughput (top) and per-transfer time (bottom), a column per
+    transport, one line per system with its min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(transports)
+    fig, axes = plt.subplots(2, n, figsize=(6.5 * n, 9), squeeze=False, sharex=True)
+    for j, t in enumerate(transports):
+        for s in systems:
+            color, mark, ls = STYLE.get(s, (None, "o", "-"))
+            for i, metric in enumerate(("gb_per_s", "p50_us")):
+                xs, med, lo, hi = [], [], [], []
+                for size in sizes:
+                    sm = cell_summary(results.get((s, t, size)))
+                    if sm is None or sm[metric] is None:
+                        continue
+                    xs.append(size)
+                    med.append(sm[metric]["median"])
+                    lo.append(sm[metric]["min"])
+                    hi.append(sm[metric]["max"])
+                if not xs:
+                    continue
+                ax = axes[i][j]
+                ax.plot(xs, med, marker=mark or None, linestyle=ls, color=color, label=s, ms=4)
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+        for i, ylabel in enumerate(("throughput, GB/s (1e9 B/s)", "time per transfer (p50), us")):
+            ax = axes[i][j]
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_ylabel(ylabel)
+            ax.set_xticks(list(sizes))
+            ax.set_xticklabels([format_size(s) for s in sizes], rotation=45)
+            if i == 0:
+                ax.set_title(f"transport: {t}" + (" (gloo: TCP)" if t == "sm" else ""))
+            else:
+                ax.set_xlabel("tensor size (float32)")
+        axes[0][j].legend(fontsize=8, loc="best")
+    if title:
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, 60 * n)), fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------
+# Command line
+
+
+def _parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise ValueError(f"unknown {what} {','.join(bad) or '(none)'}; choose from {','.join(allowed)}")
+    return items
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--transport", default="both",
+                    help="tcp, sm, a comma list, or both (default: both, tcp then sm)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma list (default: all): {','.join(SYSTEMS)}")
+    ap.add_argument("--sizes", default=None,
+                    help=f"tensor sizes in bytes, comma list (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES})")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help=f"interleaved repeats per cell (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
+    ap.add_argument("--target-bytes", default=None,
+                    help="bytes per measurement: count = target / size, clamped to [min, max] "
+                         "iterations (default 256M; --quick: 8M)")
+    ap.add_argument("--min-iters", type=int, default=DEFAULT_MIN_ITERS,
+                    help=f"fewest timed transfers per measurement (default {DEFAULT_MIN_ITERS})")
+    ap.add_argument("--max-iters", type=int, default=None,
+                    help=f"most timed transfers per measurement (default {DEFAULT_MAX_ITERS}; "
+                         f"--quick: {QUICK_MAX_ITERS})")
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                    help=f"transfers in flight in every system (default {DEFAULT_WINDOW})")
+    ap.add_argument("--max-inflight-bytes", default="1G",
+                    help="the window shrinks so that window * size stays within this (default 1G)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads in every process, for the reduce_max (default 1)")
+    ap.add_argument("--no-reduce", action="store_true",
+                    help="diagnostic: receivers skip the reduce_max (transfer cost alone)")
+    ap.add_argument("--busy-poll", action="store_true",
+                    help="rdmaflow devices busy-poll instead of sleeping on the wakeup fd")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="base bound on one measurement, seconds; grows with its bytes (default 60)")
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help=f"directory for {CSV_NAME} and {PNG_NAME} (default {DEFAULT_OUT}/)")
+    ap.add_argument("--plot", default=None, help=f"also write the plot here (e.g. docs/img/{PNG_NAME})")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"short run for tests: sizes {QUICK_SIZES}, {QUICK_REPEATS} repeats, 8M per measurement")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every measurement")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        transports = list(TRANSPORTS) if args.transport == "both" else \
+            _parse_list(args.transport, TRANSPORTS, "transport")
+        systems = _parse_list(args.systems, SYSTEMS, "system")
+        sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")
+                 if s.strip()]
+        if not sizes or any(s <= 0 or s % 4 for s in sizes):
+            raise ValueError("--sizes needs positive multiples of 4 bytes (float32 tensors)")
+        target = parse_size(args.target_bytes) if args.target_bytes else (
+            QUICK_TARGET_BYTES if args.quick else DEFAULT_TARGET_BYTES)
+        max_inflight = parse_size(args.max_inflight_bytes)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    max_iters = args.max_iters or (QUICK_MAX_ITERS if args.quick else DEFAULT_MAX_ITERS)
+    if repeats < 1 or args.window < 1 or args.min_iters < 1 or max_iters < args.min_iters:
+        print("error: --repeats, --window, --min-iters must be >= 1 and --max-iters >= --min-iters",
+              file=sys.stderr)
+        return 2
+
+    import rdmaflow
+
+    header = (f"rdmaflow {rdmaflow.__version__} bench transfer: UCX {rdmaflow.ucx_version()}, "
+              f"{os.cpu_count()} CPUs, sizes {','.join(format_size(s) for s in sizes)}, "
+              f"{repeats} repeats, window {args.window}, torch threads {args.torch_threads}"
+              + (", NO reduce_max (diagnostic)" if args.no_reduce else ""))
+    print(header, flush=True)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
+    results: dict[Key, dict[str, Any]] = {}
+    csv_path = os.path.join(args.out, CSV_NAME)
+    png_path = os.path.join(args.out, PNG_NAME)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    started = time.monotonic()
+    interrupted = False
+    try:
+        for t in transports:
+            meter = BackgroundMeter()
+            bench_transport(t, systems, sizes, repeats=repeats, target_bytes=target,
+                            min_iters=args.min_iters, max_iters=max_iters, window=args.window,
+                            max_inflight=max_inflight, busy_poll=args.busy_poll,
+                            timeout=args.timeout, torch_threads=args.torch_threads,
+                            results=results, log=log, reduce=not args.no_reduce)
+            bg = meter.report()
+            print()
+            print(format_tables(results, t, systems, sizes, repeats), flush=True)
+            print(f"background: other processes used {bg['other_cpu_s']:.0f} CPU-s in "
+                  f"{bg['wall_s']:.0f} s ({bg['other_cores']:.2f} of {bg['cpus']:.0f} cores)"
+                  + ("  <- noisy: not a quiet machine" if bg["other_cores"] > 0.1 else ""),
+                  flush=True)
+            write_csv(csv_path, results)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted; every benchmark process was stopped", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    if not results:
+        return 130 if interrupted else 1
+    write_csv(csv_path, results)
+    done = [t for t in transports if any(k[1] == t for k in results)]
+    rows = acceptance(results, done)
+    if rows:
+        print()
+        print(format_acceptance(rows))
+    try:
+        plot(png_path, results, done, systems, sizes, title=header)
+        if args.plot:
+            plot(args.plot, results, done, systems, sizes, title=header)
+    except Exception as e:  # noqa: BLE001  (a plot problem must not lose the numbers)
+        print(f"warning: could not write the plot: {e}", file=sys.stderr)
+    print(f"\nCSV: {csv_path}\nplot: {png_path}" + (f", {args.plot}" if args.plot else "")
+          + f"\nelapsed: {time.monotonic() - started:.0f} s")
+    if interrupted:
+        return 130
+    failed = any(not c["gb_per_s"] for c in results.values())
+    return 1 if failed else 0
+
+
+def _worker_main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rdmaflow bench transfer --worker")
+    ap.add_argument("system")
+    ap.add_argument("role")
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--sock-dir", default=tempfile.gettempdir())
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--arena-bytes", type=int, default=64 << 20)
+    ap.add_argument("--busy-poll", action="store_true")
+    ap.add_argument("--torch-threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    from rdmaflow.bench import _transfer_worker
+
+    return _transfer_worker.serve(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker_main(argv[1:])
+    ap = argparse.ArgumentParser(
+        prog="rdmaflow bench transfer",
+        description="One-way tensor transfer with reduce_max at the receiver: rdmaflow next to "
+                    "gRPC, TensorPipe, gloo, ucx_perftest and memcpy (seed 000 Figure 8).")
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The ``rdmaflow`` command (also ``python -m rdmaflow``).
+
+    rdmaflow info [--json]            what rdmaflow and UCX can do on this machine
+    rdmaflow bench device [...]       Channel.memcpy bandwidth next to ucx_perftest
+    rdmaflow bench transfer [...]     one-way tensor transfer next to gRPC, gloo, TensorPipe
+    rdmaflow launch [...] script.py   start a parameter-server job with torchrun
+
+To add a subcommand (``bench train``, ...), write a module with ``add_arguments(parser)`` (or
+``build_parser(parser)``) and ``run(args) -> int`` (the exit status) and list it in
+:data:`COMMANDS` or :data:`BENCHMARKS`. Modules keep heavy work inside ``run``. A module that
+fails to import only disables its own subcommand.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). Each module has add_arguments(parser) and run(args).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("rdmaflow.info", "show versions, UCX transports/devices (verbs? CUDA?) and settings"),
+    "launch": ("rdmaflow.launch", "start a parameter-server job with torchrun"),
+}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "device": ("rdmaflow.bench.device",
+               "WRITE/READ bandwidth of Channel.memcpy next to ucx_perftest put/get"),
+    "transfer": ("rdmaflow.bench.transfer",
+                 "one-way tensor transfer, rdmaflow next to gRPC, TensorPipe, gloo, perftest"),
+    # "train": ("rdmaflow.bench.train", "..."),
+}
+
+
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_text: str) -> None:
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    try:
+        mod = importlib.import_module(module)
+        if hasattr(mod, "add_arguments"):
+            mod.add_arguments(p)
+        else:
+            mod.build_parser(p)
+    except Exception as e:  # noqa: BLE001 - reported when this subcommand is used
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        p.set_defaults(_module=None, _broken=f"{module}: {type(e).__name__}: {e}")
+        return
+    p.set_defaults(_module=module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rdmaflow",
+                                 description="One-sided RDMA tensor transfer over UCX.")
+    ap.add_argument("--version", action="store_true", help="print the rdmaflow version and exit")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        _add(sub, name, module, help_text)
+    bench = sub.add_parser("bench", help="benchmarks (bench device, bench transfer)",
+                           description="rdmaflow benchmarks")
+    bsub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    for name, (module, help_text) in BENCHMARKS.items():
+        _add(bsub, name, module, help_text)
+    bench.set_defaults(_parser=bench)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(None if argv is None else list(argv))
+    if args.version:
+        import rdmaflow
+
+        print(f"rdmaflow {rdmaflow.__version__}")
+        return 0
+    broken = getattr(args, "_broken", None)
+    if broken:
+        print(f"rdmaflow: this subcommand is unavailable: {broken}", file=sys.stderr)
+        return 1
+    module = getattr(args, "_module", None)
+    if module is None:
+        getattr(args, "_parser", ap).print_help()
+        return 2
+    return int(importlib.import_module(module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""``rdmaflow info``: what this machine's rdmaflow and UCX can do, for bringing up a cluster.
+
+Prints the rdmaflow and UCX versions, which libucp was loaded (the libucx wheel's or a system
+UCX), the transports and devices UCX finds (``ucx_info -d``), whether RDMA verbs and CUDA
+transports are among them, the UCX_*/RDMAFLOW_* settings in force (secrets masked), and what
+a temporary rdmaflow Device actually enabled. ``--json`` gives the same as one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+VERBS_TRANSPORTS = ("rc_verbs", "ud_verbs", "rc_mlx5", "dc_mlx5", "ud_mlx5")
+CUDA_TRANSPORTS = ("cuda_copy", "cuda_ipc", "gdr_copy")
+SECRET_ENV = "RDMAFLOW_JOB_SECRET"
+_SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "KEY")
+_TOOL_TIMEOUT = 15.0
+
+NO_VERBS_HINT = (
+    "this UCX has no verbs transports (the libucx wheel is built without verbs); install a "
+    "UCX built with verbs (e.g. the cluster's HPC-X/OFED UCX) and rebuild rdmaflow with "
+    "RDMAFLOW_UCX_ROOT=<prefix>, see README")
+NO_VERBS_DEVICE_HINT = (
+    "this UCX is built with verbs but found no usable RDMA device; check `ibv_devinfo` / "
+    "`rdma link`, the NIC driver (mlx5_ib), /dev/infiniband permissions and the locked-memory "
+    "limit (`ulimit -l`)")
+NO_CUDA_HINT = "this UCX has no CUDA transports (it is built without CUDA)"
+NO_CUDA_DEVICE_HINT = ("this UCX is built with CUDA but found no GPU (no NVIDIA driver or "
+                       "device visible to this process)")
+
+
+# ------------------------------------------------------------------------------------------
+# Gathering
+
+
+def _loaded_ucx_libs() -> dict[str, str]:
+    """{"libucp": path, ...} of the UCX libraries mapped into this process."""
+    libs: dict[str, str] = {}
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) < 6:
+                    continue
+                path = parts[5].strip()
+                m = re.search(r"/(libuc[pstm])\.so[.\d]*$", path)
+                if m:
+                    libs.setdefault(m.group(1), path)
+    except OSError:
+        pass
+    return libs
+
+
+def _ucx_source(libucp: str | None) -> str:
+    from rdmaflow import _ucx
+
+    if not libucp:
+        return "unknown"
+    wd = _ucx.wheel_dir()
+    if wd and os.path.realpath(libucp).startswith(os.path.realpath(wd) + os.sep):
+        return "libucx wheel"
+    return "system"
+
+
+def _ucx_info_tool(libucp: str | None, source: str) -> tuple[str | None, dict[str, str]]:
+    """The ucx_info that belongs to the loaded libucp, and the environment to run it in."""
+    from rdmaflow import _ucx
+
+    if libucp and source == "system":
+        # <prefix>/lib/libucp.so -> <prefix>/bin/ucx_info, run against that lib dir.
+        libdir = os.path.dirname(os.path.realpath(libucp))
+        for cand in (os.path.join(os.path.dirname(libdir), "bin", "ucx_info"),):
+            if os.access(cand, os.X_OK):
+                env = dict(os.environ)
+                env["LD_LIBRARY_PATH"] = libdir + (
+                    ":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+                return cand, env
+    return _ucx.bin_path("ucx_info"), _ucx.tool_env()
+
+
+def _run_tool(argv: list[str], env: dict[str, str]) -> tuple[str | None, str | None]:
+    """(stdout, error)."""
+    try:
+        p = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=_TOOL_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{' '.join(argv)}: {e}"
+    if p.returncode != 0:
+        return None, f"{' '.join(argv)} exited with {p.returncode}: {p.stderr.strip()[-500:]}"
+    return p.stdout, None
+
+
+def parse_ucx_info_d(text: str) -> list[dict[str, str]]:
+    """[{"transport", "device", "md"}] from ``ucx_info -d`` output."""
+    found: list[dict[str, str]] = []
+    md = ""
+    transport: str | None = None
+    for line in text.splitlines():
+        s = line.strip().lstrip("#").strip()
+        if s.startswith("Memory domain:"):
+            md = s.split(":", 1)[1].strip()
+            transport = None
+        elif s.startswith("Transport:"):
+            transport = s.split(":", 1)[1].strip()
+        elif s.startswith("Device:") and transport:
+            found.append({"transport": transport, "device": s.split(":", 1)[1].strip(), "md": md})
+            transport = None
+    return found
+
+
+_RESOURCE_RE = re.compile(r"resource\s+\d+\s*:.*?--\s+(\S+?)/(\S+)\s*$")
+
+
+def parse_context_resources(text: str) -> list[dict[str, str]]:
+    """[{"transport", "device"}] from ``ucp_context_print_info`` (``Device.ucx_info()``)."""
+    out = []
+    for line in text.splitlines():
+        m = _RESOURCE_RE.search(line.strip().lstrip("#").strip())
+        if m:
+            out.append({"transport": m.group(1), "device": m.group(2)})
+    return out
+
+
+def _configure_flags(version_text: str | None) -> list[str]:
+    if not version_text:
+        return []
+    for line in version_text.splitlines():
+        s = line.strip().lstrip("#").strip()
+        if s.startswith("Configured with:"):
+            return s.split(":", 1)[1].split()
+    return []
+
+
+def _masked(name: str, value: str) -> str:
+    if name == SECRET_ENV or any(w in name.upper() for w in _SECRET_WORDS):
+        return f"<set, {len(value)} characters, masked>" if value else "<empty>"
+    return value
+
+
+def settings(environ: dict[str, str] | None = None) -> dict[str, str]:
+    env = os.environ if environ is None else environ
+    return {k: _masked(k, v) for k, v in sorted(env.items())
+            if k.startswith("UCX_") or k.startswith("RDMAFLOW_")}
+
+
+def _temporary_device() -> dict[str, Any]:
+    import rdmaflow
+
+    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(16)
+    try:
+        dev = rdmaflow.Device("127.0.0.1:0", secret=secret, connect_timeout=5.0, rpc_timeout=5.0)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "transports": [], "text": ""}
+    try:
+        text = dev.ucx_info()
+        return {"ok": True, "error": None, "endpoint": dev.endpoint,
+                "transports": parse_context_resources(text), "text": text}
+    finally:
+        dev.close()
+
+
+def _presence(names: Sequence[str], found: list[dict[str, str]]) -> list[str]:
+    seen: list[str] = []
+    for r in found:
+        if r["transport"] in names and r["transport"] not in seen:
+            seen.append(r["transport"])
+    return seen
+
+
+def gather() -> dict[str, Any]:
+    """Everything ``rdmaflow info`` reports, as a JSON-able dict."""
+    import rdmaflow
+    from rdmaflow import _ucx
+
+    info: dict[str, Any] = {
+        "rdmaflow_version": rdmaflow.__version__,
+        "rdmaflow_path": os.path.dirname(os.path.abspath(rdmaflow.__file__)),
+        "python": sys.version.split()[0],
+        "ucx_version": rdmaflow.ucx_version(),
+        "warnings": [],
+    }
+    libs = _loaded_ucx_libs()
+    libucp = libs.get("libucp")
+    source = _ucx_source(libucp)
+    info["libucp_path"] = libucp
+    info["ucx_source"] = source
+    info["libucx_wheel_dir"] = _ucx.wheel_dir()
+    build = getattr(_ucx, "build_source", lambda: "unknown")()
+    info["ucx_built_against"] = build  # "wheel" or "system" (rdmaflow/_build_info.py)
+    if libucp and (build, source) in (("wheel", "system"), ("system", "libucx wheel")):
+        info["warnings"].append(
+            f"rdmaflow was built against the {build} UCX but loaded the {source} one from "
+            f"{libucp}; rebuild rdmaflow, or check LD_LIBRARY_PATH / "
+            "RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY")
+
+    tool, tool_env = _ucx_info_tool(libucp, source)
+    info["ucx_info_tool"] = tool
+    transports: list[dict[str, str]] = []
+    flags: list[str] = []
+    if tool:
+        out, err = _run_tool([tool, "-d"], tool_env)
+        if out is not None:
+            transports = parse_ucx_info_d(out)
+        if err:
+            info["warnings"].append(err)
+        vout, _ = _run_tool([tool, "-v"], tool_env)
+        flags = _configure_flags(vout)
+    else:
+        info["warnings"].append("ucx_info not found (libucx wheel bin/, $UCX_HOME/bin, PATH)")
+    info["ucx_configure"] = [f for f in flags if re.match(r"--(with|without|enable|disable)-"
+                                                          r"(verbs|rdmacm|cuda|rocm|mlx5|gdrcopy|cma|knem|xpmem|mt)", f)]
+
+    dev = _temporary_device()
+    info["device"] = {k: v for k, v in dev.items() if k != "text"}
+    if not transports and dev["transports"]:
+        transports = dev["transports"]
+        info["transports_source"] = "Device.ucx_info() (limited by UCX_TLS/UCX_NET_DEVICES)"
+    else:
+        info["transports_source"] = "ucx_info -d" if transports else "none"
+    info["transports"] = transports
+    if not dev["ok"]:
+        info["warnings"].append(f"a temporary rdmaflow Device could not be created: {dev['error']}")
+
+    verbs = _presence(VERBS_TRANSPORTS, transports)
+    built_without_verbs = "--without-verbs" in flags
+    info["rdma_verbs"] = {
+        "present": bool(verbs), "transports": verbs,
+        "hint": None if verbs else (NO_VERBS_HINT if built_without_verbs or not flags
+                                    else NO_VERBS_DEVICE_HINT)}
+    cuda = _presence(CUDA_TRANSPORTS, transports)
+    built_with_cuda = any(f.startswith("--with-cuda") for f in flags)
+    info["cuda"] = {
+        "present": bool(cuda), "transports": cuda,
+        "hint": None if cuda else (NO_CUDA_DEVICE_HINT if built_with_cuda else NO_CUDA_HINT)}
+    info["settings"] = settings()
+    return info
+
+
+# ------------------------------------------------------------------------------------------
+# Printing
+
+
+def _group(resources: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
+    order: dict[str, list[str]] = {}
+    for r in resources:
+        devs = order.setdefault(r["transport"], [])
+        if r["device"] not in devs:
+            devs.append(r["device"])
+    return list(order.items())
+
+
+def format_text(info: dict[str, Any]) -> str:
+    lines = [f"rdmaflow {info['rdmaflow_version']} ({info['rdmaflow_path']}), "
+             f"Python {info['python']}"]
+    lines.append(f"UCX {info['ucx_version']}: {info['libucp_path'] or 'libucp not found in /proc/self/maps'}"
+                 f" ({info['ucx_source']}; rdmaflow built against: {info['ucx_built_against']})")
+    if info["ucx_configure"]:
+        lines.append(f"  built with: {' '.join(info['ucx_configure'])}")
+    lines.append(f"  ucx_info: {info['ucx_info_tool'] or 'not found'}")
+    lines.append("")
+    lines.append(f"Transports and devices UCX found ({info['transports_source']}):")
+    if info["transports"]:
+        width = max(len(t) for t, _ in _group(info["transports"]))
+        for t, devs in _group(info["transports"]):
+            lines.append(f"  {t:<{width}}  {', '.join(devs)}")
+    else:
+        lines.append("  none")
+    v = info["rdma_verbs"]
+    lines.append("")
+    lines.append(f"RDMA verbs: yes ({', '.join(v['transports'])})" if v["present"]
+                 else f"RDMA verbs: no — {v['hint']}")
+    c = info["cuda"]
+    lines.append(f"CUDA: yes ({', '.join(c['transports'])})" if c["present"]
+                 else f"CUDA: no — {c['hint']}")
+    lines.append("")
+    lines.append("UCX settings in force (UCX_*, RDMAFLOW_* environment):")
+    if info["settings"]:
+        for k, val in info["settings"].items():
+            lines.append(f"  {k}={val}")
+    else:
+        lines.append("  none (UCX defaults: every transport found may be used)")
+    lines.append("")
+    d = info["device"]
+    if d["ok"]:
+        res = ", ".join(f"{t}/{'/'.join(devs)}" if len(devs) == 1 else f"{t}/{{{','.join(devs)}}}"
+                        for t, devs in _group(d["transports"]))
+        lines.append(f"A temporary rdmaflow Device ({d['endpoint']}) enabled: {res or 'nothing'}")
+        names = {r["transport"] for r in d["transports"]}
+        if "tcp" not in names and not names & set(VERBS_TRANSPORTS):
+            lines.append("  warning: no tcp among them: rdmaflow devices connect through UCX's "
+                         "sockaddr connection manager and will not reach their peers; add tcp "
+                         "to UCX_TLS (e.g. UCX_TLS=cma,posix,self,tcp)")
+    else:
+        lines.append(f"A temporary rdmaflow Device could not be created: {d['error']}")
+    for w in info["warnings"]:
+        if not w.startswith("a temporary rdmaflow Device"):
+            lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    info = gather()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_text(info))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rdmaflow info", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,446 @@
+"""The parameter server's key-value API (rdmaflow.ps.KVStore), in real jobs.
+
+Each job is a set of processes started here with the variables a launcher sets (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, RDMAFLOW_JOB_SECRET,
+RDMAFLOW_SHARDS_PER_NODE); ranks below the shard count are shards. The c10d store is served by
+this process (as torchrun's agent does under ``rdmaflow launch``), except in one job where rank 0
+serves it. All jobs of this file start together (they spend most of their time importing torch)
+and every test waits for its own.
+Workers print one ``RESULT {json}`` line; every wait is bounded and every process group is
+killed at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rdmaflow.bench.perftest import ucx_env
+
+JOB_DEADLINE = 100.0  # seconds from the start of the jobs until every process must have exited
+
+COMMON = """
+import json, os, sys, time, torch
+import rdmaflow.ps as ps
+from rdmaflow import _core
+
+def report(**res):
+    print("RESULT " + json.dumps(res), flush=True)
+"""
+
+# 3 workers x 2 shards: overlapping pushes, read-your-writes, bad input, zero copy, init values.
+SUMS = COMMON + """
+ctx = ps.init()
+w, nw = ctx.role.index, ctx.role.num_workers
+KEYS = [0, 1, 2, 3, 5, 8, 13, 21]                  # shared by every worker, on both shards
+SHAPES = [(4,), (2, 3), (), (7,), (1,), (3, 3), (16,), (1000,)]
+PRIVATE = [100 + v for v in range(nw)]             # key 100 + v: pushed by worker v only
+keys, shapes = KEYS + PRIVATE, SHAPES + [(5,)] * nw
+init = [torch.full(s, float(k)) for k, s in zip(keys, shapes)]   # stored values start at the key
+# The declaration's order does not matter; only worker 0's init is used.
+kv = ps.KVStore(keys[::-1], shapes[::-1], torch.float32, init=init[::-1] if w == 0 else None)
+
+bad = {
+    "unknown_key": lambda: kv.push([999], [torch.zeros(4)]),
+    "wrong_shape": lambda: kv.push([0], [torch.zeros(5)]),
+    "wrong_dtype": lambda: kv.push([0], [torch.zeros(4, dtype=torch.float64)]),
+    "pull_unknown_key": lambda: kv.pull([999]),
+    "pull_wrong_out": lambda: kv.pull([1], [torch.zeros(3, 2)]),
+    "pull_wrong_out_dtype": lambda: kv.pull([1], [torch.zeros(2, 3, dtype=torch.int32)]),
+    "count_mismatch": lambda: kv.push([0, 1], [torch.zeros(4)]),
+    "duplicate_key": lambda: kv.push([0, 0], [torch.zeros(4), torch.zeros(4)]),
+    "not_a_tensor": lambda: kv.push([0], [[1.0, 2.0, 3.0, 4.0]]),
+    "key_not_int": lambda: kv.pull(["a"]),
+    "negative_key": lambda: kv.pull([-1]),
+    "bad_handle": lambda: kv.wait("nope"),
+}
+errors = {}
+for name, fn in bad.items():
+    try:
+        fn()
+        errors[name] = "no error"
+    except _core.InvalidArgumentError:
+        errors[name] = "ok"
+    except Exception as e:  # noqa: BLE001
+        errors[name] = f"{type(e).__name__}: {e}"
+
+# Read-your-writes: a pull right after a push (no wait in between) sees it.
+mine, acc, ryw = 100 + w, float(100 + w), []
+for i in range(15):
+    kv.push(mine, torch.full((5,), float(i + 1)))
+    acc += i + 1
+    got = kv.wait(kv.pull(mine))
+    ryw.append([acc, got.tolist()])
+
+# Concurrent pushes to overlapping keys; meanwhile pulls must never see a half-applied value.
+R = 40
+handles, torn, last = [], [], {}
+for it in range(R):
+    v = float((w + 1) * (it % 4 + 1))
+    if it % 2:   # tensors born in the arena go without a copy
+        vals = [ctx.device.empty(s, torch.float32).fill_(v) for s in SHAPES]
+    else:
+        vals = [torch.full(s, v) for s in SHAPES]
+    handles.append(kv.push(KEYS, vals))
+    if it % 5 == 4:
+        for k, t in zip(KEYS, kv.wait(kv.pull(KEYS))):
+            flat = t.flatten()
+            if not bool((flat == flat[0]).all()) or flat[0].item() < last.get(k, 0.0):
+                torn.append([k, flat.tolist()[:8]])
+            last[k] = flat[0].item()
+for h in handles:
+    kv.wait(h)
+kv.barrier()
+outs = [torch.empty(s) for s in SHAPES]
+got = kv.wait(kv.pull(KEYS, outs))
+same = all(g is o for g, o in zip(got, outs))
+per_worker = sum(it % 4 + 1 for it in range(R))
+expect = {k: k + per_worker * sum(v + 1 for v in range(nw)) for k in KEYS}
+sums = {k: sorted(set(t.flatten().tolist())) for k, t in zip(KEYS, got)}
+private = {k: sorted(set(kv.wait(kv.pull(k)).tolist())) for k in PRIVATE}
+kv.barrier()
+kv.close()
+report(worker=w, errors=errors, ryw=ryw, torn=torn, sums=sums, expect=expect, private=private,
+       outs_returned=same, zero_copy=kv.stats["zero_copy"])
+"""
+
+# 2 workers x 1 shard with a user-defined handler.
+HANDLER = COMMON + """
+def handler(key, stored, pushed):
+    if key == 0:
+        torch.maximum(stored, pushed, out=stored)
+    elif key == 1:
+        stored.mul_(0.5).add_(pushed)
+    elif key == 2:
+        return stored + 2 * pushed          # returning the new value works too
+    else:
+        stored.add_(pushed)
+
+ctx = ps.init(kv_handler=handler)
+w = ctx.role.index
+kv = ps.KVStore([0, 1, 2], [(3,), (3,), (2, 2)], torch.float32)
+for it in range(10):
+    a = [float(it), 100.0 - it, 5.0] if w == 0 else [50.0 - it, 2.0 * it, 7.0]
+    kv.push(0, torch.tensor(a))
+    kv.push(2, torch.ones(2, 2))
+    if w == 0 and it < 5:
+        kv.push(1, torch.full((3,), 8.0))   # one pusher: 8, 12, 14, 15, 15.5
+kv.barrier()
+k0, k1, k2 = kv.wait(kv.pull([0, 1, 2]))
+kv.close()
+report(worker=w, k0=k0.tolist(), k1=k1.tolist(), k2=k2.flatten().tolist())
+"""
+
+# 1 worker x 1 shard whose handler raises: the worker gets an error naming it.
+FAILING = COMMON + """
+def handler(key, stored, pushed):
+    if key == 7:
+        raise ValueError("seven is not welcome")
+    stored.add_(pushed)
+
+ctx = ps.init(kv_handler=handler)
+kv = ps.KVStore([6, 7], [(2,), (2,)])
+kv.wait(kv.push(6, torch.ones(2)))
+t0 = time.monotonic()
+try:
+    kv.push(7, torch.ones(2))
+    kv.wait(kv.pull(7))
+    report(error=None)
+except _core.RdmaflowError as e:
+    report(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - t0)
+    sys.exit(3)
+"""
+
+# 2 workers x 1 shard; worker 1 declares key 1 with another shape.
+MISMATCH = COMMON + """
+ctx = ps.init()
+w = ctx.role.index
+shape = (3,) if w == 0 else (4,)
+try:
+    kv = ps.KVStore([0, 1], [(2,), shape], torch.float32)
+    kv.close()
+    report(error=None)
+except _core.RdmaflowError as e:
+    report(error=f"{type(e).__name__}: {e}", at=time.time())
+    sys.exit(3)
+"""
+
+# 1 worker x 2 shards; the test kills shard 1 while the worker pushes and pulls its key.
+SHARD_DIES = COMMON + """
+ctx = ps.init()
+kv = ps.KVStore([0, 1], [(2,), (2,)])
+kv.wait(kv.push([0, 1], [torch.ones(2), torch.ones(2)]))
+print("READY", flush=True)
+t0 = time.monotonic()
+try:
+    while time.monotonic() - t0 < 60:
+        kv.push(1, torch.ones(2))
+        kv.wait(kv.pull(1))
+        time.sleep(0.005)
+    report(error=None)
+except _core.RdmaflowError as e:
+    report(error=f"{type(e).__name__}: {e}")
+    sys.exit(3)
+"""
+
+JOBS = {
+    # name: (script, workers, shards, UCX transport: tcp puts are applied by the target's
+    # progress thread, sm ones by the sender's kernel call; whether rank 0 serves the store)
+    "sums": (SUMS, 3, 2, "tcp", False),
+    "handler": (HANDLER, 2, 1, "sm", False),
+    "failing": (FAILING, 1, 1, "tcp", False),
+    "mismatch": (MISMATCH, 2, 1, "sm", True),
+    "shard_dies": (SHARD_DIES, 1, 2, "tcp", False),
+}
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range, so that no outgoing connection takes it before the
+    job's rank 0 binds it (seconds later, after importing torch)."""
+    for _ in range(100):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port")
+
+
+class Job:
+    """The processes of one job. ``own_store``: rank 0 serves the job's c10d store (as without
+    torchrun); otherwise this process serves it, as torchrun's agent does under rdmaflow launch."""
+
+    def __init__(self, name: str, script: str, workers: int, shards: int, transport: str, tmp,
+                 own_store: bool = False):
+        self.name, self.workers, self.shards, self.transport = name, workers, shards, transport
+        self.tmp, self.own_store = tmp, own_store
+        self.path = tmp / f"{name}.py"
+        self.path.write_text(textwrap.dedent(script))
+        self.attempt = 0
+        self.store = None
+        self.procs, self.logs = [], []
+        self.ended: float | None = None
+        self._start()
+
+    def _start(self) -> None:
+        n = self.workers + self.shards
+        self.attempt += 1
+        if self.own_store:
+            port = free_port()
+        else:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore("127.0.0.1", 0, n, True, wait_for_workers=False)
+            port = self.store.port
+        secret = secrets.token_hex(8)
+        self.procs, self.logs = [], []
+        self.started = time.monotonic()
+        for rank in range(n):
+            env = {k: v for k, v in ucx_env(self.transport).items()
+                   if not k.startswith(("RDMAFLOW_", "TORCHELASTIC_", "GROUP_RANK", "ROLE_"))}
+            env.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n),
+                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       RDMAFLOW_JOB_SECRET=secret, RDMAFLOW_SHARDS_PER_NODE=str(self.shards),
+                       RDMAFLOW_PS_TIMEOUT="60", RDMAFLOW_PS_STEP_TIMEOUT="45", OMP_NUM_THREADS="1")
+            if not self.own_store:
+                env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+            log = self.tmp / f"{self.name}.{self.attempt}.{rank}.log"
+            self.logs.append(log)
+            with open(log, "w") as f:
+                self.procs.append(subprocess.Popen([sys.executable, str(self.path)], stdout=f,
+                                                   stderr=subprocess.STDOUT, env=env, start_new_session=True))
+
+    def wait(self, deadline: float) -> None:
+        while any(p.poll() is None for p in self.procs):
+            if self.own_store and self.attempt < 3 and "EADDRINUSE" in self.logs[0].read_text():
+                self.kill()  # another process took the port first: start again on another one
+                self._start()
+                continue
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"job {self.name} did not finish in time:\n{self.output()}")
+            time.sleep(0.1)
+        self.ended = self.ended or time.monotonic()
+
+    def kill(self, ranks=None) -> None:
+        procs = self.procs if ranks is None else [self.procs[r] for r in ranks]
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        if ranks is None:
+            self.store = None  # the store this process served for the job
+
+    def output(self, rank: int | None = None) -> str:
+        ranks = range(len(self.procs)) if rank is None else [rank]
+        return "\n".join(f"--- {self.name} rank {r} (exit {self.procs[r].returncode}):\n"
+                         + self.logs[r].read_text()[-3000:] for r in ranks)
+
+    def results(self) -> list[dict]:
+        """The RESULT of every worker, by worker index."""
+        out = []
+        for r in range(self.shards, len(self.procs)):
+            lines = [ln for ln in self.logs[r].read_text().splitlines() if ln.startswith("RESULT ")]
+            assert lines, f"worker {r - self.shards} reported nothing:\n{self.output()}"
+            out.append(json.loads(lines[-1][len("RESULT "):]))
+        return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kv")
+    started = {}
+    try:
+        for name, (script, workers, shards, transport, own_store) in JOBS.items():
+            started[name] = Job(name, script, workers, shards, transport, tmp, own_store)
+        deadline = time.monotonic() + JOB_DEADLINE
+
+        def get(name: str, wait: bool = True) -> Job:
+            job = started[name]
+            if wait:
+                job.wait(deadline)
+            return job
+
+        get.deadline = deadline
+
+        yield get
+    finally:
+        for job in started.values():
+            job.kill()
+
+
+def finished_ok(job: Job) -> list[dict]:
+    bad = [r for r, p in enumerate(job.procs) if p.returncode != 0]
+    assert not bad, f"ranks {bad} of job {job.name} failed:\n{job.output()}"
+    return job.results()
+
+
+def test_concurrent_pushes_sum_exactly_and_pulls_see_them(jobs):
+    res = finished_ok(jobs("sums"))
+    assert len(res) == 3
+    for r in res:
+        for k, values in r["sums"].items():
+            assert values == [r["expect"][k]], f"worker {r['worker']} key {k}: {values} != {r['expect'][k]}"
+        assert r["outs_returned"], "wait() must return the tensors given to pull()"
+        assert r["zero_copy"] > 0, "arena tensors should be pushed without a copy"
+
+
+def test_pulls_never_see_half_applied_values(jobs):
+    for r in finished_ok(jobs("sums")):
+        assert r["torn"] == [], f"worker {r['worker']} saw inconsistent values: {r['torn']}"
+
+
+def test_read_your_writes(jobs):
+    res = finished_ok(jobs("sums"))
+    for r in res:
+        for expected, got in r["ryw"]:
+            assert got == [expected] * 5, f"worker {r['worker']}: pulled {got} right after pushing, want {expected}"
+    # After a barrier, every worker sees every other worker's private key.
+    total = sum(range(1, 16))
+    for r in res:
+        assert r["private"] == {str(100 + v): [100 + v + total] for v in range(3)}
+
+
+def test_bad_input_raises_at_the_call(jobs):
+    for r in finished_ok(jobs("sums")):
+        assert r["errors"] == {k: "ok" for k in r["errors"]}, r["errors"]
+
+
+def test_custom_handler(jobs):
+    res = finished_ok(jobs("handler"))
+    k0 = [max(max(float(i) for i in range(10)), max(50.0 - i for i in range(10))),
+          max(max(100.0 - i for i in range(10)), max(2.0 * i for i in range(10))), 7.0]
+    for r in res:
+        assert r["k0"] == k0
+        assert r["k1"] == [15.5] * 3
+        assert r["k2"] == [2.0 * 20] * 4
+
+
+def test_failing_handler_reaches_the_worker(jobs):
+    job = jobs("failing")
+    shard_out, worker_out = job.output(0), job.output(1)
+    assert job.procs[0].returncode == 1, shard_out
+    assert "seven is not welcome" in shard_out
+    assert job.procs[1].returncode == 3, worker_out
+    (r,) = job.results()
+    assert "kv handler raised on key 7" in r["error"] and "seven is not welcome" in r["error"], r
+    assert r["seconds"] < 10
+
+
+def test_mismatched_declaration_fails_everywhere(jobs):
+    job = jobs("mismatch")
+    w0, w1 = job.results()
+    # Every process has its error (its last output) within seconds of the mismatch's detection.
+    last_output = max(log.stat().st_mtime for log in job.logs)
+    assert last_output - w1["at"] < 15, f"the job took {last_output - w1['at']:.0f} s to stop"
+    for rank, p in enumerate(job.procs):
+        out = job.output(rank)
+        assert p.returncode != 0, out
+        assert "key declaration differs from worker 0's: key 1 has shape [4] here, [3] on worker 0" in out, out
+    assert w1["error"].startswith("InvalidArgumentError"), w1
+    assert "aborted" in w0["error"], w0
+
+
+def test_dead_shard_fails_the_worker_wait(jobs):
+    job = jobs("shard_dies", wait=False)
+    log = job.logs[2]
+    while "READY" not in log.read_text():
+        assert job.procs[2].poll() is None, job.output()
+        assert time.monotonic() < jobs.deadline, f"the worker never got ready:\n{job.output()}"
+        time.sleep(0.1)
+    killed = time.monotonic()
+    job.kill([1])
+    job.wait(jobs.deadline)
+    assert job.ended - killed < 20, f"the worker noticed the dead shard only after {job.ended - killed:.0f} s"
+    (r,) = job.results()
+    assert r["error"].startswith("PeerError: shard 1 at "), r
+    assert job.procs[2].returncode == 3
+    assert job.procs[0].returncode == 1, "shard 0 should have been told the job failed"
+    assert "the job was aborted: shard 1 at" in job.output(0)
+
+
+# -- in this process: the declaration -------------------------------------------------------------
+def test_declaration_is_canonical_and_checked():
+    import torch
+
+    import rdmaflow
+    from rdmaflow.ps import kv
+
+    d = kv.declaration([3, 1, 2], [(2,), 4, ()], torch.float32)
+    assert d == {"dtype": "float32", "keys": [[1, [4]], [2, []], [3, [2]]]}, "keys ascending, shapes as lists"
+    assert kv.declaration([1, 3, 2], [4, (2,), ()], "float32") == d
+    for keys, shapes, dtype in [([1, 1], [(2,), (2,)], torch.float32),   # a key twice
+                                ([1], [(0,)], torch.float32),             # no elements
+                                ([1], [(2,)], torch.bool),                # no such dtype
+                                ([-1], [(2,)], torch.float32),            # negative key
+                                ([True], [(2,)], torch.float32),          # not an integer
+                                ([], [], torch.float32),                  # nothing
+                                ([1, 2], [(2,)], torch.float32)]:         # counts differ
+        with pytest.raises(rdmaflow.InvalidArgumentError):
+            kv.declaration(keys, shapes, dtype)
+    other = kv.declaration([1, 2, 4], [4, (), (2,)], torch.float32)
+    assert kv.describe_difference(other, d) == "keys [4] are declared here only; keys [3] are declared on worker 0 only"
+    assert kv.describe_difference(kv.declaration([1, 2, 3], [4, (), (3,)], torch.float32), d) == \
+        "key 3 has shape [3] here, [2] on worker 0"
+    assert kv.describe_difference(kv.declaration([1, 2, 3], [4, (), (2,)], torch.float64), d) == \
+        "dtype float64 here, float32 on worker 0"
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="init"):
+        rdmaflow.ps.KVStore([1], [(2,)])
