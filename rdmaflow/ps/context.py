@@ -13,7 +13,9 @@ go through the devices' authenticated side RPC, never through the store.
 """
 from __future__ import annotations
 
+import atexit
 import json
+import weakref
 import os
 import secrets
 import socket
@@ -100,6 +102,9 @@ class Store:
         # Under torchrun the agent already serves the store; otherwise rank 0 does.
         is_master = role.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self.timeout = timeout
+        self.address = f"{host}:{port}"
+        self.world_size = role.world_size
+        self.is_master = is_master
         try:
             self.store = dist.TCPStore(host, port, role.world_size, is_master,
                                        timeout=timedelta(seconds=timeout), wait_for_workers=False)
@@ -107,16 +112,36 @@ class Store:
             raise _core.PeerError(
                 f"cannot reach the job's c10d store at {host}:{port} within {timeout:.0f} s: {e}"
             ) from None
+        # The process serving the store outlives the others (bounded), so that a process that
+        # fails late can still read why the job was aborted.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (lambda st: st and st._leave())(ref()))
+
+    def _leave(self) -> None:
+        try:
+            self.store.add(PREFIX + "left", 1)
+            if self.is_master:
+                deadline = time.monotonic() + min(self.timeout, 15.0)
+                while time.monotonic() < deadline and self.store.add(PREFIX + "left", 0) < self.world_size:
+                    time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - leaving is best effort
+            pass
+
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError and others
+            raise _core.PeerError(f"the job's c10d store at {self.address} is unreachable ({what}): {e}") from None
 
     def set(self, key: str, value: str) -> None:
-        self.store.set(PREFIX + key, value)
+        self._call("set", self.store.set, PREFIX + key, value)
 
     def get(self, key: str, timeout: float | None = None) -> str:
         self.wait([key], timeout)
-        return self.store.get(PREFIX + key).decode()
+        return self._call("get", self.store.get, PREFIX + key).decode()
 
     def check(self, key: str) -> bool:
-        return self.store.check([PREFIX + key])
+        return self._call("check", self.store.check, [PREFIX + key])
 
     def abort(self, reason: str) -> None:
         try:
@@ -124,6 +149,15 @@ class Store:
                 self.store.set(PREFIX + "abort", reason)
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
+
+    def abort_reason(self) -> str | None:
+        """The reason some process recorded for aborting the job; None if none or unreadable."""
+        try:
+            if self.store.check([PREFIX + "abort"]):
+                return self.store.get(PREFIX + "abort").decode()
+        except Exception:  # noqa: BLE001
+            pass
+        return None
 
     def aborted(self) -> str | None:
         try:

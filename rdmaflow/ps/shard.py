@@ -113,6 +113,10 @@ class Shard:
     def _check_worker(self, w: int) -> None:
         ch = self.workers[w]["channel"]
         if ch.failed:
+            # A worker that stopped because the job was aborted is not the cause: say what is.
+            reason = self.store.abort_reason()
+            if reason:
+                raise ShardFailure(f"the job was aborted: {reason}")
             raise ShardFailure(f"worker {w} at {self.workers[w]['ep']} died (shard {self.id} lost its connection)")
 
     def _wait_push(self, w: int, t: int) -> int:
@@ -125,7 +129,7 @@ class Shard:
             now = time.monotonic()
             if now - last_store_check > 1.0:
                 last_store_check = now
-                reason = self.store.aborted()
+                reason = self.store.abort_reason()
                 if reason:
                     raise ShardFailure(f"the job was aborted: {reason}")
             if now > deadline:

@@ -152,13 +152,17 @@ class Worker:
             while not word.wait_at_least(version, POLL):
                 sh = self.shards[s]
                 if sh["channel"].failed:
+                    # A shard that stopped because the job was aborted is not the cause: say what is.
+                    reason = self.store.abort_reason()
+                    if reason:
+                        raise WorkerFailure(f"the job was aborted: {reason}")
                     msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
                     self.store.abort(msg)
                     raise _core.PeerError(msg)
                 now = time.monotonic()
                 if now - last_store > 1.0:
                     last_store = now
-                    reason = self.store.aborted()
+                    reason = self.store.abort_reason()
                     if reason:
                         raise WorkerFailure(f"the job was aborted: {reason}")
                 if now > deadline:

@@ -1,0 +1,199 @@
+"""A parameter-server training job for tests/test_ps.py: a small deterministic MLP.
+
+Run it as one process of a job (any launcher that sets torchrun's variables, or the test's own
+direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG``:
+
+    mode, staleness, policy, block_bytes    -> DistributedOptimizer
+    optim ("sgd" | "adam"), lr              -> the torch optimizer (see make_optimizer)
+    steps, batch, seed                      -> worker w's batch of step t is make_batch(seed, w, t, batch)
+    out                                     -> directory for the results (below)
+    variant   {worker: "extra"|"names"|"shape"|"dtype"}: that worker builds a different model
+    setup_after_store_gone {worker: seconds}: that worker creates its DistributedOptimizer only
+              once the job's store is unreachable (or after that many seconds)
+    slow      {"worker": w, "delay": s}: worker w sleeps s seconds before each step
+    step_delay                              -> every worker sleeps that long before each step
+    track_gap                               -> workers count how far ahead of the others they run
+    fast_exit                               -> os._exit(0) once everything is closed and written
+    init_exit_shards                        -> ps.init() exits the shards (the library's own path)
+    stats_from_store                        -> worker 0 writes the shards' statistics from the store
+
+Results: a worker writes ``worker{w}.pt`` (torch.save of its final parameters, losses and the
+largest gap it observed); a shard writes ``shard{i}.json`` (its statistics). Every worker
+prints ``worker {w} step {t}`` after each step, so a test can see the job is training. On odd
+steps a worker clears its gradients with ``model.zero_grad(set_to_none=True)``, on even steps
+with the optimizer's ``zero_grad()``.
+
+The model, the batches and the optimizer are module functions so that the test process can
+build the single-process reference from exactly the same definitions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+IN, HIDDEN, OUT = 8, 16, 2
+
+
+def make_model(seed: int, variant: str | None = None) -> torch.nn.Module:
+    """The job's model; ``variant`` builds a model that differs from it (an extra layer, other
+    parameter names, a different shape, a different dtype)."""
+    torch.manual_seed(seed)
+    if variant == "extra":
+        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT),
+                                    torch.nn.Linear(OUT, OUT))
+    elif variant == "names":
+        from collections import OrderedDict
+
+        model = torch.nn.Sequential(OrderedDict(inp=torch.nn.Linear(IN, HIDDEN), act=torch.nn.Tanh(),
+                                                out=torch.nn.Linear(HIDDEN, OUT)))
+    elif variant == "shape":
+        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN + 1), torch.nn.Tanh(), torch.nn.Linear(HIDDEN + 1, OUT))
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    if variant == "dtype":
+        model = model.double()
+    elif variant not in (None, "", "extra", "names", "shape"):
+        raise ValueError(f"unknown model variant {variant!r}")
+    return model
+
+
+TARGET = torch.tensor([[0.5, -1.0], [1.0, 0.25], [-0.5, 0.5], [0.25, 1.0],
+                       [-1.0, -0.25], [0.75, 0.0], [0.0, -0.75], [0.5, 0.5]])
+
+
+def make_batch(seed: int, worker: int, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker ``worker``'s batch for step ``step`` (0-based): a function of (seed, worker, step) only."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + worker * 10_007 + step)
+    x = torch.randn(batch, IN, generator=g)
+    y = torch.tanh(x @ TARGET)
+    return x, y
+
+
+def eval_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batch(seed + 7919, 99, 0, 256)
+
+
+def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.01)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.001)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    dtype = next(model.parameters()).dtype  # a float64 variant gets float64 data
+    return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
+
+
+def trace(msg: str) -> None:
+    """Timestamps on stderr with $PS_TEST_TRACE=1 (to see where a slow job spends its time)."""
+    if os.environ.get("PS_TEST_TRACE"):
+        print(f"[{time.time():.3f} cpu {time.process_time():.2f}] {msg}", file=sys.stderr, flush=True)
+
+
+def finish(cfg: dict) -> None:
+    """Ends a process that has closed everything and written its results. ``fast_exit`` skips
+    the interpreter's teardown of torch (most of a second of CPU per process on a small machine);
+    tests that check the ordinary exit path leave it off."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if cfg.get("fast_exit"):
+        os._exit(0)
+
+
+def main() -> None:
+    cfg = json.loads(os.environ["PS_TEST_CONFIG"])
+    out = cfg["out"]
+    trace("started")
+    import rdmaflow.ps as ps
+
+    # With init_exit_shards a shard serves inside ps.init() and exits the process there (the
+    # library's own path); otherwise ps.init() returns the shard's statistics.
+    res = ps.init(exit_shards=bool(cfg.get("init_exit_shards")))
+    if isinstance(res, dict):  # a shard: its statistics
+        ctx = res.pop("ctx")
+        with open(os.path.join(out, f"shard{ctx.role.index}.json"), "w") as f:
+            json.dump(res, f)
+        ctx.close()
+        trace("shard done")
+        return finish(cfg)
+    ctx = res
+    w = ctx.role.index
+    seed = int(cfg.get("seed", 0))
+    model = make_model(seed, (cfg.get("variant") or {}).get(str(w)))
+    linger = (cfg.get("setup_after_store_gone") or {}).get(str(w))
+    if linger:
+        # Joins late: once the process serving the job's store has exited (bounded).
+        deadline = time.monotonic() + float(linger)
+        while time.monotonic() < deadline:
+            try:
+                ctx.store.store.check(["rdmaflow/ps/config"])
+            except Exception:  # noqa: BLE001 - the store is gone
+                break
+            time.sleep(0.05)
+        trace("joining")
+    opt = ps.DistributedOptimizer(model, make_optimizer(model.parameters(), cfg.get("optim", "sgd"), float(cfg["lr"])),
+                                  mode=cfg.get("mode", "sync"), staleness=int(cfg.get("staleness", 0)),
+                                  policy=cfg.get("policy", "block"), block_bytes=int(cfg.get("block_bytes", 256)))
+    trace("optimizer ready")
+    slow = cfg.get("slow") or {}
+    delay = float(cfg.get("step_delay", 0.0)) + (float(slow["delay"]) if slow.get("worker") == w else 0.0)
+    track = bool(cfg.get("track_gap"))
+    nw = ctx.role.num_workers
+    losses, observed_gap = [], None
+    for t in range(int(cfg["steps"])):
+        if delay:
+            time.sleep(delay)
+        x, y = make_batch(seed, w, t, int(cfg.get("batch", 4)))
+        if t % 2:
+            # What many loops do: gradients set to None, then fresh tensors from backward (the
+            # worker copies them back into its registered buffer).
+            model.zero_grad(set_to_none=True)
+        else:
+            opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        if track:
+            # Announced before the push: once a shard has applied this worker's step t+1,
+            # the store already says so.
+            ctx.store.set(f"test/pushed/{w}", str(t + 1))
+        opt.step()
+        losses.append(loss.item())
+        if track:
+            # How far ahead of every other still-running worker this one got, counted: its
+            # step t+1 is done, and each other worker has pushed `pushed` steps.
+            for v in range(nw):
+                if v == w or ctx.store.check(f"test/done/{v}"):
+                    continue
+                pushed = int(ctx.store.get(f"test/pushed/{v}")) if ctx.store.check(f"test/pushed/{v}") else 0
+                gap = t + 1 - pushed
+                observed_gap = gap if observed_gap is None else max(observed_gap, gap)
+        print(f"worker {w} step {t + 1} loss {loss.item():.6f}", flush=True)
+    if track:
+        ctx.store.set(f"test/done/{w}", "1")
+    trace("trained")
+    opt.close()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save({"params": params, "losses": losses, "observed_gap": observed_gap, "steps": opt.step_count},
+               os.path.join(out, f"worker{w}.pt"))
+    if cfg.get("stats_from_store") and w == 0:
+        # The shards publish their statistics in the store when the job ends (Shard.run).
+        for s in range(ctx.role.num_shards):
+            stats = ctx.store.get(f"stats/shard/{s}", timeout=30.0)
+            with open(os.path.join(out, f"shard{s}.json"), "w") as f:
+                f.write(stats)
+    print(f"worker {w} done", flush=True)
+    ctx.close()
+    trace("worker done")
+    finish(cfg)
+
+
+if __name__ == "__main__":
+    main()

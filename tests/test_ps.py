@@ -1,0 +1,597 @@
+"""The parameter server end to end: real jobs of shard and worker processes.
+
+- Synchronous mode gives the parameters of single-process training on the concatenated
+  batches (both placement policies, SGD and Adam, W = 1, 2, 3 workers x S = 1, 2 shards).
+- Asynchronous and bounded-staleness modes train to a stated loss; the staleness bound is
+  never exceeded (counted by the shards and by the workers themselves, never timed).
+- A job over two hosts (two network namespaces).
+- Every error: a worker whose model differs, a shard or a worker that dies, a store that
+  cannot be reached: every process exits with a clear error within a bounded time.
+
+Jobs are started directly with torchrun's variables (faster than torchrun itself on a 2-core
+machine); one goes through ``python -m rdmaflow.launch``. The job script is
+tests/ps_jobs/train.py; the single-process reference uses its model, batches and optimizer.
+Every wait is bounded and every process (torchrun's too) is killed at the end of its test.
+
+The root-cause tests check that a process names the failure that started it all (the job's
+abort reason), not a peer that merely stopped because of it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import HERE
+from rdmaflow.bench.perftest import ucx_env
+from rdmaflow.testing.netns import TwoHosts, netns_unavailable_reason
+
+JOBS = os.path.join(HERE, "ps_jobs")
+TRAIN = os.path.join(JOBS, "train.py")
+_spec = importlib.util.spec_from_file_location("ps_train_job", TRAIN)
+job = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(job)
+
+JOB_TIMEOUT = 120.0     # a whole job, start to finish (a loaded 2-core machine is slow to start)
+DETECT_TIMEOUT = 25.0   # from a failure to every process's exit
+# Timeouts of the job's own waits: the step timeout is far longer than DETECT_TIMEOUT, so a test
+# that passes saw the failure detected, not a step timing out.
+PS_TIMEOUT = "20"
+PS_STEP_TIMEOUT = "90"
+RTOL, ATOL = 1e-5, 1e-6  # float32, a few steps, sums in another order
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(extra: dict | None = None, transport_env: dict | None = None) -> dict:
+    env = dict(transport_env if transport_env is not None else ucx_env("tcp"))
+    for k in list(env):
+        if k.startswith(("TORCHELASTIC_", "RDMAFLOW_ROLE", "RDMAFLOW_NUM_")) or k in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "RDMAFLOW_HOST"):
+            del env[k]
+    env.update(RDMAFLOW_PS_TIMEOUT=PS_TIMEOUT, RDMAFLOW_PS_STEP_TIMEOUT=PS_STEP_TIMEOUT,
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(extra or {})
+    return env
+
+
+class Proc:
+    def __init__(self, name: str, popen: subprocess.Popen, log: str):
+        self.name, self.popen, self.log = name, popen, log
+        self.t_exit: float | None = None
+
+    def output(self) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILLs its process group and every descendant: torchrun starts its workers in
+        sessions of their own, which a kill of the launcher's group would miss."""
+        if self.popen.poll() is not None:
+            return  # reaped: its pid may belong to someone else now
+        pids = descendants(self.popen.pid)
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def descendants(root: int) -> list[int]:
+    """The pids below ``root`` (from /proc; best effort)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+class Job:
+    """The processes of one job; ``with Job(...)`` kills what is left of them on exit."""
+
+    def __init__(self, tmp_path, cfg: dict, name: str = "job"):
+        self.dir = tmp_path / name
+        self.dir.mkdir()
+        self.cfg = dict(cfg, out=str(self.dir))
+        self.procs: list[Proc] = []
+        self.secret = secrets.token_hex(16)
+        self.store = None
+
+    def env(self, extra: dict | None = None, transport_env: dict | None = None) -> dict:
+        return base_env(dict(PS_TEST_CONFIG=json.dumps(self.cfg), RDMAFLOW_JOB_SECRET=self.secret, **(extra or {})),
+                        transport_env)
+
+    def spawn(self, name: str, argv: list[str], env: dict) -> Proc:
+        log = str(self.dir / f"{name}.log")
+        with open(log, "w") as f:
+            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                 start_new_session=True, cwd=os.path.dirname(HERE))
+        proc = Proc(name, p, log)
+        self.procs.append(proc)
+        return proc
+
+    def start_local(self, workers: int, shards: int, port: int | None = None, ranks=None,
+                    extra: dict | None = None, agent_store: bool = False) -> "Job":
+        """One node: ranks 0..S-1 are shards, the others workers. Rank 0 serves the job's store,
+        or with ``agent_store`` this test process does, as torchrun's agent would (so the store
+        outlives the job's processes)."""
+        extra = dict(extra or {})
+        if agent_store:
+            import torch.distributed as dist
+            from datetime import timedelta
+
+            self.store = dist.TCPStore("127.0.0.1", 0, workers + shards + 1, True,
+                                       timeout=timedelta(seconds=30), wait_for_workers=False)
+            port = self.store.port
+            extra["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        port = port or free_port()
+        local = workers + shards
+        for rank in (range(local) if ranks is None else ranks):
+            name = f"shard{rank}" if rank < shards else f"worker{rank - shards}"
+            env = self.env(dict(RANK=str(rank), WORLD_SIZE=str(local), LOCAL_RANK=str(rank),
+                                LOCAL_WORLD_SIZE=str(local), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port), RDMAFLOW_SHARDS_PER_NODE=str(shards), **extra))
+            self.spawn(name, [sys.executable, TRAIN], env)
+        return self
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def wait(self, timeout: float = JOB_TIMEOUT, procs: list[Proc] | None = None) -> dict[str, int]:
+        """Waits for every process (bounded); fails with their logs if one is still running."""
+        procs = self.procs if procs is None else procs
+        deadline = time.monotonic() + timeout
+        while True:
+            for p in procs:
+                if p.t_exit is None and p.popen.poll() is not None:
+                    p.t_exit = time.monotonic()
+            running = [p for p in procs if p.t_exit is None]
+            if not running:
+                return {p.name: p.popen.returncode for p in procs}
+            if time.monotonic() > deadline:
+                pytest.fail(f"still running after {timeout:.0f} s: {[p.name for p in running]}\n" + self.logs())
+            time.sleep(0.05)
+
+    def wait_output(self, name: str, pattern: str, timeout: float = JOB_TIMEOUT) -> None:
+        p = self.proc(name)
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, p.output()):
+            if p.popen.poll() is not None:
+                pytest.fail(f"{name} exited ({p.popen.returncode}) before printing {pattern!r}\n" + self.logs())
+            if time.monotonic() > deadline:
+                pytest.fail(f"{name} did not print {pattern!r} within {timeout:.0f} s\n" + self.logs())
+            time.sleep(0.05)
+
+    def logs(self, tail: int = 3000) -> str:
+        return "\n".join(f"--- {p.name} (exit {p.popen.poll()}):\n{p.output()[-tail:]}" for p in self.procs)
+
+    def check_ok(self, rcs: dict[str, int]) -> None:
+        assert all(rc == 0 for rc in rcs.values()), f"exit codes {rcs}\n" + self.logs()
+
+    def worker_result(self, w: int) -> dict:
+        return torch.load(self.dir / f"worker{w}.pt")
+
+    def shard_stats(self, s: int) -> dict:
+        return json.loads((self.dir / f"shard{s}.json").read_text())
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            try:
+                p.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.store = None  # an agent_store stops serving
+
+
+# -- the single-process reference -------------------------------------------------------------
+
+def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
+    """The same model and torch optimizer in this process, on the concatenation of every
+    worker's batch of each step."""
+    seed = cfg["seed"]
+    model = job.make_model(seed)
+    opt = job.make_optimizer(model.parameters(), cfg["optim"], cfg["lr"])
+    for t in range(cfg["steps"]):
+        batches = [job.make_batch(seed, w, t, cfg["batch"]) for w in range(workers)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        opt.zero_grad()
+        job.loss_fn(model, x, y).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_matches_reference(j: Job, workers: int, shards: int) -> None:
+    ref = reference(j.cfg, workers)
+    init = dict(job.make_model(j.cfg["seed"]).named_parameters())
+    for w in range(workers):
+        res = j.worker_result(w)
+        assert res["steps"] == j.cfg["steps"]
+        got = res["params"]
+        assert list(got) == list(ref)
+        for name in ref:
+            assert got[name].dtype == ref[name].dtype and got[name].shape == ref[name].shape
+            # The job trained: the parameters moved well beyond the tolerance.
+            assert not torch.allclose(got[name], init[name], rtol=RTOL, atol=1e-3), f"{name} did not move"
+            err = (got[name] - ref[name]).abs().max().item()
+            assert torch.allclose(got[name], ref[name], rtol=RTOL, atol=ATOL), (
+                f"worker {w} of {workers} ({shards} shards, {j.cfg['policy']}, {j.cfg['optim']}): "
+                f"{name} differs from single-process training by {err:.3g}")
+    for s in range(shards):
+        st = j.shard_stats(s)
+        assert st["steps"] == j.cfg["steps"], st
+        assert st["applied"] == [j.cfg["steps"]] * workers, st
+
+
+def sync_cfg(policy: str, optim: str, steps: int = 5) -> dict:
+    return {"mode": "sync", "policy": policy, "block_bytes": 256, "optim": optim,
+            "lr": 0.05 if optim == "sgd" else 0.02, "steps": steps, "batch": 4, "seed": 3, "fast_exit": True}
+
+
+def test_job_helpers_are_deterministic():
+    """The test's own premises: batches depend on (seed, worker, step) only; with 256-byte
+    blocks the block policy cuts variables, and both policies use both shards."""
+    a = job.make_batch(3, 1, 4, 4)
+    b = job.make_batch(3, 1, 4, 4)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(job.make_batch(3, 2, 4, 4)[0], a[0])
+    assert not torch.equal(job.make_batch(3, 1, 5, 4)[0], a[0])
+    from rdmaflow.ps.layout import make_plan, spec_of
+
+    spec = spec_of(job.make_model(3).named_parameters())
+    plan = make_plan(spec, 2, "block", 256)
+    starts = {p.offset for p in plan.params} | {plan.total}
+    assert any(u.offset + u.numel not in starts for u in plan.units), "no block cuts a variable"
+    for policy in ("block", "variable"):
+        plan = make_plan(spec, 2, policy, 256)
+        assert plan.shard_numel(0) > 0 and plan.shard_numel(1) > 0
+
+
+# Every (W, S) pair, and every pair of values of any two of W, S, policy, optimizer.
+SYNC_MATRIX = [
+    (1, 1, "block", "sgd"),
+    (1, 2, "variable", "adam"),
+    (2, 2, "block", "adam"),
+    (3, 1, "block", "adam"),
+    (3, 2, "variable", "sgd"),
+]
+LAUNCH_ROW = (2, 1, "variable", "sgd")  # test_sync_through_rdmaflow_launch
+
+
+@pytest.mark.parametrize("workers,shards,policy,optim", SYNC_MATRIX,
+                         ids=[f"W{w}-S{s}-{p}-{o}" for w, s, p, o in SYNC_MATRIX])
+def test_sync_equals_single_process(tmp_path, workers, shards, policy, optim):
+    with Job(tmp_path, sync_cfg(policy, optim)) as j:
+        j.start_local(workers, shards)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, workers, shards)
+
+
+def test_sync_through_rdmaflow_launch(tmp_path):
+    """W=2, S=1, variable placement, SGD, started by `python -m rdmaflow.launch` (torchrun); the
+    shards take the library's own exit path (ps.init() exits them) and the ordinary interpreter
+    exit, and publish their statistics in the store."""
+    workers, shards, policy, optim = LAUNCH_ROW
+    cfg = dict(sync_cfg(policy, optim), fast_exit=False, init_exit_shards=True, stats_from_store=True)
+    with Job(tmp_path, cfg) as j:
+        j.spawn("launch", [sys.executable, "-m", "rdmaflow.launch", "--nproc-per-node", str(workers),
+                           "--shards-per-node", str(shards), "--master-port", str(free_port()), TRAIN], j.env())
+        j.check_ok(j.wait())
+        assert_matches_reference(j, workers, shards)
+
+
+# -- asynchronous and bounded staleness -------------------------------------------------------
+
+# Eval MSE on a fixed batch; the untrained model is at about 0.63. The slow worker finishes
+# last, so it holds the weights after every update of the job: FINAL_LOSS applies to it. The
+# fast worker stopped early, with the weights of about two thirds of the updates: EARLY_LOSS.
+# (A single-process simulation of either mode, over fast/slow speed ratios 1..100, ends at
+# 0.005-0.01 and 0.01-0.04.)
+FINAL_LOSS = 0.05
+EARLY_LOSS = 0.15
+STALENESS = 1
+
+
+def async_cfg(mode: str) -> dict:
+    return {"mode": mode, "staleness": STALENESS if mode == "bounded" else 0, "policy": "block",
+            "block_bytes": 256, "optim": "adam", "lr": 0.02, "steps": 60, "batch": 8, "seed": 5,
+            "slow": {"worker": 1, "delay": 0.02}, "track_gap": True, "fast_exit": True}
+
+
+def eval_loss(cfg: dict, params: dict) -> float:
+    model = job.make_model(cfg["seed"])
+    model.load_state_dict(params)
+    with torch.no_grad():
+        return job.loss_fn(model, *job.eval_batch(cfg["seed"])).item()
+
+
+@pytest.mark.parametrize("mode", ["bounded", "async"])
+def test_async_modes_train_and_staleness_is_bounded(tmp_path, mode):
+    """Two workers, worker 1 slow (20 ms more per step), two shards. Both modes train below
+    the thresholds. In bounded mode no worker ever ran more than STALENESS steps ahead of
+    another still running, as the shards count it and as the fast worker counts it through the
+    store, and that bound was reached; in async mode the same job runs further ahead, so the
+    bound is what holds the fast worker back."""
+    cfg = async_cfg(mode)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 2)
+        j.check_ok(j.wait())
+        initial = eval_loss(cfg, dict(job.make_model(cfg["seed"]).named_parameters()))
+        assert initial > 4 * EARLY_LOSS
+        fast, slow = j.worker_result(0), j.worker_result(1)
+        assert fast["steps"] == slow["steps"] == cfg["steps"]
+        final, early = eval_loss(cfg, slow["params"]), eval_loss(cfg, fast["params"])
+        assert final < FINAL_LOSS, f"{mode}: the final model is at eval loss {final:.4f} (from {initial:.4f})"
+        assert early < EARLY_LOSS, f"{mode}: the fast worker ends at eval loss {early:.4f} (from {initial:.4f})"
+        stats = [j.shard_stats(s) for s in range(2)]
+        for st in stats:
+            assert st["steps"] == 2 * cfg["steps"], st  # every gradient of both workers applied
+            assert st["applied"] == [cfg["steps"]] * 2, st
+        gaps = [st["max_gap"] for st in stats]
+        if mode == "bounded":
+            assert all(g <= STALENESS for g in gaps), f"shards saw gaps {gaps} > staleness {STALENESS}"
+            assert fast["observed_gap"] <= STALENESS, (
+                f"worker 0 ran {fast['observed_gap']} steps ahead of worker 1 (staleness {STALENESS})")
+            assert max(gaps) == STALENESS, f"no gap occurred (shards: {gaps}): the test proves nothing"
+        else:
+            assert min(gaps) > STALENESS + 2, f"async: shards saw gaps {gaps}"
+            assert fast["observed_gap"] > STALENESS + 2, f"async: worker 0 got only {fast['observed_gap']} steps ahead"
+
+
+# -- two hosts ---------------------------------------------------------------------------------
+
+NETNS = netns_unavailable_reason()
+
+
+@pytest.mark.skipif(NETNS is not None, reason=f"network namespaces unavailable: {NETNS}")
+def test_two_host_job(tmp_path):
+    """Node 0 (shard 0 + worker 0) in namespace A, node 1 (shard 1 + worker 1) in B, the store
+    on A, UCX over tcp on the veth: the parameters of single-process training."""
+    cfg = dict(sync_cfg("block", "adam"), fast_exit=False)
+    with TwoHosts() as hosts, Job(tmp_path, cfg) as j:
+        a = hosts.a
+        for node, host in enumerate(hosts):
+            for local in range(2):
+                rank = 2 * node + local
+                name = f"shard{node}" if local == 0 else f"worker{node}"
+                env = j.env(dict(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2",
+                                 GROUP_RANK=str(node), MASTER_ADDR=a.addr, MASTER_PORT="29800",
+                                 RDMAFLOW_SHARDS_PER_NODE="1"),
+                            transport_env=ucx_env("tcp", net_device=host.ifname))
+                j.spawn(name, host.argv([sys.executable, TRAIN]), env)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 2)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+# What an error of the library looks like at the end of a process's output.
+LIB_ERROR = r"(rdmaflow\.\w*Error|ShardFailure|WorkerFailure): "
+MISMATCH = {  # worker -> (its model, what it must say)
+    1: ("extra", r"6 parameters here, 4 in the job's model; extra here: \['3\.bias', '3\.weight'\]"),
+    2: ("shape", r"parameter 0\.weight float32\[17, 8\] here vs 0\.weight float32\[16, 8\] in the job's model"),
+    3: ("dtype", r"parameter 0\.weight float64\[16, 8\] here vs 0\.weight float32\[16, 8\] in the job's model"),
+    4: ("names", r"parameter inp\.weight float32\[16, 8\] here vs 0\.weight float32\[16, 8\] in the job's model"),
+}
+
+
+def test_worker_models_differ(tmp_path):
+    """Workers 1-4 build models that differ from worker 0's (an extra layer, a shape, a dtype,
+    other names): every process exits non-zero within DETECT_TIMEOUT of the first failure; each
+    differing worker names its difference, the shard names one of them, worker 0 has a library
+    error (which may be the shard's exit: see test_root_cause_*). The store is served by this
+    process, as under torchrun: with rank 0 serving it, a slow worker may find it gone before
+    it compares its model (test_late_worker_learns_why_the_job_failed)."""
+    cfg = dict(sync_cfg("block", "sgd"), variant={str(w): v for w, (v, _) in MISMATCH.items()})
+    with Job(tmp_path, cfg) as j:
+        j.start_local(1 + len(MISMATCH), 1, agent_store=True)
+        rcs = j.wait(JOB_TIMEOUT)
+        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
+        times = sorted(p.t_exit for p in j.procs)
+        assert times[-1] - times[0] < DETECT_TIMEOUT, j.logs()
+        for w, (_, said) in MISMATCH.items():
+            out = j.proc(f"worker{w}").output()
+            assert re.search(f"worker {w}'s model differs from the job's: {said}", out), f"worker{w}\n" + j.logs()
+        shard = j.proc("shard0").output()
+        assert re.search(r"shard 0 failed: the job was aborted: worker \d: worker \d's model differs", shard), j.logs()
+        assert re.search(LIB_ERROR, j.proc("worker0").output()), j.logs()
+
+
+def test_late_worker_learns_why_the_job_failed(tmp_path):
+    """Rank 0 (shard 0) serves the store, as without torchrun. Worker 2's model differs and
+    aborts the job at once; worker 1, whose model differs too, gets to its setup only after
+    shard 0 has exited. It should still say that its model differs (or why the job was
+    aborted), not merely that the store is gone."""
+    cfg = dict(sync_cfg("block", "sgd"), variant={"1": "extra", "2": "shape"},
+               setup_after_store_gone={"1": 15})
+    with Job(tmp_path, cfg) as j:
+        j.start_local(3, 1)
+        rcs = j.wait(JOB_TIMEOUT)
+        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
+        out = j.proc("worker1").output()
+        assert re.search(r"model differs|the job was aborted: worker 2", out), out[-2000:]
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["shard1", "shard0-serving-the-store"])
+def test_shard_killed_mid_training(tmp_path, victim):
+    """SIGKILL a shard (of 2) while two workers train: every other process exits non-zero within
+    DETECT_TIMEOUT; the workers name the shard. Shard 0 (rank 0) also serves the job's store,
+    so killing it takes the store down too."""
+    cfg = dict(sync_cfg("block", "sgd", steps=100000), step_delay=0.01)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 2)
+        j.wait_output("worker0", r"worker 0 step 5\b")
+        victim_proc = j.proc(f"shard{victim}")
+        victim_proc.kill()
+        t_kill = time.monotonic()
+        rest = [p for p in j.procs if p is not victim_proc]
+        rcs = j.wait(DETECT_TIMEOUT, rest)
+        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
+        assert max(p.t_exit for p in rest) - t_kill < DETECT_TIMEOUT
+        for p in rest:
+            out = p.output()
+            assert re.search(LIB_ERROR, out), f"{p.name}: no library error\n" + j.logs()
+            if p.name.startswith("worker"):
+                assert re.search(rf"shard {victim} at \S+ died while worker \d waited", out), (
+                    f"{p.name} does not name shard {victim}\n" + j.logs())
+
+
+def test_worker_killed_mid_training(tmp_path):
+    """SIGKILL worker 1 (of 2) while training: the shard and worker 0 exit non-zero within
+    DETECT_TIMEOUT with an error naming worker 1 (surviving it is a later issue). Worker 0
+    learns the reason from the store after the shard's ABORT; the store is served by this
+    process, as under torchrun, so that the shard's own exit cannot race it (see
+    test_late_worker_learns_why_the_job_failed)."""
+    cfg = dict(sync_cfg("variable", "sgd", steps=100000), step_delay=0.01)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 1, agent_store=True)
+        j.wait_output("worker1", r"worker 1 step 5\b")
+        victim = j.proc("worker1")
+        victim.kill()
+        t_kill = time.monotonic()
+        rest = [p for p in j.procs if p is not victim]
+        rcs = j.wait(DETECT_TIMEOUT, rest)
+        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
+        assert max(p.t_exit for p in rest) - t_kill < DETECT_TIMEOUT
+        for p in rest:
+            assert re.search(r"worker 1 at \S+ died", p.output()), f"{p.name} does not name worker 1\n" + j.logs()
+
+
+def test_store_unreachable(tmp_path):
+    """Nothing listens on MASTER_PORT (rank 0, which serves the store, never started): a shard
+    and a worker each exit non-zero with an error naming the store's address, within the store
+    timeout (3 s) plus a margin."""
+    with socket.socket() as s:  # bound, never listening: nothing can connect to it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        with Job(tmp_path, sync_cfg("block", "sgd")) as j:
+            t0 = time.monotonic()
+            j.start_local(1, 2, port=port, ranks=[1, 2], extra={"RDMAFLOW_PS_TIMEOUT": "3"})
+            rcs = j.wait(DETECT_TIMEOUT)
+            assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
+            for p in j.procs:
+                assert f"cannot reach the job's c10d store at 127.0.0.1:{port} within 3 s" in p.output(), (
+                    f"{p.name}\n" + j.logs())
+            assert max(p.t_exit for p in j.procs) - t0 < DETECT_TIMEOUT
+
+
+# -- root causes -------------------------------------------------------------------------------
+# When one process fails, the others see two things: the abort reason it left in the store,
+# and, once it has exited, its connection failing. They report whichever they notice first,
+# and they look at the connection every 50 ms but at the store only once a second, so a shard
+# whose worker exited *because shard 1 died* usually says "worker 0 died". These tests put a
+# process in exactly that state (a reason in the store and a dead connection), without the race.
+
+class _Store:
+    def __init__(self, reason: str):
+        self.reason = reason
+        self.aborts: list[str] = []
+
+    def aborted(self):
+        return self.reason
+
+    def abort_reason(self):
+        return self.reason
+
+    def abort(self, reason: str) -> None:
+        self.aborts.append(reason)
+
+
+def _word():
+    from rdmaflow.transfer.common import Word
+
+    return Word(torch.zeros(8, dtype=torch.int64)[:1])
+
+
+ROOT = "shard 1 at 127.0.0.1:4 died while worker 0 waited for the weights of step 6"
+
+
+def test_root_cause_shard_reports_abort_reason():
+    from types import SimpleNamespace
+
+    from rdmaflow.ps.shard import Shard, ShardFailure
+
+    ctx = SimpleNamespace(role=SimpleNamespace(index=0), store=_Store(ROOT), device=None, timeout=5.0,
+                          step_timeout=5.0)
+    shard = Shard(ctx)
+    shard.push = [_word()]
+    shard.workers = [{"ep": "127.0.0.1:3", "channel": SimpleNamespace(failed=True)}]
+    with pytest.raises(ShardFailure) as e:
+        shard._wait_push(0, 1)
+    assert ROOT in str(e.value)
+
+
+def test_root_cause_worker_reports_abort_reason():
+    from types import SimpleNamespace
+
+    from rdmaflow.ps.worker import Worker
+
+    reason = "worker 1: worker 1's model differs from the job's: parameter 0.weight float64[16, 8] here vs ..."
+    w = Worker.__new__(Worker)
+    w.id, w.store, w.ctx = 0, _Store(reason), SimpleNamespace(step_timeout=5.0, timeout=5.0)
+    w.reply = [_word()]
+    w.shards = [{"ep": "127.0.0.1:3", "channel": SimpleNamespace(failed=True)}]
+    with pytest.raises(Exception) as e:
+        w._wait_replies(1, "the initial weights")
+    assert reason in str(e.value)
+
+
+def test_store_gone_raises_library_errors(monkeypatch):
+    """The process serving the store (rank 0 without torchrun) has exited: every Store call
+    raises the library's PeerError, as get() and wait() already do."""
+    import gc
+
+    import rdmaflow
+    from rdmaflow.ps.context import Role, Store
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    master = Store(Role("shard", 0, 1, 1, 0, 2), 5.0)
+    client = Store(Role("worker", 0, 1, 1, 1, 2), 5.0)
+    client.set("k", "v")
+    del master
+    gc.collect()
+    with pytest.raises(rdmaflow.PeerError):
+        client.get("k", 2.0)  # already wrapped
+    for call in (lambda: client.set("x", "1"), lambda: client.check("k")):
+        with pytest.raises(rdmaflow.PeerError):
+            call()
