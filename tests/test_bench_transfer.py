@@ -190,3 +190,21 @@ def test_cli_help():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "usage: rdmaflow bench transfer" in p.stdout and "--systems" in p.stdout
+
+
+def test_cell_budget_stops_slow_cells_at_three_repeats(monkeypatch):
+    class Slow(_Fake):
+        def measure(self, size, count, warmup, window, timeout, tag):
+            time.sleep(0.02 if self.name == "grpc-protobuf" else 0)
+            return super().measure(size, count, warmup, window, timeout, tag)
+
+    monkeypatch.setattr(transfer, "make_system", lambda name, transport, **kw: Slow(name, transport, 1.0))
+    results = {}
+    transfer.bench_transport("sm", ["rdmaflow-zerocopy", "grpc-protobuf"], [1 << 20], repeats=5,
+                             target_bytes=1 << 20, min_iters=1, max_iters=4, window=2,
+                             max_inflight=1 << 30, busy_poll=False, timeout=5, torch_threads=1,
+                             results=results, log=lambda s: None, cell_budget=0.01)
+    assert len(results[("grpc-protobuf", "sm", 1 << 20)]["gb_per_s"]) == transfer.MIN_REPEATS
+    assert len(results[("rdmaflow-zerocopy", "sm", 1 << 20)]["gb_per_s"]) == 5
+    assert "^ fewer repeats" in transfer.format_tables(results, "sm", ["rdmaflow-zerocopy", "grpc-protobuf"],
+                                                       [1 << 20], 5)

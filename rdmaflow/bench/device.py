@@ -275,10 +275,6 @@ class Receiver:
                 os.killpg(p.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(5)
-        else:
-            # The receiver is gone; anything it started in its group goes with it.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
         for f in (p.stdin, p.stdout):
             with contextlib.suppress(Exception):
                 f.close()

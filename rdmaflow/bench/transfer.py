@@ -45,7 +45,9 @@ Method:
   ``count`` copies; the per-copy times of that loop. ucx_perftest reports bandwidth only.
 * The systems are interleaved: for each repeat, for each size, every system once (the order
   rotates each repeat), so noise on this shared machine hits them alike. Each cell is the
-  median of ``--repeats`` repeats, with min, max and IQR.
+  median of ``--repeats`` repeats, with min, max and IQR; a cell that has spent
+  ``--cell-budget`` seconds (60) stops after 3 repeats (in practice: gRPC at 1 GiB, which
+  takes 10-20 s per tensor here).
 * Each system is a sender and a receiver process (memcpy: one), started once per transport in
   their own process groups, with the transport's environment; every wait is bounded, and
   every process is killed when the run ends, fails or is interrupted. A system that fails is
@@ -96,6 +98,9 @@ DEFAULT_OUT = "bench-results"
 CSV_NAME = "transfer.csv"
 PNG_NAME = "transfer.png"
 START_TIMEOUT = 90.0
+#: A cell (system, transport, size) that has used --cell-budget seconds stops at this many repeats.
+MIN_REPEATS = 3
+DEFAULT_CELL_BUDGET = 60.0
 
 #: The project's acceptance bars: (transports, numerator, denominator, bar), at ACCEPT_SIZES.
 ACCEPT_SIZES = (16 << 20, 64 << 20)
@@ -440,8 +445,9 @@ def make_system(name: str, transport: str, *, secret: str, sizes: Sequence[int],
 # Noise from other processes
 
 
-def _tree_cpu(root: int) -> float:
-    """CPU seconds of ``root`` and its live descendants, plus the children they reaped."""
+def _cpu_split(root: int) -> tuple[float, float]:
+    """(CPU seconds of ``root``, its live descendants and the children they reaped; CPU
+    seconds of kernel threads)."""
     tck = os.sysconf("SC_CLK_TCK")
     stats: dict[int, tuple[int, float]] = {}
     for d in os.listdir("/proc"):
@@ -452,41 +458,56 @@ def _tree_cpu(root: int) -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        ppid = int(fields[1])
         cpu = sum(int(x) for x in fields[11:15]) / tck  # utime stime cutime cstime
-        stats[int(d)] = (ppid, cpu)
-    total, todo = 0.0, [root]
+        stats[int(d)] = (int(fields[1]), cpu)
     kids: dict[int, list[int]] = {}
     for pid, (ppid, _) in stats.items():
         kids.setdefault(ppid, []).append(pid)
+    mine, todo = 0.0, [root]
     while todo:
         pid = todo.pop()
         if pid in stats:
-            total += stats[pid][1]
+            mine += stats[pid][1]
         todo.extend(kids.get(pid, []))
-    return total
+    kthreads = sum(cpu for pid, (ppid, cpu) in stats.items() if pid == 2 or ppid == 2)
+    return mine, kthreads
 
 
-def _busy_cpu() -> float:
+def _proc_stat() -> list[float]:
     with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return [x / os.sysconf("SC_CLK_TCK") for x in v]  # user nice system idle iowait irq softirq steal
 
 
 class BackgroundMeter:
-    """How much CPU processes other than this benchmark used while it ran: the noise."""
+    """How much CPU others used while the benchmark ran: the noise in its numbers.
+
+    ``other_cores``: user and system time of processes outside the benchmark's process tree
+    (kernel threads excluded); ``kernel_cores``: kernel threads, interrupts and softirqs (the
+    benchmark's own loopback traffic lands there too); ``steal_cores``: time the hypervisor
+    gave to other guests. All in cores (CPU-seconds per second)."""
 
     def __init__(self) -> None:
         self.t0 = time.monotonic()
-        self.busy0 = _busy_cpu()
-        self.mine0 = _tree_cpu(os.getpid())
+        self.stat0 = _proc_stat()
+        self.mine0, self.kthreads0 = _cpu_split(os.getpid())
 
     def report(self) -> dict[str, float]:
         wall = max(1e-9, time.monotonic() - self.t0)
-        others = max(0.0, (_busy_cpu() - self.busy0) - (_tree_cpu(os.getpid()) - self.mine0))
-        return {"wall_s": wall, "other_cpu_s": others,
-                "other_cores": others / wall, "cpus": float(os.cpu_count() or 1)}
+        st = [b - a for a, b in zip(self.stat0, _proc_stat())]
+        mine, kthreads = _cpu_split(os.getpid())
+        kthreads -= self.kthreads0
+        others = max(0.0, st[0] + st[1] + st[2] - (mine - self.mine0) - kthreads)
+        return {"wall_s": wall, "other_cpu_s": others, "other_cores": others / wall,
+                "kernel_cores": (kthreads + st[5] + st[6]) / wall, "steal_cores": st[7] / wall,
+                "cpus": float(os.cpu_count() or 1)}
+
+
+def format_background(bg: Mapping[str, float]) -> str:
+    text = (f"background: other processes used {bg['other_cpu_s']:.0f} CPU-s in {bg['wall_s']:.0f} s "
+            f"({bg['other_cores']:.2f} of {bg['cpus']:.0f} cores); kernel threads + softirq "
+            f"{bg['kernel_cores']:.2f} cores, steal {bg['steal_cores']:.2f}")
+    return text + ("  <- noisy: other processes were busy" if bg["other_cores"] > 0.1 else "  (quiet)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -504,7 +525,8 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                     target_bytes: int, min_iters: int, max_iters: int, window: int,
                     max_inflight: int, busy_poll: bool, timeout: float, torch_threads: int,
                     results: dict[Key, dict[str, Any]],
-                    log: Callable[[str], None], reduce: bool = True) -> None:
+                    log: Callable[[str], None], reduce: bool = True,
+                    cell_budget: float = float("inf")) -> None:
     """Fills ``results`` for one transport; see the module doc for the method."""
     secret = secrets.token_hex(16)
     sock_dir = tempfile.mkdtemp(prefix="rdmaflow-bench-")
@@ -521,7 +543,8 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
             for name in systems:
                 results.setdefault((name, transport, size), {
                     "gb_per_s": [], "p50_us": [], "errors": [], "iters": count,
-                    "warmup": warmup_of(count), "window": window_of(size, window, max_inflight)})
+                    "warmup": warmup_of(count), "window": window_of(size, window, max_inflight),
+                    "seconds": 0.0})
         # Start every pair up front (their start-ups overlap); failures show at first use.
         for obj in objs.values():
             if isinstance(obj, WorkerPair):
@@ -539,6 +562,8 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                     if failures_in_row.get(name, 0) >= 3:
                         cell["errors"].append("skipped after 3 failures in a row")
                         continue
+                    if len(cell["gb_per_s"]) >= MIN_REPEATS and cell["seconds"] >= cell_budget:
+                        continue  # a slow cell (gRPC at 1G): MIN_REPEATS repeats are enough
                     tag += 1
                     t0 = time.monotonic()
                     try:
@@ -553,6 +578,7 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                         objs[name].close()  # restarted at its next measurement
                         continue
                     failures_in_row[name] = 0
+                    cell["seconds"] += time.monotonic() - t0
                     cell["gb_per_s"].append(m["gb_per_s"])
                     if m["p50_us"] is not None:
                         cell["p50_us"].append(m["p50_us"])
@@ -611,6 +637,7 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
         f"interleaved repeats",
     ]
     width = 17
+    short = False
     head = f"{'size':>6} " + " ".join(f"{s:>{width}}" for s in systems)
     lines += [head, "-" * len(head)]
     notes: dict[str, str] = {}
@@ -629,6 +656,9 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
                 if cell["errors"]:
                     txt += "*"
                     notes.setdefault(s, cell["errors"][0])
+                elif len(cell["gb_per_s"]) < repeats:
+                    txt += "^"
+                    short = True
             row.append(f"{txt:>{width}}")
         lines.append(" ".join(row))
     lines += ["", "p50 per-transfer time, us (median over repeats of the median receiver "
@@ -640,6 +670,8 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
             txt = "-" if sm is None or sm["p50_us"] is None else f"{sm['p50_us']['median']:.4g}"
             row.append(f"{txt:>{width}}")
         lines.append(" ".join(row))
+    if short:
+        lines.append(f"^ fewer repeats: the cell used up --cell-budget after {MIN_REPEATS}")
     for s, msg in notes.items():
         lines.append(f"* {s}: failed: {msg}")
     return "\n".join(lines)
@@ -800,6 +832,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="diagnostic: receivers skip the reduce_max (transfer cost alone)")
     ap.add_argument("--busy-poll", action="store_true",
                     help="rdmaflow devices busy-poll instead of sleeping on the wakeup fd")
+    ap.add_argument("--cell-budget", type=float, default=DEFAULT_CELL_BUDGET,
+                    help=f"seconds: a cell (system, size) that has spent this much stops after "
+                         f"{MIN_REPEATS} repeats (default {DEFAULT_CELL_BUDGET:g}: gRPC at 1G); "
+                         f"0 disables")
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="base bound on one measurement, seconds; grows with its bytes (default 60)")
     ap.add_argument("--out", default=DEFAULT_OUT,
@@ -857,14 +893,12 @@ def run(args: argparse.Namespace) -> int:
                             min_iters=args.min_iters, max_iters=max_iters, window=args.window,
                             max_inflight=max_inflight, busy_poll=args.busy_poll,
                             timeout=args.timeout, torch_threads=args.torch_threads,
-                            results=results, log=log, reduce=not args.no_reduce)
+                            results=results, log=log, reduce=not args.no_reduce,
+                            cell_budget=args.cell_budget if args.cell_budget > 0 else float("inf"))
             bg = meter.report()
             print()
             print(format_tables(results, t, systems, sizes, repeats), flush=True)
-            print(f"background: other processes used {bg['other_cpu_s']:.0f} CPU-s in "
-                  f"{bg['wall_s']:.0f} s ({bg['other_cores']:.2f} of {bg['cpus']:.0f} cores)"
-                  + ("  <- noisy: not a quiet machine" if bg["other_cores"] > 0.1 else ""),
-                  flush=True)
+            print(format_background(bg), flush=True)
             write_csv(csv_path, results)
     except KeyboardInterrupt:
         interrupted = True
