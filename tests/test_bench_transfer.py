@@ -33,6 +33,17 @@ def _processes_with_env(marker: str) -> list[int]:
     return found
 
 
+def _stopped(marker: str) -> int:
+    n = 0
+    for pid in _processes_with_env(marker):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                n += f.read().rsplit(")", 1)[1].split()[0] == "T"
+        except OSError:
+            pass
+    return n
+
+
 def _env(marker: str) -> dict[str, str]:
     env = dict(os.environ)
     env["RDMAFLOW_TEST_MARK"] = marker
@@ -171,6 +182,11 @@ def test_ctrl_c_stops_every_process(tmp_path):
             time.sleep(0.2)  # driver + 3 pairs
         assert len(_processes_with_env(marker)) >= 7, "the worker processes did not start"
         time.sleep(2.0)  # well inside the measurements
+        # Systems not being measured are stopped (SIGSTOP), so that they cannot steal the CPU.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _stopped(marker) < 2:
+            time.sleep(0.1)
+        assert _stopped(marker) >= 2, "idle systems were not paused"
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=30)
     finally:

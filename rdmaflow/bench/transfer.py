@@ -237,6 +237,11 @@ class Proc:
             raise BenchError(f"{self.label}: {msg.get('error')}")
         return msg
 
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
     def kill(self) -> None:
         p = self.proc
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -249,6 +254,7 @@ class Proc:
 
     def close(self, grace: float = 3.0) -> None:
         if self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
             with contextlib.suppress(BenchError):
                 self.send({"cmd": "exit"})
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -265,6 +271,19 @@ class System:
 
     def start(self) -> None:
         pass
+
+    def processes(self) -> list[Proc]:
+        return []
+
+    def pause(self) -> None:
+        """SIGSTOPs this system's processes while another system is measured: an idle
+        process must not take the CPU (TensorPipe's shm transport polls even when idle)."""
+        for p in self.processes():
+            p.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for p in self.processes():
+            p.signal(signal.SIGCONT)
 
     def measure(self, size: int, count: int, warmup: int, window: int, timeout: float,
                 tag: int) -> dict[str, float | None]:
@@ -360,9 +379,13 @@ class WorkerPair(System):
             raise BenchError(f"{res['bad']} of {warmup + count} received tensors had a wrong max")
         return _stream_metrics(res["times"][warmup - 1:], size, count)
 
+    def processes(self) -> list[Proc]:
+        return [p for p in (self.rx, self.tx) if p is not None]
+
     def close(self) -> None:
         procs = [p for p in (self.tx, self.rx) if p is not None]
         for p in procs:
+            p.signal(signal.SIGCONT)
             with contextlib.suppress(BenchError):
                 p.send({"cmd": "exit"})
         end = time.monotonic() + 5.0
@@ -390,6 +413,9 @@ class Memcpy(System):
             except BaseException:
                 self.close()
                 raise
+
+    def processes(self) -> list[Proc]:
+        return [] if self.proc is None else [self.proc]
 
     def measure(self, size, count, warmup, window, timeout, tag):
         self.start()
@@ -550,6 +576,14 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
             if isinstance(obj, WorkerPair):
                 with contextlib.suppress(BenchError, OSError):
                     obj.spawn()
+        # Then wait for each to be up, and stop it until its turn (see System.pause).
+        for name, obj in objs.items():
+            try:
+                obj.start()
+            except (BenchError, OSError) as e:
+                results[(name, transport, sizes[0])]["errors"].append(f"start: {e}")
+                obj.close()  # tried again at its first measurement
+            obj.pause()
         tag = 0
         for rep in range(repeats):
             order = list(systems[rep % len(systems):]) + list(systems[:rep % len(systems)])
@@ -566,6 +600,7 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                         continue  # a slow cell (gRPC at 1G): MIN_REPEATS repeats are enough
                     tag += 1
                     t0 = time.monotonic()
+                    objs[name].resume()
                     try:
                         m = objs[name].measure(size, count, warm, win,
                                                measurement_timeout(size, count, timeout), tag)
@@ -577,6 +612,8 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                             f"failed: {msg}")
                         objs[name].close()  # restarted at its next measurement
                         continue
+                    finally:
+                        objs[name].pause()
                     failures_in_row[name] = 0
                     cell["seconds"] += time.monotonic() - t0
                     cell["gb_per_s"].append(m["gb_per_s"])
