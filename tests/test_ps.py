@@ -570,7 +570,7 @@ def test_root_cause_worker_reports_abort_reason():
     w.reply = [_word()]
     w.shards = [{"ep": "127.0.0.1:3", "channel": SimpleNamespace(failed=True)}]
     with pytest.raises(Exception) as e:
-        w._wait_replies(1, "the initial weights")
+        w._wait_word(0, 1, "the initial weights")
     assert reason in str(e.value)
 
 

@@ -104,18 +104,36 @@ class DistributedOptimizer:
     ``staleness`` steps ahead of the slowest). ``policy``: ``"block"`` (blocks of
     ``block_bytes`` spread over the shards, iRDMA) or ``"variable"`` (whole variables
     round-robin, seed 000). The optimizer's algorithm and hyperparameters run on the shards.
+
+    ``overlap`` (default on) pushes each gradient block as backward produces it and lets the
+    next forward start on the layers whose weights have arrived (sync), or computes on one
+    parameter buffer while the next weights fill the other (async: one step staler, never
+    waiting). ``zero_copy=False`` keeps parameters and gradients in ordinary memory and copies
+    them on every push and pull (to measure what zero copy saves, seed 000 Figure 12).
+
+    ``min_workers``: the job goes on without dead workers while at least this many remain
+    (default: all, so any worker failure ends the job). ``checkpoint_dir`` and
+    ``checkpoint_every``: shards save weights and optimizer state every N steps (and at the
+    end); ``rdmaflow launch --resume`` restarts from the latest one, and ``step_count`` then
+    starts at its step.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, mode: str = "sync",
                  staleness: int = 0, policy: str = "block", block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 overlap: bool = True, zero_copy: bool = True, min_workers: int | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  log_every: int = 0, progress: bool | None = None, ctx: PSContext | None = None):
         ctx = ctx or _CTX
         if ctx is None:
             raise _core.InvalidArgumentError("call rdmaflow.ps.init() first")
         if not ctx.is_worker:
             raise _core.InvalidArgumentError("DistributedOptimizer runs on workers; this process is a shard")
+        if checkpoint_dir is None:
+            checkpoint_dir = os.environ.get("RDMAFLOW_CHECKPOINT_DIR") or None
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,
-                             block_bytes=block_bytes, log_every=log_every, progress=progress)
+                             block_bytes=block_bytes, overlap=overlap, zero_copy=zero_copy,
+                             min_workers=min_workers, checkpoint_dir=checkpoint_dir,
+                             checkpoint_every=checkpoint_every, log_every=log_every, progress=progress)
         self.optimizer = optimizer
         self.model = model
 
@@ -127,7 +145,14 @@ class DistributedOptimizer:
 
     @property
     def step_count(self) -> int:
+        """Steps taken by the job so far (a resumed job starts at its checkpoint's step)."""
         return self.worker.step_count
+
+    def wait_weights(self) -> None:
+        """Blocks until the parameters hold the newest weights. With overlap ``step()``
+        returns before they land; the next forward waits by itself, but code that reads the
+        parameters another way (evaluation without a forward, saving) calls this first."""
+        self.worker.wait_weights()
 
     def close(self) -> None:
         self.worker.close()

@@ -104,6 +104,7 @@ class Store:
         self.timeout = timeout
         self.address = f"{host}:{port}"
         self.world_size = role.world_size
+        self.num_workers = role.num_workers
         self.is_master = is_master
         try:
             self.store = dist.TCPStore(host, port, role.world_size, is_master,
@@ -122,10 +123,15 @@ class Store:
             self.store.add(PREFIX + "left", 1)
             if self.is_master:
                 deadline = time.monotonic() + min(self.timeout, 15.0)
-                while time.monotonic() < deadline and self.store.add(PREFIX + "left", 0) < self.world_size:
+                while time.monotonic() < deadline and self._gone() < self.world_size:
                     time.sleep(0.05)
         except Exception:  # noqa: BLE001 - leaving is best effort
             pass
+
+    def _gone(self) -> int:
+        """Processes that left, plus workers the shards declared dead (they never leave)."""
+        dead = sum(self.store.check([PREFIX + f"dead/worker/{w}"]) for w in range(self.num_workers))
+        return self.store.add(PREFIX + "left", 0) + dead
 
     def _call(self, what: str, fn, *args):
         try:

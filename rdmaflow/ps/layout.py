@@ -20,6 +20,10 @@ from rdmaflow import _core
 
 POLICIES = ("variable", "block")
 DEFAULT_BLOCK_BYTES = 1 << 20
+# Weights are delivered in chunks, each followed by a fence and a progress flag: enough chunks
+# that the next forward can start early, few enough that the fences stay cheap.
+MAX_CHUNKS = 32
+MIN_CHUNK_BYTES = 1 << 20
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -87,6 +91,25 @@ class Plan:
 
     def units_of(self, shard: int) -> list[Unit]:
         return [u for u in self.units if u.shard == shard]
+
+    def chunks_of(self, shard: int, min_bytes: int = MIN_CHUNK_BYTES) -> list[list[Unit]]:
+        """The shard's units, in flat-buffer (registration, so forward) order, cut into at most
+        MAX_CHUNKS runs of at least ``min_bytes``: the steps of pipelined weight delivery."""
+        units = sorted(self.units_of(shard), key=lambda u: u.offset)
+        isz = self.itemsize
+        target = max(int(min_bytes), 1, -(-sum(u.numel for u in units) * isz // MAX_CHUNKS))
+        chunks: list[list[Unit]] = []
+        cur: list[Unit] = []
+        acc = 0
+        for u in units:
+            cur.append(u)
+            acc += u.numel * isz
+            if acc >= target:
+                chunks.append(cur)
+                cur, acc = [], 0
+        if cur:
+            chunks.append(cur)
+        return chunks
 
     def shard_numel(self, shard: int) -> int:
         return sum(u.numel for u in self.units_of(shard))

@@ -3,40 +3,67 @@
 Shard i's block in its arena::
 
     weights       its units, concatenated (elements of the model's dtype)
-    aggregate     the sum of the workers' gradients (synchronous mode)
-    grad slots    one per worker, laid out like ``weights``
+    aggregate     the mean of the workers' gradients (synchronous mode)
+    grad slots    ``slots`` per worker (2 with asynchronous overlap), laid out like ``weights``
     push flags    one u64 per worker, 64 bytes apart: the last step that worker pushed
-    reply sources one u64 per worker: the value the shard WRITEs into that worker's reply flag
+    pull flags    one u64 per worker: the last step whose weights that worker asked for
+                  (asynchronous overlap: adaptive pulling)
+    reply sources per worker, one u64 per chunk: the values the shard WRITEs into that
+                  worker's reply flag
 
 Worker w's block in its arena::
 
-    params        the flat parameter buffer; every ``param.data`` is a view into it
-    grads         the flat gradient buffer; every ``param.grad`` is a view into it
-    reply flags   one u64 per shard, 64 bytes apart: the weight version that shard delivered
+    params        ``param_buffers`` flat parameter buffers (2 with asynchronous overlap: buffer
+                  switching); every ``param.data`` is a view into the one in use
+    grads         two flat gradient buffers, switched by ``zero_grad`` so that zeroing one never
+                  waits for the push still reading the other
+    reply flags   one u64 per shard, 64 bytes apart: ``progress(version, chunk)``
     push sources  one u64 per shard
+    pull sources  one u64 per shard
 
-Step t of worker w (t = 1, 2, ...)::
+Step t of worker w (t = 1, 2, ...), synchronous::
 
     worker w                                       shard s
-      WRITE grads of s's units -> grad slot w
+      backward: as soon as every gradient of a unit
+      of s is accumulated, WRITE it -> grad slot w
       fence
       WRITE t -> push flag w  ──────────────────▶  sees push flag w = t
-                                                   (sync: of every worker) aggregates,
+                                                   of every live worker; averages them and
                                                    runs the optimizer on its units
-                                ◀──────────────────  WRITE weights of its units -> params of w
-                                                   fence
-                                ◀──────────────────  WRITE t + 1 -> reply flag s of w
-      waits until every reply flag >= t + 1
+                                ◀──────────────────  for each chunk k = 1..n of its units (in
+                                                   the model's forward order): WRITE the
+                                                   chunk's weights -> params of w, fence,
+                                                   WRITE progress(t + 1, k) -> reply flag s
+      forward of step t + 1: before a layer runs,
+      waits until every reply flag covers the
+      chunks holding that layer's weights
 
-Version 1 is the initial weights. A worker writes DONE into its push flags when it finishes;
-a shard that gives up writes ABORT into the reply flags, with the reason in the store.
+Version 1 is the initial weights. ``progress(v, k) = v << CHUNK_BITS | k`` grows with both, so
+one word per shard tells a worker how much of which version has landed, and a fence before
+each flag WRITE makes every earlier chunk visible first. A worker writes DONE into its push
+flags when it finishes; a shard that gives up writes ABORT into the reply flags, with the
+reason in the store.
+
+Asynchronous mode with overlap (iRDMA §IV-B) gives the shard two grad slots per worker (push t
+lands in slot t % 2) and the worker two parameter buffers: step t computes on buffer t % 2,
+and the shard writes the weights that answer push t into buffer t % 2 once the worker's pull
+flag says t (the worker times that request to land just as its computation ends).
+
 """
 from __future__ import annotations
+
+from rdmaflow.ps.layout import MAX_CHUNKS
 
 FLAG = 64
 DONE = 1 << 62
 ABORT = (1 << 62) + 1
 ALIGN = 256
+CHUNK_BITS = 16
+
+
+def progress(version: int, chunk: int) -> int:
+    """The reply-flag value once ``chunk`` chunks of weight ``version`` have landed."""
+    return (version << CHUNK_BITS) | chunk
 
 
 def aligned(n: int) -> int:
@@ -44,30 +71,58 @@ def aligned(n: int) -> int:
 
 
 class ShardLayout:
-    def __init__(self, numel: int, itemsize: int, num_workers: int):
-        self.numel, self.itemsize, self.num_workers = numel, itemsize, num_workers
+    def __init__(self, numel: int, itemsize: int, num_workers: int, slots: int = 1):
+        self.numel, self.itemsize, self.num_workers, self.slots = numel, itemsize, num_workers, slots
         nbytes = max(numel * itemsize, 1)
         self.weights = 0
         self.aggregate = aligned(nbytes)
         self.gslots = 2 * aligned(nbytes)
         self.gstride = aligned(nbytes)
-        self.push = self.gslots + num_workers * self.gstride
-        self.reply_src = self.push + FLAG * num_workers
-        self.total = self.reply_src + FLAG * num_workers
+        self.push = self.gslots + num_workers * slots * self.gstride
+        self.pull = self.push + FLAG * num_workers
+        self.reply_src = self.pull + FLAG * num_workers
+        self.total = self.reply_src + self.SRC_STRIDE * num_workers
+
+    # Per worker, a source word for each chunk flag of a reply (a WRITE may read its source
+    # after the next flag's value is set, so they cannot share one).
+    SRC_STRIDE = aligned(8 * (MAX_CHUNKS + 1))
+
+    def reply_src_at(self, worker: int, chunk: int) -> int:
+        return self.reply_src + worker * self.SRC_STRIDE + 8 * chunk
+
+    def gslot(self, worker: int, step: int) -> int:
+        return self.gslots + (worker * self.slots + step % self.slots) * self.gstride
 
     def to_dict(self) -> dict:
-        return {"numel": self.numel, "itemsize": self.itemsize, "workers": self.num_workers}
+        return {"numel": self.numel, "itemsize": self.itemsize, "workers": self.num_workers, "slots": self.slots}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardLayout":
+        return cls(int(d["numel"]), int(d["itemsize"]), int(d["workers"]), int(d.get("slots", 1)))
 
 
 class WorkerLayout:
-    def __init__(self, numel: int, itemsize: int, num_shards: int):
-        self.numel, self.itemsize, self.num_shards = numel, itemsize, num_shards
+    def __init__(self, numel: int, itemsize: int, num_shards: int, param_buffers: int = 1):
+        self.numel, self.itemsize, self.num_shards, self.param_buffers = numel, itemsize, num_shards, param_buffers
         nbytes = max(numel * itemsize, 1)
+        self.stride = aligned(nbytes)
         self.params = 0
-        self.grads = aligned(nbytes)
-        self.reply = 2 * aligned(nbytes)
+        self.grads = param_buffers * self.stride
+        self.reply = self.grads + 2 * self.stride
         self.push_src = self.reply + FLAG * num_shards
-        self.total = self.push_src + FLAG * num_shards
+        self.pull_src = self.push_src + FLAG * num_shards
+        self.total = self.pull_src + FLAG * num_shards
+
+    def params_at(self, buffer: int) -> int:
+        return self.params + (buffer % self.param_buffers) * self.stride
+
+    def grads_at(self, buffer: int) -> int:
+        return self.grads + (buffer % 2) * self.stride
 
     def to_dict(self) -> dict:
-        return {"numel": self.numel, "itemsize": self.itemsize, "shards": self.num_shards}
+        return {"numel": self.numel, "itemsize": self.itemsize, "shards": self.num_shards,
+                "param_buffers": self.param_buffers}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "WorkerLayout":
+        return cls(int(d["numel"]), int(d["itemsize"]), int(d["shards"]), int(d.get("param_buffers", 1)))

@@ -3,14 +3,17 @@ workers' gradients and runs the optimizer itself, then returns weights one-sided
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 
 import torch
 
 from rdmaflow import _core
-from rdmaflow.ps.layout import DTYPES, make_plan
+from rdmaflow.ps import checkpoint
+from rdmaflow.ps.layout import DTYPES, MIN_CHUNK_BYTES, make_plan, spec_digest
 from rdmaflow.ps.optim import build_optimizer
-from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout
+from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
 from rdmaflow.transfer.common import Word, pack_header, unpack_header
 
 W = _core.Direction.WRITE
@@ -30,23 +33,31 @@ class Shard:
         self.store = ctx.store
         self.dev = ctx.device
         self.stats = {"steps": 0, "max_gap": 0, "applied": [], "replies": 0}
+        self.dead: set[int] = set()
 
     # -- setup --------------------------------------------------------------------------------
     def setup(self) -> None:
         store, role = self.store, self.role
         store.set(f"ep/shard/{self.id}", self.dev.endpoint)
         self.config = json.loads(store.get("config"))
-        spec = json.loads(store.get("spec"))
+        self.spec = spec = json.loads(store.get("spec"))
         self.mode = self.config["mode"]
         self.staleness = int(self.config.get("staleness", 0))
+        self.switching = bool(self.config.get("overlap")) and self.mode != "sync"
+        self.min_workers = int(self.config.get("min_workers") or role.num_workers)
+        self.ckpt_dir = self.config.get("checkpoint_dir")
+        self.ckpt_every = int(self.config.get("checkpoint_every") or 0)
+        if self.ckpt_every and self.mode != "sync":
+            raise ShardFailure("checkpoints need mode='sync' (an asynchronous job has no common step to save)")
         self.plan = make_plan(spec, role.num_shards, self.config["policy"], int(self.config["block_bytes"]))
         self.units = self.plan.units_of(self.id)
+        self.chunks = self.plan.chunks_of(self.id, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES))
         self.dtype = DTYPES[self.plan.dtype]
         self.itemsize = self.plan.itemsize
         n = self.plan.shard_numel(self.id)
         self.numel = n
         self.nw = role.num_workers
-        self.layout = L = ShardLayout(n, self.itemsize, self.nw)
+        self.layout = L = ShardLayout(n, self.itemsize, self.nw, 2 if self.switching else 1)
         arena = self.dev.create_arena(L.total + (1 << 20))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
@@ -59,9 +70,24 @@ class Shard:
 
         self.weights = view(L.weights)
         self.aggregate = view(L.aggregate)
-        self.gslots = [view(L.gslots + w * L.gstride) for w in range(self.nw)]
+        self.gslots = [[view(L.gslot(w, k)) for k in range(L.slots)] for w in range(self.nw)]
         self.push = [Word(raw[L.push + FLAG * w : L.push + FLAG * w + 8].view(torch.int64)) for w in range(self.nw)]
-        self.reply_src = [raw[L.reply_src + FLAG * w : L.reply_src + FLAG * w + 8].view(torch.int64) for w in range(self.nw)]
+        self.pull = [Word(raw[L.pull + FLAG * w : L.pull + FLAG * w + 8].view(torch.int64)) for w in range(self.nw)]
+        self.reply_src = [raw[L.reply_src_at(w, 0) : L.reply_src_at(w + 1, 0)].view(torch.int64) for w in range(self.nw)]
+        # Where this job starts: step 0, or the latest complete checkpoint when resuming.
+        if self.id == 0:
+            start = 0
+            if os.environ.get("RDMAFLOW_RESUME", "") not in ("", "0"):
+                if not self.ckpt_dir:
+                    raise ShardFailure("--resume needs a checkpoint directory (DistributedOptimizer(checkpoint_dir=...))")
+                found = checkpoint.latest(self.ckpt_dir, role.num_shards)
+                if found is None:
+                    print(f"rdmaflow ps: no complete checkpoint in {self.ckpt_dir}; starting at step 0",
+                          file=sys.stderr, flush=True)
+                else:
+                    start = found
+            store.set("start_step", str(start))
+        self.start = int(store.get("start_step"))
         self.dev.publish("ps/shard", pack_header({"layout": L.to_dict(), "base": self.base},
                                                  arena.region.descriptor()))
         store.set(f"ready/shard/{self.id}", "1")
@@ -72,60 +98,103 @@ class Shard:
             ep = store.get(f"ep/worker/{w}")
             store.wait([f"ready/worker/{w}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/worker"), "ps/worker")
-            wl = WorkerLayout(**{"numel": meta["layout"]["numel"], "itemsize": meta["layout"]["itemsize"],
-                                 "num_shards": meta["layout"]["shards"]})
             self.workers.append({"ep": ep, "remote": _core.RemoteRegion.from_descriptor(desc),
-                                 "base": int(meta["base"]), "layout": wl, "channel": self.dev.channel(ep)})
-        # Initial weights: worker 0's parameters (or a checkpoint's).
-        w0 = self.workers[0]
-        futs = [w0["channel"].memcpy(arena.region, self.base + L.weights + u.shard_offset * self.itemsize,
-                                     w0["remote"], w0["base"] + w0["layout"].params + u.offset * self.itemsize,
-                                     u.numel * self.itemsize, R) for u in self.units]
-        _core_wait(futs, self.ctx.timeout)
+                                 "base": int(meta["base"]), "layout": WorkerLayout.from_dict(meta["layout"]),
+                                 "channel": self.dev.channel(ep)})
         self.region = arena.region
         self.params = [self.weights[u.shard_offset : u.shard_offset + u.numel] for u in self.units]
         self.optimizer = build_optimizer(self.config["optim"], self.params)
-        self.applied = [0] * self.nw
+        if self.start:
+            state = checkpoint.load(self.ckpt_dir, self.start, self.id, role.num_shards, self.fingerprint())
+            with torch.no_grad():
+                self.weights.copy_(state["weights"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            # Initial weights: worker 0's parameters.
+            w0 = self.workers[0]
+            futs = [w0["channel"].memcpy(arena.region, self.base + L.weights + u.shard_offset * self.itemsize,
+                                         w0["remote"], w0["base"] + w0["layout"].params_at(0) + u.offset * self.itemsize,
+                                         u.numel * self.itemsize, R) for u in self.units]
+            _core_wait(futs, self.ctx.timeout)
+        self.applied = [self.start] * self.nw
+        self.answered = [self.start] * self.nw
         self.done = [False] * self.nw
+        self.saved = self.start
         self._reply_futs: list = [[] for _ in range(self.nw)]
         for w in range(self.nw):
-            self.reply(w, 1)
+            self.reply(w, self.start + 1)
+
+    def fingerprint(self) -> dict:
+        return {"spec": spec_digest(self.spec), "policy": self.config["policy"],
+                "block_bytes": int(self.config["block_bytes"]), "num_shards": self.role.num_shards,
+                "optimizer": self.config["optim"]["name"]}
+
+    def save(self, step: int) -> None:
+        if not self.ckpt_dir or step <= self.saved:
+            return
+        checkpoint.save(self.ckpt_dir, step, self.id, self.role.num_shards, self.fingerprint(),
+                        self.weights, self.optimizer.state_dict())
+        self.saved = step
 
     # -- data path ----------------------------------------------------------------------------
     def reply(self, w: int, version: int) -> None:
-        """WRITEs this shard's weights into worker w's parameters, fence, then the version."""
+        """WRITEs this shard's weights into worker w's parameters chunk by chunk, in forward
+        order, each chunk followed by a fence and its progress flag. Asynchronous overlap
+        alternates the worker's two parameter buffers (version v lands in buffer (v - 1) % 2)."""
         info = self.workers[w]
         ch, remote, wl = info["channel"], info["remote"], info["layout"]
         for f in self._reply_futs[w]:
             f.result(self.ctx.timeout)  # the previous reply's source reads are over
+        dst = info["base"] + wl.params_at(version - 1)
+        isz = self.itemsize
         futs = []
-        for u in self.units:
-            futs.append(ch.memcpy(self.region, self.base + self.layout.weights + u.shard_offset * self.itemsize,
-                                  remote, info["base"] + wl.params + u.offset * self.itemsize,
-                                  u.numel * self.itemsize, W))
-        ch.fence()
-        self.reply_src[w].fill_(version)
-        futs.append(ch.memcpy(self.region, self.base + self.layout.reply_src + FLAG * w,
-                              remote, info["base"] + wl.reply + FLAG * self.id, 8, W))
+        for k, chunk in enumerate(self.chunks, 1):
+            for u in chunk:
+                futs.append(ch.memcpy(self.region, self.base + self.layout.weights + u.shard_offset * isz,
+                                      remote, dst + u.offset * isz, u.numel * isz, W))
+            futs.append(self._flag(w, k, progress(version, k)))
+        if not self.chunks:
+            futs.append(self._flag(w, 0, progress(version, 0)))
         self._reply_futs[w] = futs
         self.stats["replies"] += 1
 
-    def _check_worker(self, w: int) -> None:
-        ch = self.workers[w]["channel"]
-        if ch.failed:
-            # A worker that stopped because the job was aborted is not the cause: say what is.
-            reason = self.store.abort_reason()
-            if reason:
-                raise ShardFailure(f"the job was aborted: {reason}")
-            raise ShardFailure(f"worker {w} at {self.workers[w]['ep']} died (shard {self.id} lost its connection)")
+    def _flag(self, w: int, k: int, value: int):
+        info = self.workers[w]
+        info["channel"].fence()
+        self.reply_src[w][k] = value
+        return info["channel"].memcpy(self.region, self.base + self.layout.reply_src_at(w, k), info["remote"],
+                                      info["base"] + info["layout"].reply + FLAG * self.id, 8, W)
 
-    def _wait_push(self, w: int, t: int) -> int:
+    def _worker_died(self, w: int) -> bool:
+        """Whether worker w is gone. Survivors go on (iRDMA §IV-D) while at least min_workers
+        remain; below that the job fails, naming the worker."""
+        if w in self.dead:
+            return True
+        if not self.workers[w]["channel"].failed:
+            return False
+        # A worker that stopped because the job was aborted is not the cause: say what is.
+        reason = self.store.abort_reason()
+        if reason:
+            raise ShardFailure(f"the job was aborted: {reason}")
+        msg = f"worker {w} at {self.workers[w]['ep']} died (shard {self.id} lost its connection)"
+        self.dead.add(w)
+        live = self.nw - len(self.dead)
+        if live < self.min_workers:
+            raise ShardFailure(f"{msg}; {live} of {self.nw} workers remain, fewer than min_workers={self.min_workers}")
+        print(f"rdmaflow ps: {msg}; going on with the {live} remaining workers", file=sys.stderr, flush=True)
+        self.store.set(f"dead/worker/{w}", "1")
+        self.stats.setdefault("dead", []).append(w)
+        return True
+
+    def _wait_push(self, w: int, t: int) -> int | None:
+        """The push flag of worker w once it reaches t; None if the worker died."""
         deadline = time.monotonic() + self.ctx.step_timeout
         last_store_check = time.monotonic()
         while True:
             if self.push[w].wait_at_least(t, POLL):
                 return self.push[w].get()
-            self._check_worker(w)
+            if self._worker_died(w):
+                return None
             now = time.monotonic()
             if now - last_store_check > 1.0:
                 last_store_check = now
@@ -142,67 +211,101 @@ class Shard:
         self.optimizer.step()
         self.stats["steps"] += 1
 
+    def live(self) -> list[int]:
+        return [w for w in range(self.nw) if w not in self.dead and not self.done[w]]
+
     def run_sync(self) -> None:
-        t = 0
+        t = self.start
         while True:
             t += 1
-            flags = [self._wait_push(w, t) for w in range(self.nw)]
-            if all(f >= DONE for f in flags):
-                return
-            if any(f >= DONE for f in flags):
+            flags = {}
+            for w in self.live():
+                f = self._wait_push(w, t)
+                if f is not None:
+                    flags[w] = f
+            if not flags:
+                return  # every worker died or finished
+            finished = [w for w, f in flags.items() if f >= DONE]
+            if finished:
+                if len(finished) == len(flags):
+                    for w in finished:
+                        self.done[w] = True
+                    self.save(t - 1)
+                    return
                 raise ShardFailure("workers disagree on the number of steps: some finished, some pushed step "
                                    f"{t} (synchronous mode needs the same number of steps on every worker)")
-            # The mean of the workers' gradients: what one process would get on the concatenated batch.
-            self.aggregate.copy_(self.gslots[0])
-            for g in self.gslots[1:]:
-                self.aggregate.add_(g)
-            if self.nw > 1:
-                self.aggregate.mul_(1.0 / self.nw)
+            # The mean of the workers' gradients: what one process would get on the
+            # concatenated batch (of the surviving workers, after a failure).
+            ws = sorted(flags)
+            self.aggregate.copy_(self.gslots[ws[0]][0])
+            for w in ws[1:]:
+                self.aggregate.add_(self.gslots[w][0])
+            if len(ws) > 1:
+                self.aggregate.mul_(1.0 / len(ws))
             self.apply(self.aggregate, 1.0)
-            for w in range(self.nw):
+            for w in ws:
                 self.applied[w] = t
-                self.reply(w, t + 1)
+                if not self._worker_died(w):
+                    self.reply(w, t + 1)
+            if self.ckpt_every and t % self.ckpt_every == 0:
+                self.save(t)  # while the workers compute the next step
 
     def run_async(self) -> None:
         """Applies each worker's gradient on arrival. With staleness s >= 0 (bounded staleness),
-        a worker gets its new weights only while it is at most s steps ahead of the slowest."""
+        a worker gets its new weights only while it is at most s steps ahead of the slowest.
+        With overlap, a worker's pull flag says when it wants them (adaptive pulling)."""
         bounded = self.mode == "bounded"
         waiting: set[int] = set()
         idle_since = time.monotonic()
         last_check = time.monotonic()
-        while not all(self.done):
+        while self.live():
             progressed = False
-            for w in range(self.nw):
-                if self.done[w]:
-                    continue
+            for w in self.live():
                 f = self.push[w].get()
                 if f >= DONE:
                     self.done[w] = True
                     waiting.discard(w)
                     progressed = True
-                elif f > self.applied[w]:
-                    self.apply(self.gslots[w], 1.0)
-                    self.applied[w] = f
+                    continue
+                while f > self.applied[w]:  # in order: with overlap two pushes may be waiting
+                    k = self.applied[w] + 1
+                    self.apply(self.gslots[w][k % self.layout.slots], 1.0)
+                    self.applied[w] = k
                     waiting.add(w)
                     progressed = True
-            live = [self.applied[v] for v in range(self.nw) if not self.done[v]]
+            live = [self.applied[v] for v in self.live()]
             slowest = min(live) if live else 0
             for w in sorted(waiting):
-                gap = self.applied[w] - slowest
+                if self.switching:
+                    r = self.pull[w].get()
+                    if r <= self.answered[w] or self.applied[w] < r - 1:
+                        continue
+                else:
+                    r = self.applied[w]
+                # With overlap, the worker that gets pull r finishes step r on it: count that.
+                gap = max(self.applied[w], r if self.switching else 0) - slowest
                 if not bounded or gap <= self.staleness:
                     self.stats["max_gap"] = max(self.stats["max_gap"], gap)
-                    self.reply(w, self.applied[w] + 1)
+                    self.reply(w, r + 1)
+                    self.answered[w] = r
                     waiting.discard(w)
                     progressed = True
+            if self.switching:
+                # A pull can come before any new push (the first one, or a fast worker's).
+                for w in self.live():
+                    if w not in waiting and self.pull[w].get() > self.answered[w]:
+                        waiting.add(w)
             now = time.monotonic()
             if progressed:
                 idle_since = now
                 continue
             if now - last_check > POLL:
                 last_check = now
-                for w in range(self.nw):
-                    if not self.done[w]:
-                        self._check_worker(w)
+                for w in self.live():
+                    self._worker_died(w)
+                reason = self.store.abort_reason()
+                if reason:
+                    raise ShardFailure(f"the job was aborted: {reason}")
                 if now - idle_since > self.ctx.step_timeout:
                     raise ShardFailure(f"no worker pushed anything within {self.ctx.step_timeout:.0f} s")
             time.sleep(0.0002)
@@ -215,6 +318,8 @@ class Shard:
             else:
                 self.run_async()
             for w in range(self.nw):
+                if w in self.dead:
+                    continue
                 for f in self._reply_futs[w]:
                     f.wait(5.0)
             self.stats["applied"] = list(self.applied)
@@ -234,7 +339,7 @@ class Shard:
                 continue
             try:
                 self.reply_src[w].fill_(ABORT)
-                info["channel"].memcpy(self.region, self.base + self.layout.reply_src + FLAG * w, info["remote"],
+                info["channel"].memcpy(self.region, self.base + self.layout.reply_src_at(w, 0), info["remote"],
                                        info["base"] + info["layout"].reply + FLAG * self.id, 8, W).wait(1.0)
             except Exception:  # noqa: BLE001 - best effort while failing
                 pass

@@ -1,23 +1,40 @@
-"""The worker side: parameters and gradients in registered memory, push and pull per step."""
+"""The worker side: parameters and gradients in registered memory, push and pull per step.
+
+With ``overlap`` (the default) communication runs under computation (seed 000 §5.2, iRDMA
+§IV-B):
+
+- a gradient unit is WRITten to its shard the moment backward has accumulated every gradient
+  in it (a post-accumulate-grad hook), so pushes run in reverse layer order during backward;
+- synchronous mode: ``step()`` only writes the push flags and returns; the shards deliver the
+  new weights chunk by chunk in forward order, and a forward pre-hook on each layer waits for
+  just the chunks holding that layer's weights;
+- asynchronous modes: two parameter buffers (buffer switching). A step computes on one while
+  the shards write the next weights into the other; the request for them is timed from moving
+  averages of compute and pull time so that they land as the computation ends (adaptive
+  pulling, the "bubble");
+- two gradient buffers, switched by ``zero_grad()``, so zeroing never waits for a push.
+"""
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
+import threading
 import time
+from bisect import bisect_right
 
 import torch
 
 from rdmaflow import _core
-from rdmaflow.ps.layout import DTYPES, describe_difference, make_plan, spec_of
+from rdmaflow.ps.layout import DTYPES, MIN_CHUNK_BYTES, describe_difference, make_plan, spec_of
 from rdmaflow.ps.optim import describe_optimizer
-from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout
+from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
 from rdmaflow.transfer.common import Word, pack_header, unpack_header
 
 W = _core.Direction.WRITE
 POLL = 0.05
 MODES = ("sync", "async", "bounded")
+EMA = 0.3  # weight of the newest sample in the moving averages of adaptive pulling
 
 
 class WorkerFailure(_core.RdmaflowError):
@@ -29,11 +46,20 @@ class Worker:
 
     def __init__(self, ctx, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, mode: str = "sync",
                  staleness: int = 0, policy: str = "block", block_bytes: int = 1 << 20,
+                 overlap: bool = True, zero_copy: bool = True, min_workers: int | None = None,
+                 checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  log_every: int = 0, progress: bool | None = None):
         if mode not in MODES:
             raise _core.InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "bounded" and staleness < 0:
             raise _core.InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
+        nw = ctx.role.num_workers
+        if min_workers is not None and not 1 <= min_workers <= nw:
+            raise _core.InvalidArgumentError(f"min_workers must be between 1 and the {nw} workers, got {min_workers}")
+        if checkpoint_every < 0:
+            raise _core.InvalidArgumentError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+        if checkpoint_every and not checkpoint_dir:
+            raise _core.InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
         self.ctx = ctx
         self.role = ctx.role
         self.id = ctx.role.index
@@ -42,64 +68,84 @@ class Worker:
         self.model = model
         self.optimizer = optimizer
         self.mode = mode
+        self.overlap = bool(overlap)
+        self.zero_copy = bool(zero_copy)
         self.log_every = log_every
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.step_count = 0
         self.timings = {"push": 0.0, "pull": 0.0, "compute": 0.0}
         self._last_step_end = None
         self._closed = False
+        self._lock = threading.Lock()
+        cfg = {"mode": mode, "staleness": staleness, "policy": policy, "block_bytes": block_bytes,
+               "overlap": self.overlap, "min_workers": nw if min_workers is None else int(min_workers),
+               "checkpoint_dir": os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
+               "checkpoint_every": int(checkpoint_every), "optim": describe_optimizer(optimizer),
+               # Tuning: the smallest chunk of pipelined weight delivery (tests use tiny ones).
+               "chunk_bytes": int(os.environ.get("RDMAFLOW_PS_CHUNK_BYTES", MIN_CHUNK_BYTES))}
         try:
-            self._setup(staleness, policy, block_bytes)
+            self._setup(cfg)
         except Exception as e:
             self.store.abort(f"worker {self.id}: {e}")
             raise
 
     # -- setup --------------------------------------------------------------------------------
-    def _setup(self, staleness: int, policy: str, block_bytes: int) -> None:
+    def _setup(self, mine: dict) -> None:
         store = self.store
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         spec = spec_of(named)
         store.set(f"ep/worker/{self.id}", self.dev.endpoint)
         if self.id == 0:
-            cfg = {"mode": self.mode, "staleness": staleness, "policy": policy, "block_bytes": block_bytes,
-                   "optim": describe_optimizer(self.optimizer)}
-            store.set("config", json.dumps(cfg))
+            store.set("config", json.dumps(mine))
             store.set("spec", json.dumps(spec))
         job_spec = json.loads(store.get("spec"))
         if spec != job_spec:
             raise WorkerFailure(f"worker {self.id}'s model differs from the job's: {describe_difference(spec, job_spec)}")
         cfg = json.loads(store.get("config"))
-        if self.id != 0 and (cfg["mode"] != self.mode or cfg["policy"] != policy):
-            raise WorkerFailure(f"worker {self.id} asks for mode={self.mode}, policy={policy}; the job runs "
-                                f"mode={cfg['mode']}, policy={cfg['policy']}")
+        for k in ("mode", "policy", "overlap"):
+            if cfg[k] != mine[k]:
+                raise WorkerFailure(f"worker {self.id} asks for {k}={mine[k]}; the job runs {k}={cfg[k]}")
+        self.cfg = cfg
         self.plan = plan = make_plan(spec, self.role.num_shards, cfg["policy"], int(cfg["block_bytes"]))
         self.dtype = DTYPES[plan.dtype]
         isz = self.itemsize = plan.itemsize
-        L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards)
+        # Asynchronous overlap computes on one parameter buffer while the other fills.
+        self.switching = self.overlap and self.mode != "sync"
+        L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards, 2 if self.switching else 1)
         arena = self.dev.create_arena(L.total + (1 << 20))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
         self.region = arena.region
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
         raw[L.reply :].zero_()
-        self.flat_params = raw[L.params : L.params + plan.total * isz].view(self.dtype)
-        self.flat_grads = raw[L.grads : L.grads + plan.total * isz].view(self.dtype)
-        self.flat_grads.zero_()
+        nbytes = plan.total * isz
+        self.flat_params = [raw[L.params_at(b) : L.params_at(b) + nbytes].view(self.dtype)
+                            for b in range(L.param_buffers)]
+        self.flat_grads = [raw[L.grads_at(b) : L.grads_at(b) + nbytes].view(self.dtype) for b in range(2)]
+        for g in self.flat_grads:
+            g.zero_()
+        self.pbuf = 0  # the parameter buffer in use
+        self.gbuf = 0  # the gradient buffer backward writes into
         # The allocation-site decision of seed 000 §3.4, in PyTorch: parameters and gradients
         # live in registered memory, so backward writes straight into the send buffers and
-        # new weights land straight in the parameters.
+        # new weights land straight in the parameters. Without zero_copy they live in ordinary
+        # memory and every push and pull copies (the baseline of seed 000 Figure 12).
         self._params = []
         with torch.no_grad():
             for (name, p), info in zip(named, plan.params):
-                view = self.flat_params[info.offset : info.offset + info.numel].view(info.shape)
-                view.copy_(p.data)
-                p.data = view
-                p.grad = self.flat_grads[info.offset : info.offset + info.numel].view(info.shape)
+                for fp in self.flat_params:
+                    fp[info.offset : info.offset + info.numel].copy_(p.data.reshape(-1))
+                if self.zero_copy:
+                    p.data = self._pview(0, info)
+                    p.grad = self._gview(0, info)
                 self._params.append((p, info))
         self.reply = [Word(raw[L.reply + FLAG * s : L.reply + FLAG * s + 8].view(torch.int64))
                       for s in range(self.role.num_shards)]
         self.push_src = [raw[L.push_src + FLAG * s : L.push_src + FLAG * s + 8].view(torch.int64)
                          for s in range(self.role.num_shards)]
+        self.pull_src = [raw[L.pull_src + FLAG * s : L.pull_src + FLAG * s + 8].view(torch.int64)
+                         for s in range(self.role.num_shards)]
+        self._index_units()
         self.dev.publish("ps/worker", pack_header({"layout": L.to_dict(), "base": self.base}, arena.region.descriptor()))
         store.set(f"ready/worker/{self.id}", "1")
         self.shards = []
@@ -107,98 +153,327 @@ class Worker:
             ep = store.get(f"ep/shard/{s}")
             store.wait([f"ready/shard/{s}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/shard"), "ps/shard")
-            sl = ShardLayout(meta["layout"]["numel"], meta["layout"]["itemsize"], meta["layout"]["workers"])
             self.shards.append({"ep": ep, "remote": _core.RemoteRegion.from_descriptor(desc), "base": int(meta["base"]),
-                                "layout": sl, "channel": self.dev.channel(ep), "units": plan.units_of(s)})
+                                "layout": ShardLayout.from_dict(meta["layout"]), "channel": self.dev.channel(ep)})
+        # A resumed job continues counting from its checkpoint's step; flags and versions count
+        # absolute steps, so the initial weights are version start_step + 1.
+        S = self.step_count = self.start_step = int(store.get("start_step"))
         self.bytes_per_step = 2 * plan.total * isz
-        self._wait_replies(1, "the initial weights")
-        self._t0 = time.monotonic()
-
-    # -- data path ----------------------------------------------------------------------------
-    def _bind_grads(self) -> None:
-        """Gradients a user set to None (zero_grad(set_to_none=True)) or replaced are copied back
-        into registered memory and the views restored."""
+        self._version = S + 1      # the weight version the parameters will hold
+        self._ready = False        # whether all of it has landed
+        self._pushed: set[int] = set()
+        self._dirty: set[int] = set()
+        self._pending = list(self._unit_need)
+        self._push_futs: list[list] = [[], []]  # of finished steps, per gradient buffer
+        self._cur_futs: list = []                # of this step's units
+        self._fired: set[int] = set()
+        self._hooks = []
+        self._pull_timer: threading.Timer | None = None
+        self._avg_compute: float | None = None
+        self._avg_pull: float | None = None
+        self._pull_requested_at = 0.0
+        self.bubbles: list[float] = []
+        self._await_all(S + 1, "the initial weights")
+        self._ready = True
+        self.pbuf = S % L.param_buffers
         with torch.no_grad():
             for p, info in self._params:
-                view = self.flat_grads[info.offset : info.offset + info.numel].view(info.shape)
-                g = p.grad
-                if g is None:
-                    view.zero_()
-                elif g.data_ptr() != view.data_ptr():
-                    view.copy_(g)
+                if self.zero_copy:
+                    p.data = self._pview(self.pbuf, info)
                 else:
-                    continue
-                p.grad = view
+                    p.data.copy_(self._pview(self.pbuf, info))
+        self._last_pull = S
+        if self.switching:
+            self._request_pull(S + 1, 0.0)
+        if self.overlap:
+            self._install_hooks()
+        self._t0 = time.monotonic()
+        self._compute_start = self._t0
 
-    def push(self, t: int) -> list:
-        futs = []
-        isz = self.itemsize
-        for s, sh in enumerate(self.shards):
-            ch, remote, sl, sbase = sh["channel"], sh["remote"], sh["layout"], sh["base"]
-            slot = sbase + sl.gslots + self.id * sl.gstride
-            for u in sh["units"]:
-                ch.memcpy(self.region, self.base + self.layout.grads + u.offset * isz, remote,
-                          slot + u.shard_offset * isz, u.numel * isz, W)
-            ch.fence()
-            self.push_src[s].fill_(t)
-            futs.append(ch.memcpy(self.region, self.base + self.layout.push_src + FLAG * s, remote,
-                                  sbase + sl.push + FLAG * self.id, 8, W))
-        return futs
+    def _pview(self, buf: int, info) -> torch.Tensor:
+        return self.flat_params[buf][info.offset : info.offset + info.numel].view(info.shape)
 
-    def _wait_replies(self, version: int, what: str) -> None:
-        deadline = time.monotonic() + self.ctx.step_timeout
-        last_store = time.monotonic()
-        for s, word in enumerate(self.reply):
-            while not word.wait_at_least(version, POLL):
-                sh = self.shards[s]
-                if sh["channel"].failed:
-                    # A shard that stopped because the job was aborted is not the cause: say what is.
-                    reason = self.store.abort_reason()
-                    if reason:
-                        raise WorkerFailure(f"the job was aborted: {reason}")
-                    msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
-                    self.store.abort(msg)
-                    raise _core.PeerError(msg)
-                now = time.monotonic()
-                if now - last_store > 1.0:
-                    last_store = now
-                    reason = self.store.abort_reason()
-                    if reason:
-                        raise WorkerFailure(f"the job was aborted: {reason}")
-                if now > deadline:
-                    raise _core.TimeoutError(f"shard {s} did not deliver {what} within {self.ctx.step_timeout:.0f} s")
+    def _gview(self, buf: int, info) -> torch.Tensor:
+        return self.flat_grads[buf][info.offset : info.offset + info.numel].view(info.shape)
+
+    def _index_units(self) -> None:
+        """Which units each parameter touches, and per shard which chunk holds each unit."""
+        plan = self.plan
+        self.units = sorted(plan.units, key=lambda u: u.offset)
+        starts = [u.offset for u in self.units]
+        uidx = {u.key: i for i, u in enumerate(self.units)}
+        self.chunk_of = [0] * len(self.units)
+        self.nchunks = []
+        for s in range(self.role.num_shards):
+            chunks = plan.chunks_of(s, int(self.cfg.get("chunk_bytes") or MIN_CHUNK_BYTES))
+            self.nchunks.append(len(chunks))
+            for k, chunk in enumerate(chunks, 1):
+                for u in chunk:
+                    self.chunk_of[uidx[u.key]] = k
+        self.units_of_param: list[list[int]] = []
+        self._unit_need = [0] * len(self.units)
+        for _, info in self._params:
+            lo = bisect_right(starts, info.offset) - 1
+            touched = []
+            i = max(lo, 0)
+            while i < len(self.units) and self.units[i].offset < info.offset + info.numel:
+                if self.units[i].offset + self.units[i].numel > info.offset:
+                    touched.append(i)
+                i += 1
+            self.units_of_param.append(touched)
+            for i in touched:
+                self._unit_need[i] += 1
+
+    def _install_hooks(self) -> None:
+        index = {id(p): i for i, (p, _) in enumerate(self._params)}
+        for i, (p, _) in enumerate(self._params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i)))
+        if self.mode != "sync":
+            return
+        # Each module that owns parameters waits, before it runs, for the chunks holding them.
+        for module in self.model.modules():
+            own = [index[id(p)] for p in module.parameters(recurse=False) if id(p) in index]
+            if not own:
+                continue
+            need: dict[int, int] = {}
+            for i in own:
+                for u in self.units_of_param[i]:
+                    s = self.units[u].shard
+                    need[s] = max(need.get(s, 0), self.chunk_of[u])
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda m, args, need=sorted(need.items()), own=own: self._before_forward(need, own)))
+
+    # -- waiting ------------------------------------------------------------------------------
+    def _wait_word(self, s: int, target: int, what: str) -> None:
+        word = self.reply[s]
+        if word.get() >= target:
             if word.get() >= ABORT:
                 raise WorkerFailure(f"the job was aborted: {self.store.aborted() or 'by a shard'}")
+            return
+        deadline = time.monotonic() + self.ctx.step_timeout
+        last_store = time.monotonic()
+        while not word.wait_at_least(target, POLL):
+            sh = self.shards[s]
+            if sh["channel"].failed:
+                # A shard that stopped because the job was aborted is not the cause: say what is.
+                reason = self.store.abort_reason()
+                if reason:
+                    raise WorkerFailure(f"the job was aborted: {reason}")
+                msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
+                self.store.abort(msg)
+                raise _core.PeerError(msg)
+            now = time.monotonic()
+            if now - last_store > 1.0:
+                last_store = now
+                reason = self.store.abort_reason()
+                if reason:
+                    raise WorkerFailure(f"the job was aborted: {reason}")
+            if now > deadline:
+                raise _core.TimeoutError(f"shard {s} did not deliver {what} within {self.ctx.step_timeout:.0f} s")
+        if word.get() >= ABORT:
+            raise WorkerFailure(f"the job was aborted: {self.store.aborted() or 'by a shard'}")
 
+    def _await_all(self, version: int, what: str) -> None:
+        for s in range(self.role.num_shards):
+            self._wait_word(s, progress(version, self.nchunks[s]), what)
+
+    def _before_forward(self, need, own) -> None:
+        if self._ready:
+            return
+        v = self._version
+        for s, k in need:
+            self._wait_word(s, progress(v, k), f"the weights of version {v}")
+        if not self.zero_copy:
+            with torch.no_grad():
+                for i in own:
+                    p, info = self._params[i]
+                    p.data.copy_(self._pview(self.pbuf, info))
+
+    def wait_weights(self) -> None:
+        """Blocks until the parameters hold the newest weights (``step()`` may return before
+        they land; the next forward waits by itself, anything else that reads them calls this)."""
+        if self._ready:
+            return
+        self._await_all(self._version, f"the weights of version {self._version}")
+        if not self.zero_copy:
+            with torch.no_grad():
+                for p, info in self._params:
+                    p.data.copy_(self._pview(self.pbuf, info))
+        self._ready = True
+
+    # -- pushing ------------------------------------------------------------------------------
+    def _stage_grad(self, i: int) -> None:
+        """Puts parameter i's gradient into the registered buffer of this step."""
+        p, info = self._params[i]
+        view = self._gview(self.gbuf, info)
+        g = p.grad
+        if g is not None and g.data_ptr() == view.data_ptr():
+            return  # backward accumulated straight into the send buffer
+        self._wait_pushes(self.gbuf)  # an earlier step's push may still read this buffer
+        with torch.no_grad():
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g)  # the sender-side copy (no zero_copy, or a gradient made anew)
+        if self.zero_copy:
+            p.grad = view
+
+    def _grad_ready(self, i: int) -> None:
+        self._stage_grad(i)
+        with self._lock:
+            self._fired.add(i)
+            for u in self.units_of_param[i]:
+                self._pending[u] -= 1
+                if u in self._pushed:
+                    self._dirty.add(u)  # accumulated again (several backward passes): push again at step()
+                elif self._pending[u] <= 0:
+                    self._push_unit(u, self.step_count + 1)
+
+    def _push_unit(self, u: int, t: int) -> None:
+        unit = self.units[u]
+        sh = self.shards[unit.shard]
+        isz = self.itemsize
+        slot = sh["base"] + sh["layout"].gslot(self.id, t) + unit.shard_offset * isz
+        f = sh["channel"].memcpy(self.region, self.base + self.layout.grads_at(self.gbuf) + unit.offset * isz,
+                                 sh["remote"], slot, unit.numel * isz, W)
+        self._cur_futs.append(f)
+        self._pushed.add(u)
+
+    def _wait_pushes(self, buf: int) -> None:
+        for f in self._push_futs[buf]:
+            f.result(self.ctx.timeout)
+        self._push_futs[buf] = []
+
+    def push(self, t: int) -> list:
+        """Pushes what backward has not pushed yet, then each shard's push flag behind a fence."""
+        with self._lock:
+            if not self.overlap:
+                for i in range(len(self._params)):
+                    self._stage_grad(i)
+            else:
+                for i in range(len(self._params)):
+                    if i not in self._fired:
+                        self._stage_grad(i)  # no gradient this step (unused), or set by hand
+            for u in range(len(self.units)):
+                if u not in self._pushed or u in self._dirty:
+                    self._push_unit(u, t)
+            futs = []
+            for s, sh in enumerate(self.shards):
+                ch = sh["channel"]
+                ch.fence()
+                self.push_src[s].fill_(t)
+                futs.append(ch.memcpy(self.region, self.base + self.layout.push_src + FLAG * s, sh["remote"],
+                                      sh["base"] + sh["layout"].push + FLAG * self.id, 8, W))
+            self._push_futs[self.gbuf].extend(self._cur_futs + futs)
+            self._cur_futs = []
+            self._pushed = set()
+            self._fired = set()
+            self._dirty = set()
+            self._pending = list(self._unit_need)
+        return futs
+
+    # -- pulling (asynchronous overlap) -------------------------------------------------------
+    def _request_pull(self, r: int, delay: float) -> None:
+        """Asks every shard for its current weights into buffer r % 2 (pull r), after ``delay``."""
+        self._last_pull = r
+
+        def send():
+            self._pull_requested_at = time.monotonic()
+            for s, sh in enumerate(self.shards):
+                if sh["channel"].failed:
+                    continue
+                try:
+                    sh["channel"].fence()  # after this worker's latest push flag
+                    self.pull_src[s].fill_(r)
+                    sh["channel"].memcpy(self.region, self.base + self.layout.pull_src + FLAG * s, sh["remote"],
+                                         sh["base"] + sh["layout"].pull + FLAG * self.id, 8, W)
+                except _core.RdmaflowError:
+                    pass  # the wait for the weights reports the shard
+        if delay <= 0:
+            send()
+        else:
+            self._pull_timer = threading.Timer(delay, send)
+            self._pull_timer.daemon = True
+            self._pull_timer.start()
+
+    def _switch(self, t: int) -> None:
+        """Buffer switching at the end of step t: computation t + 1 runs on pull t's weights."""
+        if self._pull_timer is not None:
+            self._pull_timer.join()
+        t_wait = time.monotonic()
+        self._await_all(t + 1, f"the weights of pull {t}")
+        arrived = time.monotonic()
+        buf = t % 2
+        with torch.no_grad():
+            for p, info in self._params:
+                if self.zero_copy:
+                    p.data = self._pview(buf, info)
+                else:
+                    p.data.copy_(self._pview(buf, info))
+        self.pbuf = buf
+        # The bubble: request the next pull so that it lands as the next computation ends.
+        pull = max(arrived - self._pull_requested_at, 0.0) if arrived - t_wait > 1e-4 else None
+        if pull is not None:
+            self._avg_pull = pull if self._avg_pull is None else (1 - EMA) * self._avg_pull + EMA * pull
+        bubble = 0.0
+        if self._avg_compute is not None and self._avg_pull is not None:
+            bubble = max(0.0, 0.9 * self._avg_compute - self._avg_pull)
+        elif self._avg_compute is not None and pull is None:
+            bubble = 0.5 * self._avg_compute  # the pull was early: try later next time
+        self.bubbles.append(bubble)
+        self._request_pull(t + 1, bubble)
+
+    # -- the step -----------------------------------------------------------------------------
     def step(self) -> None:
-        """Pushes this step's gradients to the shards and waits for the new weights."""
+        """Pushes this step's gradients to the shards. Without overlap it waits for the new
+        weights; with overlap the next forward (sync) or the buffer switch (async) does."""
         if self._closed:
             raise _core.InvalidArgumentError("this parameter-server worker is closed")
         t0 = time.monotonic()
-        if self._last_step_end is not None:
-            self.timings["compute"] += t0 - self._last_step_end
-        self._bind_grads()
+        compute = t0 - self._compute_start
+        self.timings["compute"] += compute
+        self._avg_compute = compute if self._avg_compute is None else (1 - EMA) * self._avg_compute + EMA * compute
+        if not self.switching:
+            self.wait_weights()  # the weights this step computed on (a step without a forward)
         t = self.step_count + 1
-        futs = self.push(t)
+        self.push(t)
         t1 = time.monotonic()
-        self._wait_replies(t + 1, f"the weights of step {t}")
-        for f in futs:
-            f.result(self.ctx.timeout)
+        if self.switching:
+            self._switch(t)
+        else:
+            self._version = t + 1
+            self._ready = False
+            if not self.overlap:
+                self.wait_weights()
+                self._wait_pushes(self.gbuf)
         t2 = time.monotonic()
         self.timings["push"] += t1 - t0
         self.timings["pull"] += t2 - t1
         self.step_count = t
         self._last_step_end = t2
+        self._compute_start = t2
         self._report(t)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # The gradient buffers are the send buffers: zero them in place, never drop them.
-        self.flat_grads.zero_()
+        """Switches to the other gradient buffer and zeroes it: the gradient buffers are the send
+        buffers, so they are zeroed in place, never dropped; the one just pushed is left alone."""
+        self.gbuf ^= 1
+        self._wait_pushes(self.gbuf)  # pushed two steps ago: long done
+        self.flat_grads[self.gbuf].zero_()
+        with torch.no_grad():
+            for p, info in self._params:
+                if self.zero_copy:
+                    p.grad = self._gview(self.gbuf, info)
+                elif set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
 
     def _report(self, t: int) -> None:
+        done = t - self.start_step
         elapsed = max(time.monotonic() - self._t0, 1e-9)
-        if self.progress and (t == 1 or t % 10 == 0):
-            rate = t / elapsed
+        if self.progress and (done == 1 or t % 10 == 0):
+            rate = done / elapsed
             sys.stderr.write(f"\r[rdmaflow ps] worker {self.id} step {t} | {rate:.1f} steps/s | "
                              f"{rate * self.bytes_per_step / 1e9:.2f} GB/s   ")
             sys.stderr.flush()
@@ -207,26 +482,37 @@ class Worker:
             rec = {"event": "ps_step", "worker": self.id, "step": t,
                    "push_ms": 1e3 * self.timings["push"] / n, "pull_ms": 1e3 * self.timings["pull"] / n,
                    "compute_ms": 1e3 * self.timings["compute"] / n,
-                   "steps_per_s": t / elapsed, "bytes_per_s": t * self.bytes_per_step / elapsed}
+                   "steps_per_s": done / elapsed, "bytes_per_s": done * self.bytes_per_step / elapsed}
             # One write per line, so that lines of several workers sharing a pipe never interleave.
             sys.stdout.write(json.dumps(rec) + "\n")
             sys.stdout.flush()
             self.timings = {"push": 0.0, "pull": 0.0, "compute": 0.0}
 
     def close(self) -> None:
-        """Tells the shards this worker is done (its last push is DONE)."""
+        """Waits for the last weights, then tells the shards this worker is done (DONE)."""
         if self._closed:
             return
         self._closed = True
+        for h in self._hooks:
+            h.remove()
+        if self._pull_timer is not None:
+            self._pull_timer.join()
         if self.progress:
             sys.stderr.write("\n")
-        futs = []
-        for s, sh in enumerate(self.shards):
-            if sh["channel"].failed:
-                continue
-            self.push_src[s].fill_(DONE)
-            sh["channel"].fence()
-            futs.append(sh["channel"].memcpy(self.region, self.base + self.layout.push_src + FLAG * s, sh["remote"],
-                                             sh["base"] + sh["layout"].push + FLAG * self.id, 8, W))
-        for f in futs:
-            f.wait(5.0)
+        try:
+            if self.switching:
+                # The pull asked for last must land before DONE: nothing writes here after it.
+                self._await_all(self._last_pull + 1, f"the weights of pull {self._last_pull}")
+            else:
+                self.wait_weights()
+        finally:
+            futs = []
+            for s, sh in enumerate(self.shards):
+                if sh["channel"].failed:
+                    continue
+                self.push_src[s].fill_(DONE)
+                sh["channel"].fence()
+                futs.append(sh["channel"].memcpy(self.region, self.base + self.layout.push_src + FLAG * s, sh["remote"],
+                                                 sh["base"] + sh["layout"].push + FLAG * self.id, 8, W))
+            for f in futs:
+                f.wait(5.0)

@@ -16,6 +16,11 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
     fast_exit                               -> os._exit(0) once everything is closed and written
     init_exit_shards                        -> ps.init() exits the shards (the library's own path)
     stats_from_store                        -> worker 0 writes the shards' statistics from the store
+    overlap, zero_copy, min_workers, checkpoint_dir, checkpoint_every -> DistributedOptimizer
+    die       {"worker": w, "step": t}: worker w SIGKILLs itself after step t (a worker failure)
+
+A resumed job (RDMAFLOW_RESUME=1) runs from the optimizer's step_count to ``steps``, so its
+batches are those the interrupted job would have used.
 
 Results: a worker writes ``worker{w}.pt`` (torch.save of its final parameters, losses and the
 largest gap it observed); a shard writes ``shard{i}.json`` (its statistics). Every worker
@@ -141,14 +146,18 @@ def main() -> None:
         trace("joining")
     opt = ps.DistributedOptimizer(model, make_optimizer(model.parameters(), cfg.get("optim", "sgd"), float(cfg["lr"])),
                                   mode=cfg.get("mode", "sync"), staleness=int(cfg.get("staleness", 0)),
-                                  policy=cfg.get("policy", "block"), block_bytes=int(cfg.get("block_bytes", 256)))
+                                  policy=cfg.get("policy", "block"), block_bytes=int(cfg.get("block_bytes", 256)),
+                                  **{k: cfg[k] for k in ("overlap", "zero_copy", "min_workers", "checkpoint_dir",
+                                                         "checkpoint_every") if k in cfg})
     trace("optimizer ready")
     slow = cfg.get("slow") or {}
     delay = float(cfg.get("step_delay", 0.0)) + (float(slow["delay"]) if slow.get("worker") == w else 0.0)
     track = bool(cfg.get("track_gap"))
     nw = ctx.role.num_workers
     losses, observed_gap = [], None
-    for t in range(int(cfg["steps"])):
+    die = cfg.get("die") or {}
+    start = opt.step_count
+    for t in range(start, int(cfg["steps"])):
         if delay:
             time.sleep(delay)
         x, y = make_batch(seed, w, t, int(cfg.get("batch", 4)))
@@ -176,12 +185,15 @@ def main() -> None:
                 gap = t + 1 - pushed
                 observed_gap = gap if observed_gap is None else max(observed_gap, gap)
         print(f"worker {w} step {t + 1} loss {loss.item():.6f}", flush=True)
+        if die.get("worker") == w and die.get("step") == t + 1:
+            os.kill(os.getpid(), 9)
     if track:
         ctx.store.set(f"test/done/{w}", "1")
     trace("trained")
     opt.close()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.save({"params": params, "losses": losses, "observed_gap": observed_gap, "steps": opt.step_count},
+    torch.save({"params": params, "losses": losses, "observed_gap": observed_gap, "steps": opt.step_count,
+                "start": start, "bubbles": list(getattr(opt.worker, "bubbles", []))},
                os.path.join(out, f"worker{w}.pt"))
     if cfg.get("stats_from_store") and w == 0:
         # The shards publish their statistics in the store when the job ends (Shard.run).

@@ -1,0 +1,76 @@
+"""Shard checkpoints: each shard's weights and optimizer state after a synchronous step.
+
+Layout of a checkpoint directory::
+
+    step-00000100/shard-0-of-2.pt    {"step", "shard", "num_shards", "fingerprint", "weights", "optimizer"}
+    step-00000100/shard-1-of-2.pt
+
+A file is written under a temporary name and renamed, so a file that exists is whole; a step
+is complete when every shard's file exists. ``rdmaflow launch --resume`` (RDMAFLOW_RESUME=1)
+restarts from the latest complete step. The fingerprint (model spec digest, placement policy,
+block size, number of shards, optimizer) must match the resumed job's, since a shard's weights
+are a slice of the flat parameter space that only the same plan cuts the same way.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from rdmaflow import _core
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def shard_file(root: str, step: int, shard: int, num_shards: int) -> str:
+    return os.path.join(step_dir(root, step), f"shard-{shard}-of-{num_shards}.pt")
+
+
+def save(root: str, step: int, shard: int, num_shards: int, fingerprint: dict, weights: torch.Tensor,
+         optimizer_state: dict) -> str:
+    path = shard_file(root, step, shard, num_shards)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    # clone(): the weights are a view into the registered arena, and torch.save writes a
+    # view's whole storage.
+    torch.save({"step": step, "shard": shard, "num_shards": num_shards, "fingerprint": fingerprint,
+                "weights": weights.detach().clone(), "optimizer": optimizer_state}, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def steps(root: str, num_shards: int) -> list[int]:
+    """The complete checkpoints' steps, ascending."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP.match(name)
+        if m and all(os.path.exists(shard_file(root, int(m.group(1)), s, num_shards)) for s in range(num_shards)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def latest(root: str, num_shards: int) -> int | None:
+    found = steps(root, num_shards)
+    return found[-1] if found else None
+
+
+def load(root: str, step: int, shard: int, num_shards: int, fingerprint: dict) -> dict:
+    path = shard_file(root, step, shard, num_shards)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise _core.InvalidArgumentError(f"checkpoint {path} is missing") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise _core.InvalidArgumentError(f"checkpoint {path} is unreadable: {e}") from None
+    if state.get("fingerprint") != fingerprint:
+        raise _core.InvalidArgumentError(
+            f"checkpoint {path} was written by a different job: {state.get('fingerprint')} there, "
+            f"{fingerprint} here (the model, placement, block size, shard count and optimizer must match)")
+    return state

@@ -1,0 +1,160 @@
+"""Training features of the parameter server (issue 5): overlap, worker failure, checkpoints.
+
+- Overlap (pushes during backward, weights delivered chunk by chunk under the next forward)
+  gives exactly the parameters of the plain synchronous path, with and without zero copy.
+- Asynchronous overlap (buffer switching) trains, and adaptive pulling delays the pull of a
+  worker whose computation is long (the "bubble" is counted, never timed in an assertion).
+- A worker SIGKILLed mid-training: the others finish the job (min_workers), the shards name it.
+- A job killed mid-training and resumed from its latest checkpoint ends with the parameters
+  and optimizer state of an uninterrupted job, bit for bit.
+
+Jobs use tests/ps_jobs/train.py and the Job helper of test_ps.py.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from rdmaflow.ps import checkpoint
+from test_ps import DETECT_TIMEOUT, Job, assert_matches_reference, async_cfg, eval_loss, job, sync_cfg
+
+# Chunks of 256 bytes: the tiny test model's weights arrive in many chunks (MAX_CHUNKS).
+CHUNKS = {"RDMAFLOW_PS_CHUNK_BYTES": "256"}
+
+
+def _params(j: Job, w: int) -> dict[str, torch.Tensor]:
+    return j.worker_result(w)["params"]
+
+
+def test_overlap_equals_plain_sync(tmp_path):
+    """The same job with overlap off, on, and on without zero copy: identical parameters, and
+    those of single-process training."""
+    results = {}
+    for name, extra in (("plain", {"overlap": False}), ("overlap", {"overlap": True}),
+                        ("overlap_copy", {"overlap": True, "zero_copy": False})):
+        cfg = dict(sync_cfg("block", "sgd", steps=6), **extra)
+        with Job(tmp_path, cfg, name) as j:
+            j.start_local(2, 2, extra=CHUNKS)
+            j.check_ok(j.wait())
+            assert_matches_reference(j, 2, 2)
+            results[name] = [_params(j, w) for w in range(2)]
+    for name in ("overlap", "overlap_copy"):
+        for w in range(2):
+            for k, v in results["plain"][w].items():
+                assert torch.equal(results[name][w][k], v), f"{name}: worker {w}'s {k} differs from the plain path"
+
+
+def test_async_overlap_adapts_the_pull(tmp_path):
+    """Buffer switching with a slow computation: the job trains, and the workers learn to
+    request their pulls late (a positive bubble) instead of right after the push."""
+    cfg = dict(async_cfg("async"), step_delay=0.25, steps=20, overlap=True)
+    cfg.pop("slow", None)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 2)
+        j.check_ok(j.wait())
+        initial = eval_loss(cfg, dict(job.make_model(cfg["seed"]).named_parameters()))
+        for w in range(2):
+            res = j.worker_result(w)
+            assert res["steps"] == cfg["steps"]
+            assert eval_loss(cfg, res["params"]) < initial / 4
+            bubbles = res["bubbles"]
+            assert len(bubbles) == cfg["steps"]
+            late = sorted(bubbles[5:])[len(bubbles[5:]) // 2]
+            assert late > 0.0, f"worker {w} never delayed its pull: bubbles {bubbles}"
+
+
+def test_worker_death_is_survived(tmp_path):
+    """3 workers, min_workers=2: worker 2 SIGKILLs itself after step 4; the shards go on with
+    workers 0 and 1, which finish every step; the shards record the death."""
+    cfg = dict(sync_cfg("block", "sgd", steps=12), min_workers=2, die={"worker": 2, "step": 4},
+               step_delay=0.05)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(3, 2)
+        rcs = j.wait()
+        assert rcs["worker2"] != 0, rcs
+        assert all(rc == 0 for n, rc in rcs.items() if n != "worker2"), f"exit codes {rcs}\n" + j.logs()
+        initial = eval_loss(cfg, dict(job.make_model(cfg["seed"]).named_parameters()))
+        for w in range(2):
+            res = j.worker_result(w)
+            assert res["steps"] == cfg["steps"]
+            assert eval_loss(cfg, res["params"]) < initial
+        p0, p1 = _params(j, 0), _params(j, 1)
+        assert all(torch.equal(p0[k], p1[k]) for k in p0), "the survivors ended with different parameters"
+        for s in range(2):
+            st = j.shard_stats(s)
+            assert st["dead"] == [2], st
+            assert st["applied"][:2] == [cfg["steps"]] * 2, st
+            assert re.search(r"worker 2 at \S+ died .*going on with the 2 remaining workers",
+                             j.proc(f"shard{s}").output()), j.logs()
+
+
+def test_worker_death_below_minimum_ends_the_job(tmp_path):
+    """min_workers=2 of 2: the death of one ends the job with an error naming the minimum."""
+    cfg = dict(sync_cfg("block", "sgd", steps=100000), min_workers=2, die={"worker": 1, "step": 3},
+               step_delay=0.02)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 1)
+        rcs = j.wait(DETECT_TIMEOUT + 30)
+        assert all(rc != 0 for rc in rcs.values()), rcs
+        assert re.search(r"worker 1 at \S+ died.*fewer than min_workers=2", j.proc("shard0").output()), j.logs()
+
+
+def test_resume_restores_parameters_and_optimizer_state(tmp_path):
+    """Job A trains 8 steps uninterrupted (checkpoints every 2). Job B is SIGKILLed during
+    step 6, then resumed (RDMAFLOW_RESUME=1) from its latest complete checkpoint and trained to
+    step 8. B ends with A's parameters, and the shards' final checkpoints hold the same
+    weights and optimizer state, bit for bit."""
+    steps = 8
+    base = dict(sync_cfg("block", "adam", steps=steps), checkpoint_every=2)
+    a_dir, b_dir = str(tmp_path / "ckpt_a"), str(tmp_path / "ckpt_b")
+    with Job(tmp_path, dict(base, checkpoint_dir=a_dir), "a") as ja:
+        ja.start_local(2, 2)
+        ja.check_ok(ja.wait())
+        final_a = _params(ja, 0)
+    assert checkpoint.steps(a_dir, 2) == [2, 4, 6, 8]
+
+    with Job(tmp_path, dict(base, checkpoint_dir=b_dir, step_delay=0.3), "b1") as jb:
+        jb.start_local(2, 2)
+        jb.wait_output("worker0", r"worker 0 step 5\b")
+        for p in jb.procs:
+            p.kill()
+    latest = checkpoint.latest(b_dir, 2)
+    assert latest == 4, checkpoint.steps(b_dir, 2)
+    # What was saved at step 4 is what the uninterrupted job had at step 4.
+    for s in range(2):
+        fp = checkpoint.load(a_dir, 4, s, 2, torch.load(checkpoint.shard_file(a_dir, 4, s, 2))["fingerprint"])
+        got = torch.load(checkpoint.shard_file(b_dir, 4, s, 2))
+        assert torch.equal(got["weights"], fp["weights"])
+
+    with Job(tmp_path, dict(base, checkpoint_dir=b_dir), "b2") as jr:
+        jr.start_local(2, 2, extra={"RDMAFLOW_RESUME": "1"})
+        jr.check_ok(jr.wait())
+        res = jr.worker_result(0)
+        assert res["start"] == latest and res["steps"] == steps
+        for k, v in final_a.items():
+            assert torch.equal(res["params"][k], v), f"{k} differs from the uninterrupted job's"
+    for s in range(2):
+        a = torch.load(checkpoint.shard_file(a_dir, steps, s, 2))
+        b = torch.load(checkpoint.shard_file(b_dir, steps, s, 2))
+        assert torch.equal(a["weights"], b["weights"])
+        sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+        assert sa.keys() == sb.keys() and sa
+        for i in sa:
+            for key in sa[i]:
+                assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (s, i, key)
+
+
+def test_resume_refuses_another_jobs_checkpoint(tmp_path):
+    """A checkpoint of a job with another placement cannot be resumed: a clear error."""
+    ckpt = str(tmp_path / "ckpt")
+    with Job(tmp_path, dict(sync_cfg("block", "sgd", steps=2), checkpoint_dir=ckpt, checkpoint_every=2), "a") as ja:
+        ja.start_local(1, 1)
+        ja.check_ok(ja.wait())
+    with Job(tmp_path, dict(sync_cfg("variable", "sgd", steps=4), checkpoint_dir=ckpt, checkpoint_every=2), "b") as jb:
+        jb.start_local(1, 1, extra={"RDMAFLOW_RESUME": "1"})
+        rcs = jb.wait()
+        assert all(rc != 0 for rc in rcs.values()), rcs
+        assert "was written by a different job" in jb.proc("shard0").output(), jb.logs()
+    assert os.path.isdir(ckpt)
