@@ -5,14 +5,22 @@ each, as in seed 000 §5.2); torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_
 MASTER_PORT, and rdmaflow.ps.init() derives each process's role from them. The job secret
 that devices prove to each other is generated here for a one-node job; a multi-node job needs
 the same RDMAFLOW_JOB_SECRET exported on every node.
+
+torchrun stops every process of a node when one fails. ``--min-workers N`` lets a job survive
+worker failures (iRDMA §IV-D): rdmaflow launch then starts this node's processes itself, with
+the same variables torchrun sets (static rendezvous: rank = node rank x processes per node +
+local rank), keeps the others running when a worker dies, and stops them all when a shard
+fails. The shards go on while at least N workers live (RDMAFLOW_MIN_WORKERS).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import time
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -25,6 +33,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--node-rank", "--node_rank", type=int, default=0, dest="node_rank")
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", dest="master_addr")
     p.add_argument("--master-port", "--master_port", type=int, default=29500, dest="master_port")
+    p.add_argument("--min-workers", type=int, default=None,
+                   help="survive worker failures while at least this many workers live (the job's total; "
+                        "rdmaflow launch then supervises the processes itself instead of torchrun)")
     p.add_argument("--resume", action="store_true",
                    help="restart from the latest checkpoint (sets RDMAFLOW_RESUME=1 for the job)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
@@ -45,6 +56,11 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
     env["RDMAFLOW_SHARDS_PER_NODE"] = str(ns.shards_per_node)
     if ns.resume:
         env["RDMAFLOW_RESUME"] = "1"
+    if ns.min_workers is not None:
+        if not 1 <= ns.min_workers <= ns.nnodes * ns.nproc_per_node:
+            raise SystemExit(f"rdmaflow launch: --min-workers must be between 1 and the job's "
+                             f"{ns.nnodes * ns.nproc_per_node} workers")
+        env["RDMAFLOW_MIN_WORKERS"] = str(ns.min_workers)
     argv = [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(ns.nnodes), "--nproc-per-node", str(ns.nproc_per_node + ns.shards_per_node),
             "--node-rank", str(ns.node_rank), "--master-addr", ns.master_addr, "--master-port", str(ns.master_port),
@@ -52,11 +68,65 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
     return argv, env
 
 
+def supervise(ns: argparse.Namespace, env: dict) -> int:
+    """Runs this node's processes; a dead worker is reported and the rest go on."""
+    spn, local = ns.shards_per_node, ns.nproc_per_node + ns.shards_per_node
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt  # stop the job's processes as on Ctrl-C
+
+    signal.signal(signal.SIGTERM, on_term)
+    procs = []
+    for lr in range(local):
+        penv = dict(env, RANK=str(ns.node_rank * local + lr), LOCAL_RANK=str(lr), WORLD_SIZE=str(ns.nnodes * local),
+                    LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(ns.node_rank), MASTER_ADDR=ns.master_addr,
+                    MASTER_PORT=str(ns.master_port))
+        procs.append(subprocess.Popen([sys.executable, "-u", ns.script, *ns.args], env=penv, start_new_session=True))
+
+    def stop_all(sig=signal.SIGTERM):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    status = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            for lr, p in enumerate(procs):
+                rc = p.poll()
+                if rc is None or getattr(p, "_seen", False):
+                    continue
+                p._seen = True
+                if rc != 0 and lr < spn:
+                    print(f"rdmaflow launch: shard (local rank {lr}) exited with {rc}; stopping the job",
+                          file=sys.stderr, flush=True)
+                    status = rc if rc > 0 else 1
+                    stop_all()
+                elif rc != 0:
+                    print(f"rdmaflow launch: worker (local rank {lr}) exited with {rc}; the others go on",
+                          file=sys.stderr, flush=True)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        stop_all(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        stop_all(signal.SIGKILL)
+        return 130
+    if status == 0 and any(p.returncode != 0 for p in procs[:spn]):
+        status = 1
+    return status
+
+
 def run(ns: argparse.Namespace) -> int:
     argv, env = command(ns)
     if ns.dry_run:
         print(" ".join(argv))
         return 0
+    if ns.min_workers is not None:
+        return supervise(ns, env)
     return subprocess.call(argv, env=env)
 
 

@@ -158,3 +158,19 @@ def test_resume_refuses_another_jobs_checkpoint(tmp_path):
         assert all(rc != 0 for rc in rcs.values()), rcs
         assert "was written by a different job" in jb.proc("shard0").output(), jb.logs()
     assert os.path.isdir(ckpt)
+
+
+def test_worker_death_under_rdmaflow_launch(tmp_path):
+    """`rdmaflow launch --min-workers 1`: worker 1 of 2 dies; the launcher keeps the shard and
+    worker 0 running, they finish the job, and the launcher exits 0."""
+    import sys
+
+    from test_ps import TRAIN, free_port
+
+    cfg = dict(sync_cfg("block", "sgd", steps=10), die={"worker": 1, "step": 3}, step_delay=0.05)
+    with Job(tmp_path, cfg) as j:
+        j.spawn("launch", [sys.executable, "-m", "rdmaflow.launch", "--nproc-per-node", "2", "--min-workers", "1",
+                           "--master-port", str(free_port()), TRAIN], j.env())
+        j.check_ok(j.wait())
+        assert j.worker_result(0)["steps"] == cfg["steps"]
+        assert "worker (local rank 2) exited with -9; the others go on" in j.proc("launch").output(), j.logs()

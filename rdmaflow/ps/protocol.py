@@ -45,9 +45,10 @@ flags when it finishes; a shard that gives up writes ABORT into the reply flags,
 reason in the store.
 
 Asynchronous mode with overlap (iRDMA §IV-B) gives the shard two grad slots per worker (push t
-lands in slot t % 2) and the worker two parameter buffers: step t computes on buffer t % 2,
-and the shard writes the weights that answer push t into buffer t % 2 once the worker's pull
-flag says t (the worker times that request to land just as its computation ends).
+lands in slot t % 2) and the worker two parameter buffers: step t computes on buffer
+(t - 1) % 2, and "pull r" (the shard's weights once it has applied the worker's push r - 1,
+version r + 1) lands in buffer r % 2 when the worker's pull flag says r. The worker times that
+request to land as its computation ends (adaptive pulling).
 
 """
 from __future__ import annotations

@@ -54,6 +54,8 @@ class Worker:
         if mode == "bounded" and staleness < 0:
             raise _core.InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
         nw = ctx.role.num_workers
+        if min_workers is None and os.environ.get("RDMAFLOW_MIN_WORKERS"):
+            min_workers = int(os.environ["RDMAFLOW_MIN_WORKERS"])  # rdmaflow launch --min-workers
         if min_workers is not None and not 1 <= min_workers <= nw:
             raise _core.InvalidArgumentError(f"min_workers must be between 1 and the {nw} workers, got {min_workers}")
         if checkpoint_every < 0:
