@@ -27,7 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "WRITE/READ bandwidth of Channel.memcpy next to ucx_perftest put/get"),
     "transfer": ("rdmaflow.bench.transfer",
                  "one-way tensor transfer, rdmaflow next to gRPC, TensorPipe, gloo, perftest"),
-    # "train": ("rdmaflow.bench.train", "..."),
+    "train": ("rdmaflow.bench.train",
+              "training throughput (batches/s), rdmaflow PS next to TensorPipe, gRPC, DDP, local"),
+    "converge": ("rdmaflow.bench.converge",
+                 "loss against wall-clock time on a real data set, rdmaflow next to DDP-gloo"),
 }
 
 

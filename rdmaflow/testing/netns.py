@@ -1,4 +1,4 @@
-"""Two "hosts" on one machine: a pair of network namespaces joined by a veth.
+"""Two (or N) "hosts" on one machine: network namespaces joined by veths.
 
 Gives multi-host tests a real network path (own IPs, own routing, optional
 rate limit) without touching any real network: the addresses live only
@@ -8,6 +8,14 @@ inside namespaces created here. Standard library only; needs root and the
     with TwoHosts() as (a, b):
         srv = a.popen(["ucx_perftest", "-p", "13337"], env=ucx_env("tcp", net_device=a.ifname))
         cli = b.popen(["ucx_perftest", a.addr, "-p", "13337", ...], env=...)
+
+:class:`Hosts` is the same for N hosts: each namespace has one veth into a
+bridge that lives in a namespace of its own (a "switch"), so every host reaches
+every other and nothing appears in the root namespace:
+
+    with Hosts(3) as hosts:
+        p = hosts.popen(2, ["python", "-m", "..."], env={...})   # runs in host 2
+        hosts[0].addr, hosts[0].ifname                            # 10.252.0.1, its veth
 
 Cleanup (``__exit__``, ``close()``, and an atexit hook for anything left
 open) kills the processes still running inside the namespaces and deletes
@@ -31,12 +39,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Host", "TwoHosts", "netns_unavailable_reason", "cleanup_stale"]
+__all__ = ["Host", "TwoHosts", "Hosts", "netns_unavailable_reason", "cleanup_stale"]
 
 _DEFAULT_TIMEOUT = 10.0
 _IFNAMSIZ = 15  # Linux interface names are at most 15 characters
 _seq = itertools.count()
-_live: dict[int, "TwoHosts"] = {}
+_live: dict[int, Any] = {}  # TwoHosts and Hosts still open
 _live_lock = threading.Lock()
 
 
@@ -280,6 +288,146 @@ class TwoHosts:
             raise NetnsError("could not delete namespaces: " + "; ".join(errors))
 
 
+class Hosts:
+    """Context manager: ``n`` namespaces ("hosts") on one bridge, every host reaching every other.
+
+    Host ``i`` (``hosts[i]``, a :class:`Host`) has the namespace
+    ``{prefix}-{pid}-{k}-h{i}``, one veth ``ifname`` (the same short name in every host:
+    names are per namespace) and the address ``subnet`` + i + 1 (10.252.0.1, 10.252.0.2, ...
+    by default). The other ends of the veths are ports of a bridge in the namespace
+    ``{prefix}-{pid}-{k}-sw``, so nothing is created in the root namespace and instances
+    never collide (each has its own bridge: the same subnet in two instances is fine).
+    ``Host.peer_addr`` is host 0's address (host 0's own: host 1's, or its own when n == 1).
+
+    ``rate``: optional tc rate (e.g. "10gbit"), a tbf qdisc on every host's veth (egress of
+    each host). ``mtu``: optional MTU of the veths. ``timeout``: bound on each ``ip``/``tc``
+    command. ``run(i, argv)`` and ``popen(i, argv, env)`` run a command in host ``i``;
+    ``close()`` (also ``__exit__`` and at exit) kills what runs in the hosts and deletes every
+    namespace, which destroys the veths and the bridge.
+    """
+
+    def __init__(self, n: int, prefix: str = "rfl", *, subnet: str = "10.252.0.0/24",
+                 rate: str | None = None, mtu: int | None = None, ifname: str = "eth0",
+                 timeout: float = _DEFAULT_TIMEOUT) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive number of hosts, got {n!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
+            raise ValueError(f"invalid prefix {prefix!r}: use letters, digits, '_', '.', '-'")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,%d}" % _IFNAMSIZ, ifname):
+            raise ValueError(f"invalid interface name {ifname!r}")
+        net = ipaddress.ip_network(subnet)
+        if net.version != 4 or not net.is_private or net.num_addresses < n + 2:
+            raise ValueError(f"subnet must be a private IPv4 network with room for {n} hosts, got {subnet}")
+        addrs = [str(a) for a in itertools.islice(net.hosts(), n)]
+        k = next(_seq)
+        base = f"{prefix}-{os.getpid()}-{k}"
+        self.switch_ns = f"{base}-sw"
+        self.bridge = "br0"
+        self.rate = rate
+        self.mtu = mtu
+        self.timeout = timeout
+        self.hosts: list[Host] = []
+        for i, addr in enumerate(addrs):
+            peer = addrs[0] if i else (addrs[1] if n > 1 else addrs[0])
+            self.hosts.append(Host(f"{base}-h{i}", ifname, addr, net.prefixlen, peer))
+        self._created: list[str] = []
+        self._closed = False
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(self.hosts)
+
+    def __getitem__(self, i: int) -> Host:
+        return self.hosts[i]
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """Every namespace of this instance: the hosts', then the switch's."""
+        return tuple(h.ns for h in self.hosts) + (self.switch_ns,)
+
+    @property
+    def addrs(self) -> list[str]:
+        return [h.addr for h in self.hosts]
+
+    def run(self, i: int, argv: Sequence[str], timeout: float = _DEFAULT_TIMEOUT,
+            **kw: Any) -> subprocess.CompletedProcess:
+        """subprocess.run of ``argv`` in host ``i`` (bounded by ``timeout``)."""
+        return self.hosts[i].run(argv, timeout=timeout, **kw)
+
+    def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              **kw: Any) -> subprocess.Popen:
+        """Start ``argv`` in host ``i``; ``kw`` goes to subprocess.Popen."""
+        return self.hosts[i].popen(argv, env=env, **kw)
+
+    # -- lifecycle ---------------------------------------------------------
+    def __enter__(self) -> "Hosts":
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> "Hosts":
+        reason = netns_unavailable_reason()
+        if reason is not None:
+            raise NetnsError(f"cannot create network namespaces: {reason}")
+        if self.rate is not None and shutil.which("tc") is None:
+            raise NetnsError("rate shaping needs the `tc` binary (iproute2)")
+        with _live_lock:
+            _live[id(self)] = self
+        t = self.timeout
+        sw = self.switch_ns
+        try:
+            for ns in (sw, *(h.ns for h in self.hosts)):
+                _run(["ip", "netns", "add", ns], timeout=t)
+                self._created.append(ns)
+            _run(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"], timeout=t)
+            _run(["ip", "-n", sw, "link", "set", self.bridge, "up"], timeout=t)
+            _run(["ip", "-n", sw, "link", "set", "lo", "up"], timeout=t)
+            for i, h in enumerate(self.hosts):
+                port = f"p{i}"
+                # Both ends made directly in their namespaces (nothing in the root namespace).
+                _run(["ip", "link", "add", h.ifname, "netns", h.ns, "type", "veth",
+                      "peer", "name", port, "netns", sw], timeout=t)
+                if self.mtu is not None:
+                    _run(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)], timeout=t)
+                    _run(["ip", "-n", h.ns, "link", "set", h.ifname, "mtu", str(self.mtu)], timeout=t)
+                _run(["ip", "-n", sw, "link", "set", port, "master", self.bridge], timeout=t)
+                _run(["ip", "-n", sw, "link", "set", port, "up"], timeout=t)
+                _run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{h.prefixlen}", "dev", h.ifname], timeout=t)
+                _run(["ip", "-n", h.ns, "link", "set", "lo", "up"], timeout=t)
+                _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"], timeout=t)
+                if self.rate is not None:
+                    TwoHosts._shape(self, h)  # type: ignore[arg-type]  # uses .rate, .timeout
+            for h in self.hosts:
+                TwoHosts._wait_carrier(self, h)  # type: ignore[arg-type]  # uses .timeout
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Kill what runs in the hosts and delete every namespace. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for h in self.hosts:
+            if h.ns in self._created:
+                h._kill_all(self.timeout)
+        for ns in reversed(self._created):
+            cp = _run(["ip", "netns", "del", ns], timeout=self.timeout, check=False)
+            if cp.returncode != 0 and ns in list_netns():
+                errors.append(f"{ns}: {cp.stderr.strip()}")
+        self._created.clear()
+        with _live_lock:
+            _live.pop(id(self), None)
+        if errors:
+            raise NetnsError("could not delete namespaces: " + "; ".join(errors))
+
+
 def _parse_rate(rate: str) -> int:
     """tc rate string -> bits per second (tc units: bit, kbit, mbit, gbit, bps = bytes/s, ...)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", rate, re.IGNORECASE)
@@ -293,7 +441,7 @@ def _parse_rate(rate: str) -> int:
 
 def cleanup_stale(prefix: str = "rfl", timeout: float = _DEFAULT_TIMEOUT) -> list[str]:
     """Delete ``{prefix}-{pid}-...`` namespaces whose creating pid is gone. Returns their names."""
-    pat = re.compile(rf"^{re.escape(prefix)}-(\d+)-\d+-[ab]$")
+    pat = re.compile(rf"^{re.escape(prefix)}-(\d+)-\d+-(?:[ab]|h\d+|sw)$")
     removed = []
     for ns in list_netns(timeout):
         m = pat.match(ns)

@@ -1,0 +1,1055 @@
+"""``rdmaflow bench train``: training throughput of parameter-server and all-reduce systems
+(seed 000 §5.2, Figures 9, 11 and 12).
+
+Each *cell* is one short training job: ``(system, model, batch, workers, shards)``. The
+job's processes are ``python -m rdmaflow.bench._train_proc``, started here, each in its own
+process group, with torchrun's variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``), a fresh ``RDMAFLOW_JOB_SECRET`` and the cell's configuration
+as JSON in ``RDMAFLOW_TRAIN_CFG``:
+``{"system", "model", "batch", "workers", "shards", "warmup", "iters", "zero_copy",
+"overlap": true, "mode": "sync", "lr", "seed", "timeout"}`` (+ ``"threads"``).
+
+==============  ==========================================================================
+rdmaflow        rdmaflow.ps: ``shards`` shard processes (ranks ``0..S-1``) and ``workers``
+                worker processes (ranks ``S..S+W-1``, worker ``RANK - S``); gradients pushed
+                and parameters pulled by one-sided WRITEs (zero copy)
+rdmaflow-copy   the same with ``zero_copy`` false (``--no-zero-copy``, Figure 12)
+tensorpipe      the same parameter-server layout over ``torch.distributed.rpc`` (TensorPipe)
+grpc            the same layout over gRPC
+ddp             ``DistributedDataParallel`` with gloo all-reduce, ``workers`` processes
+local           one process, no communication: the "Local" line of Figure 11
+==============  ==========================================================================
+
+``ddp`` does not depend on ``shards`` and ``local`` on neither: they are measured once per
+(model, batch, workers) and (model, batch) and recorded with ``shards`` 0 (``local``:
+``workers`` 1); the tables and ratios set them next to every shard count.
+
+A worker prints ``RDMAFLOW_TRAIN_RESULT {json}`` (keys ``system, model, worker, times,
+losses, batch``: ``times`` are the seconds of each iteration after ``warmup``) and every
+process exits 0; anything else fails the cell, which is recorded with the last lines of the
+failing process's stderr, its processes killed, and the run goes on. Every wait is bounded
+by ``--timeout`` per cell.
+
+Metrics per cell: a worker's rate is ``1 / median(times)``; ``batches_per_s`` is the median
+of the workers' rates (mini-batches per second per worker, Figure 9's y axis);
+``batches_per_s_p25/p75/min/max`` are percentiles of the per-iteration rates ``1 / t`` of
+all workers' iterations; ``median_iter_s`` is the median of all those iteration times
+(Figure 12's mini-batch time); ``samples_per_s = batches_per_s * batch * workers`` (the
+job's throughput, Figure 11's y axis).
+
+Measurement order: cells run one at a time; the systems of one configuration (model, batch,
+workers, shards) run back to back, so they see the same machine state, in an order that
+rotates from one configuration to the next.
+
+``--hosts netns``: worker ``i`` and shard ``i`` run in their own network namespace, "host"
+``i`` (:class:`rdmaflow.testing.netns.Hosts`: namespaces on one bridge, 10.252.0.x), as in
+the paper's one worker and one parameter server per machine; so ``shards = workers``. The
+rendezvous and the shard 0 are on host 0. rdmaflow's UCX and gloo/TensorPipe use the hosts'
+veths.
+
+Output in ``--out DIR`` (default ``bench-train-<timestamp>``): ``results.csv`` (a row per
+cell, rewritten after every cell), ``results.json`` (the same with every worker's iteration
+times and losses, the ratios and the acceptance verdicts), and with ``--plot`` (default):
+``throughput.png`` always (bars: batches/s per worker per configuration and system),
+``fig9_batch.png`` when 2+ batch sizes ran (Figure 9: batches/s per worker against the
+mini-batch size), ``fig11_workers.png`` when 2+ worker counts ran (Figure 11: the job's
+samples/s against workers, with local and its ideal linear scaling), ``fig12_zero_copy.png``
+when rdmaflow-copy ran (Figure 12: mini-batch time with and without the copy). Printed: the
+tables, rdmaflow's ratio over each system, PASS/MISS against the bars (batch 8, 2 workers,
+2 shards, fcn5 and alexnet: rdmaflow >= 2x grpc, >= 1.3x tensorpipe, >= 1.0x ddp) and how
+busy the machine was. Exit status: 0 every cell ok, 1 a cell failed, 2 bad arguments (or no
+network namespaces for ``--hosts netns``), 130 interrupted (what was measured is written).
+
+``--transport tcp`` (default) puts rdmaflow's UCX (``UCX_TLS=tcp``) and TensorPipe (uv
+transport, basic channel) on TCP, like gRPC and gloo; ``sm`` gives those two shared memory
+(one host only).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import importlib.util
+import json
+import os
+import queue
+import secrets
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rdmaflow.bench.perftest import ucx_env
+from rdmaflow.bench.transfer import BackgroundMeter, Proc, _free_port, format_background
+from rdmaflow.bench.util import _percentile
+
+SYSTEMS = ("rdmaflow", "tensorpipe", "grpc", "ddp", "local")
+#: Every system name, in the order of the tables and plots.
+ALL_SYSTEMS = ("rdmaflow", "rdmaflow-copy", "tensorpipe", "grpc", "ddp", "local")
+PS_SYSTEMS = ("rdmaflow", "rdmaflow-copy", "tensorpipe", "grpc")
+RDMAFLOW_SYSTEMS = ("rdmaflow", "rdmaflow-copy")
+DEFAULT_MODELS = ("fcn5", "alexnet")
+DEFAULT_BATCH = (8,)
+DEFAULT_WORKERS = (2,)
+DEFAULT_SHARDS = 2
+DEFAULT_WARMUP = 3
+DEFAULT_ITERS = 20
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_LR = 0.01
+HOSTS = ("local", "netns")
+PROC_MODULE = "rdmaflow.bench._train_proc"
+RESULT_TAG = "RDMAFLOW_TRAIN_RESULT"
+RESULT_KEYS = ("system", "model", "worker", "times", "losses", "batch")
+
+CSV_NAME = "results.csv"
+JSON_NAME = "results.json"
+PNG_BARS = "throughput.png"
+PNG_FIG9 = "fig9_batch.png"
+PNG_FIG11 = "fig11_workers.png"
+PNG_FIG12 = "fig12_zero_copy.png"
+
+#: The project's bars (rdmaflow's batches/s per worker over the system's), checked at
+#: ACCEPT_CONFIG for ACCEPT_MODELS when the run measured them.
+ACCEPT_CONFIG = {"batch": 8, "workers": 2, "shards": 2}
+ACCEPT_MODELS = ("fcn5", "alexnet")
+ACCEPTANCE = (("grpc", 2.0), ("tensorpipe", 1.3), ("ddp", 1.0))
+
+CSV_COLUMNS = [
+    "system", "model", "batch", "workers", "shards", "batches_per_s",
+    "batches_per_s_p25", "batches_per_s_p75", "batches_per_s_min", "batches_per_s_max",
+    "samples_per_s", "median_iter_s", "iters", "warmup", "hosts", "zero_copy",
+    "loss_first", "loss_last", "worker_batches_per_s", "wall_s", "background_cores",
+    "status", "error",
+]
+
+
+class CellError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------
+# Cells and their processes
+
+
+Key = tuple[str, str, int, int, int]  # (system, model, batch, workers, shards)
+Config = tuple[str, int, int, int]    # (model, batch, workers, shards)
+
+
+def cell_key(system: str, model: str, batch: int, workers: int, shards: int) -> Key:
+    """The cell a system measures for a configuration: ddp ignores shards, local both."""
+    if system == "local":
+        return (system, model, batch, 1, 0)
+    if system == "ddp":
+        return (system, model, batch, workers, 0)
+    return (system, model, batch, workers, shards)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One process of a cell."""
+    rank: int
+    role: str    # "shard" or "worker"
+    index: int   # shard or worker index
+    host: int    # the host (netns) it runs on; 0 for --hosts local
+    local_rank: int
+    local_world: int
+
+
+def layout(key: Key, netns: bool) -> list[Member]:
+    """The processes of a cell, by rank. PS systems: shards first (ranks 0..S-1), then the
+    workers; with netns, shard i and worker i share host i."""
+    system, _, _, workers, shards = key
+    if system in PS_SYSTEMS:
+        world = shards + workers
+        out = []
+        for s in range(shards):
+            out.append(Member(s, "shard", s, s if netns else 0, 0 if netns else s,
+                              2 if netns else world))
+        for w in range(workers):
+            out.append(Member(shards + w, "worker", w, w if netns else 0,
+                              1 if netns else shards + w, 2 if netns else world))
+        return out
+    return [Member(w, "worker", w, w if netns else 0, 0 if netns else w, 1 if netns else workers)
+            for w in range(workers)]
+
+
+def train_cfg(key: Key, *, warmup: int, iters: int, lr: float, seed: int, timeout: float,
+              threads: int | None, transport: str = "tcp") -> dict[str, Any]:
+    system, model, batch, workers, shards = key
+    cfg: dict[str, Any] = {
+        "system": "rdmaflow" if system == "rdmaflow-copy" else system, "model": model,
+        "batch": batch, "workers": workers, "shards": shards, "warmup": warmup, "iters": iters,
+        "zero_copy": system != "rdmaflow-copy", "overlap": True, "mode": "sync", "lr": lr,
+        "seed": seed, "timeout": timeout,
+    }
+    if threads is not None:
+        cfg["threads"] = threads
+    if system == "tensorpipe":
+        cfg["transport"] = transport  # tcp: uv/basic (TCP like the others); sm: shm/cma
+    return cfg
+
+
+def process_env(key: Key, m: Member, members: Sequence[Member], *, cfg: Mapping[str, Any],
+                master_addr: str, port: int, secret: str, transport: str,
+                ifname: str | None, host_addr: str, threads: int | None,
+                base: Mapping[str, str] | None = None) -> dict[str, str]:
+    system, _, _, workers, shards = key
+    base = dict(os.environ if base is None else base)
+    if system in RDMAFLOW_SYSTEMS:
+        env = ucx_env(transport, base, net_device=ifname)
+        # rdmaflow.ps places roles by these when set (ranks 0..S-1 shards, then workers).
+        env.update(RDMAFLOW_ROLE=m.role, RDMAFLOW_ROLE_INDEX=str(m.index),
+                   RDMAFLOW_NUM_SHARDS=str(shards), RDMAFLOW_NUM_WORKERS=str(workers))
+    else:
+        env = base
+    env.update({
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(m.rank),
+        "WORLD_SIZE": str(len(members)), "LOCAL_RANK": str(m.local_rank),
+        "LOCAL_WORLD_SIZE": str(m.local_world), "RDMAFLOW_JOB_SECRET": secret,
+        "RDMAFLOW_TRAIN_CFG": json.dumps(cfg), "RDMAFLOW_HOST": host_addr,
+        "GLOO_SOCKET_IFNAME": ifname or "lo", "TP_SOCKET_IFNAME": ifname or "lo",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def _one_line(text: str, n: int = 600) -> str:
+    """The last line of a process's stderr first (the training process ends with its summary
+    there), then the lines before it, on one line, at most about ``n`` characters."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    last = lines[-1] if len(lines[-1]) <= n else lines[-1][:n] + "..."
+    before = " | ".join(lines[-6:-1])
+    if not before:
+        return last
+    room = max(80, n - len(last))
+    if len(before) > room:
+        before = "..." + before[-room:]
+    return f"{last} [stderr before it: {before}]"
+
+
+def _drain(p: Proc, timeout: float) -> list[str]:
+    """Every stdout line of a process that has exited (bounded: a grandchild may hold it)."""
+    out: list[str] = []
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            line = p.lines.get(timeout=max(0.001, end - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        out.append(line)
+    return out
+
+
+def parse_results(lines: Iterable[str]) -> list[dict[str, Any]]:
+    out = []
+    for line in lines:
+        line = line.strip()
+        if line.startswith(RESULT_TAG):
+            out.append(json.loads(line[len(RESULT_TAG):].strip()))
+    return out
+
+
+def check_result(r: Any, key: Key, index: int) -> None:
+    system, model, batch, _, _ = key
+    if not isinstance(r, dict) or any(k not in r for k in RESULT_KEYS):
+        raise CellError(f"worker {index}: result lacks {[k for k in RESULT_KEYS if k not in (r or {})]}")
+    if r["worker"] != index:
+        raise CellError(f"worker {index} (rank order) reported itself as worker {r['worker']}")
+    if r["model"] != model or int(r["batch"]) != batch:
+        raise CellError(f"worker {index} reports model {r['model']!r} batch {r['batch']}, "
+                        f"expected {model!r} batch {batch}")
+    times = r["times"]
+    if not isinstance(times, list) or not times or not all(
+            isinstance(t, (int, float)) and t > 0 for t in times):
+        raise CellError(f"worker {index}: times must be a non-empty list of positive seconds")
+
+
+def run_cell(key: Key, *, cfg: Mapping[str, Any], timeout: float, transport: str = "tcp",
+             hosts: Any = None, threads: int | None = None, proc_module: str = PROC_MODULE,
+             log: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
+    """Runs one cell to its end; returns the workers' results (by worker index) or raises
+    CellError. Every process it starts is killed before it returns or raises."""
+    members = layout(key, hosts is not None)
+    secret = secrets.token_hex(16)
+    port = _free_port()
+    master = hosts[0].addr if hosts is not None else "127.0.0.1"
+    argv = [sys.executable, "-m", proc_module]
+    procs: list[tuple[Member, Proc]] = []
+    try:
+        for m in members:
+            h = hosts[m.host] if hosts is not None else None
+            env = process_env(key, m, members, cfg=cfg, master_addr=master, port=port,
+                              secret=secret, transport=transport,
+                              ifname=h.ifname if h else None,
+                              host_addr=h.addr if h else "127.0.0.1", threads=threads)
+            label = f"{m.role} {m.index}" + (f" (host {m.host})" if h else "")
+            p = Proc(h.argv(argv) if h else argv, env, label)
+            with contextlib.suppress(Exception):
+                p.proc.stdin.close()
+            procs.append((m, p))
+            log(f"  {key[0]}: started {label}, rank {m.rank} of {len(members)}, pid {p.proc.pid}")
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.proc.poll() for _, p in procs]
+            if any(c not in (None, 0) for c in codes):
+                time.sleep(0.5)  # let the others show whether they failed too; stderr catch up
+                codes = [p.proc.poll() for _, p in procs]
+                bad = [(m, p, c) for (m, p), c in zip(procs, codes) if c not in (None, 0)]
+                m, p, c = bad[0]
+                msg = f"{p.label} exited with code {c}: {_one_line(p.stderr_tail(4000)) or '(no stderr)'}"
+                if len(bad) > 1:
+                    msg += "; also failed: " + ", ".join(f"{b[1].label} ({b[2]})" for b in bad[1:])
+                raise CellError(msg)
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                running = [p.label for (_, p), c in zip(procs, codes) if c is None]
+                tails = [f"{p.label}: {_one_line(p.stderr_tail(2000), 300)}"
+                         for (_, p), c in zip(procs, codes) if c is None and p.stderr_tail()]
+                raise CellError(f"timed out after {timeout:.0f} s; still running: "
+                                f"{', '.join(running)}" + (f"; stderr: {'; '.join(tails)}" if tails else ""))
+            time.sleep(0.05)
+        results = []
+        for m, p in procs:
+            lines = _drain(p, 5.0)
+            if m.role != "worker":
+                continue
+            try:
+                found = parse_results(lines)
+            except ValueError as e:
+                raise CellError(f"{p.label} printed a malformed {RESULT_TAG} line: {e}") from None
+            if len(found) != 1:
+                tail = _one_line("".join(lines[-5:]) or p.stderr_tail(2000), 300)
+                raise CellError(f"{p.label} printed {len(found)} {RESULT_TAG} lines, expected 1"
+                                + (f"; output: {tail}" if tail else ""))
+            check_result(found[0], key, m.index)
+            results.append(found[0])
+        return results
+    finally:
+        for _, p in procs:
+            p.kill()
+
+
+# ------------------------------------------------------------------------------------------
+# Metrics
+
+
+def cell_metrics(results: Sequence[Mapping[str, Any]], batch: int) -> dict[str, Any]:
+    """The numbers of a cell from its workers' results (see the module doc)."""
+    if not results:
+        raise ValueError("no worker results")
+    per_worker = [1.0 / statistics.median(r["times"]) for r in results]
+    times = [float(t) for r in results for t in r["times"]]
+    rates = sorted(1.0 / t for t in times)
+    bps = statistics.median(per_worker)
+
+    def loss(i: int) -> float | None:
+        vals = [float(r["losses"][i]) for r in results if r.get("losses")]
+        return statistics.median(vals) if vals else None
+
+    return {
+        "batches_per_s": bps,
+        "batches_per_s_p25": _percentile(rates, 0.25),
+        "batches_per_s_p75": _percentile(rates, 0.75),
+        "batches_per_s_min": rates[0],
+        "batches_per_s_max": rates[-1],
+        "samples_per_s": bps * batch * len(results),
+        "median_iter_s": statistics.median(times),
+        "iters": min(len(r["times"]) for r in results),
+        "worker_batches_per_s": per_worker,
+        "loss_first": loss(0),
+        "loss_last": loss(-1),
+    }
+
+
+def new_cell(key: Key, *, hosts: str, warmup: int, iters: int) -> dict[str, Any]:
+    system, model, batch, workers, shards = key
+    return {"system": system, "model": model, "batch": batch, "workers": workers,
+            "shards": shards, "hosts": hosts, "warmup": warmup, "iters": iters,
+            "zero_copy": (system == "rdmaflow") if system in RDMAFLOW_SYSTEMS else None,
+            "status": "not run", "error": "", "wall_s": None, "background_cores": None,
+            "metrics": None, "workers_results": []}
+
+
+def lookup(cells: Mapping[Key, dict[str, Any]], system: str, cfg: Config) -> dict[str, Any] | None:
+    """The metrics a system measured for a configuration, or None."""
+    cell = cells.get(cell_key(system, *cfg))
+    return cell["metrics"] if cell else None
+
+
+def ratio(cells: Mapping[Key, dict[str, Any]], cfg: Config, num: str, den: str,
+          metric: str = "batches_per_s") -> float | None:
+    a, b = lookup(cells, num, cfg), lookup(cells, den, cfg)
+    if a is None or b is None or not b[metric]:
+        return None
+    return a[metric] / b[metric]
+
+
+def ratio_rows(cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
+               systems: Sequence[str]) -> list[dict[str, Any]]:
+    """rdmaflow over every other system, per configuration (batches/s per worker); over local
+    also as a speedup of the job's samples/s."""
+    rows = []
+    for cfg in configs:
+        if lookup(cells, "rdmaflow", cfg) is None:
+            continue
+        row: dict[str, Any] = dict(zip(("model", "batch", "workers", "shards"), cfg))
+        for s in systems:
+            if s != "rdmaflow":
+                row[s] = ratio(cells, cfg, "rdmaflow", s)
+        if "local" in systems:
+            row["speedup_vs_local"] = ratio(cells, cfg, "rdmaflow", "local", "samples_per_s")
+        rows.append(row)
+    return rows
+
+
+def acceptance(cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config]) -> list[dict[str, Any]]:
+    rows = []
+    for model in ACCEPT_MODELS:
+        cfg = (model, ACCEPT_CONFIG["batch"], ACCEPT_CONFIG["workers"], ACCEPT_CONFIG["shards"])
+        if cfg not in configs:
+            continue
+        for den, bar in ACCEPTANCE:
+            if cell_key(den, *cfg) not in cells:
+                continue
+            x = ratio(cells, cfg, "rdmaflow", den)
+            rows.append({"model": model, **ACCEPT_CONFIG, "num": "rdmaflow", "den": den,
+                         "bar": bar, "ratio": x,
+                         "verdict": "n/a" if x is None else ("PASS" if x >= bar else "MISS")})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _num(x: float) -> str:
+    """Compact, without exponents: 3840, 216, 16.6, 0.123."""
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.3g}"
+
+
+def csv_row(cell: Mapping[str, Any]) -> dict[str, Any]:
+    m = cell["metrics"]
+    row = {k: cell[k] for k in ("system", "model", "batch", "workers", "shards", "hosts",
+                                "warmup", "status", "error")}
+    row["iters"] = m["iters"] if m else cell["iters"]
+    row["zero_copy"] = "" if cell["zero_copy"] is None else int(cell["zero_copy"])
+    row["wall_s"] = "" if cell["wall_s"] is None else f"{cell['wall_s']:.1f}"
+    row["background_cores"] = "" if cell["background_cores"] is None else f"{cell['background_cores']:.2f}"
+    for k in ("batches_per_s", "batches_per_s_p25", "batches_per_s_p75", "batches_per_s_min",
+              "batches_per_s_max", "samples_per_s", "median_iter_s", "loss_first", "loss_last"):
+        row[k] = "" if not m or m[k] is None else f"{m[k]:.6g}"
+    row["worker_batches_per_s"] = " ".join(f"{v:.6g}" for v in m["worker_batches_per_s"]) if m else ""
+    return row
+
+
+def write_csv(path: str, cells: Iterable[Mapping[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for c in cells:
+            w.writerow(csv_row(c))
+    os.replace(tmp, path)
+
+
+def write_json(path: str, meta: Mapping[str, Any], cells: Iterable[Mapping[str, Any]],
+               ratios: Any = None, accept: Any = None) -> None:
+    doc = {"meta": dict(meta), "cells": list(cells), "ratios": ratios or [],
+           "acceptance": accept or []}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def ordered_cells(cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
+                  systems: Sequence[str]) -> list[dict[str, Any]]:
+    out, seen = [], set()
+    for cfg in configs:
+        for s in systems:
+            k = cell_key(s, *cfg)
+            if k in cells and k not in seen:
+                seen.add(k)
+                out.append(cells[k])
+    out += [c for k, c in cells.items() if k not in seen]
+    return out
+
+
+def format_tables(cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
+                  systems: Sequence[str]) -> str:
+    width = 22
+    head = f"{'model':<12} {'batch':>5} {'W':>2} {'S':>2} " + " ".join(f"{s:>{width}}" for s in systems)
+    lines = ["mini-batches/s per worker: median over workers of 1/median(iteration time) "
+             "[p25-p75 of all iterations' rates]", head, "-" * len(head)]
+    notes: dict[Key, str] = {}
+    for cfg in configs:
+        row = [f"{cfg[0]:<12} {cfg[1]:>5} {cfg[2]:>2} {cfg[3]:>2}"]
+        for s in systems:
+            k = cell_key(s, *cfg)
+            cell = cells.get(k)
+            if cell is None:
+                txt = "-"
+            elif cell["metrics"] is None:
+                txt = "failed" if cell["error"] else cell["status"]
+                if cell["error"]:
+                    notes.setdefault(k, cell["error"])
+            else:
+                m = cell["metrics"]
+                txt = (f"{_num(m['batches_per_s'])} [{_num(m['batches_per_s_p25'])}-"
+                       f"{_num(m['batches_per_s_p75'])}]")
+            row.append(f"{txt:>{width}}")
+        lines.append(" ".join(row))
+    head2 = f"{'model':<12} {'batch':>5} {'W':>2} {'S':>2} " + " ".join(f"{s:>{width}}" for s in systems)
+    lines += ["", "samples/s of the whole job (batches_per_s * batch * workers; local: 1 process)",
+              head2, "-" * len(head2)]
+    for cfg in configs:
+        row = [f"{cfg[0]:<12} {cfg[1]:>5} {cfg[2]:>2} {cfg[3]:>2}"]
+        for s in systems:
+            m = lookup(cells, s, cfg)
+            row.append(f"{_num(m['samples_per_s']) if m else '-':>{width}}")
+        lines.append(" ".join(row))
+    if any(s in systems for s in ("ddp", "local")):
+        lines.append("(ddp is measured once per model/batch/workers, local once per model/batch; "
+                     "shown next to every shard count)")
+    for k, msg in notes.items():
+        lines.append(f"* {k[0]} {k[1]} batch {k[2]} W{k[3]} S{k[4]}: failed: {msg}")
+    return "\n".join(lines)
+
+
+def format_ratios(rows: Sequence[Mapping[str, Any]], systems: Sequence[str]) -> str:
+    others = [s for s in systems if s != "rdmaflow"]
+    if not rows or not others:
+        return ""
+    cols = [f"/{s}" for s in others] + (["speedup/local"] if "local" in systems else [])
+    head = f"{'model':<12} {'batch':>5} {'W':>2} {'S':>2} " + " ".join(f"{c:>14}" for c in cols)
+    lines = ["rdmaflow over each system: batches/s per worker (speedup/local: samples/s of the "
+             "job over one local process)", head, "-" * len(head)]
+    for r in rows:
+        vals = [r.get(s) for s in others] + ([r.get("speedup_vs_local")] if "local" in systems else [])
+        lines.append(f"{r['model']:<12} {r['batch']:>5} {r['workers']:>2} {r['shards']:>2} "
+                     + " ".join(f"{_fmt(v, '.2f'):>14}" for v in vals))
+    return "\n".join(lines)
+
+
+def format_acceptance(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return ""
+    c = ACCEPT_CONFIG
+    lines = [f"acceptance (batch {c['batch']}, {c['workers']} workers, {c['shards']} shards; "
+             f"median batches/s per worker over median):"]
+    for r in rows:
+        lines.append(f"  {r['model']:<8} rdmaflow / {r['den']:<10} = {_fmt(r['ratio'], '.2f'):>6}"
+                     f"  (bar >= {r['bar']:g})  {r['verdict']}")
+    return "\n".join(lines)
+
+
+STYLE = {
+    "rdmaflow": ("tab:red", "o", "-"),
+    "rdmaflow-copy": ("tab:orange", "s", "-"),
+    "tensorpipe": ("tab:green", "D", "-"),
+    "grpc": ("tab:blue", "v", "-"),
+    "ddp": ("tab:purple", "P", "-"),
+    "local": ("grey", "x", "--"),
+}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str, title: str) -> None:
+    if title:
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    _plt().close(fig)
+
+
+def _uniq(xs: Iterable[Any]) -> list[Any]:
+    return list(dict.fromkeys(xs))
+
+
+def plot_bars(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
+              systems: Sequence[str], title: str = "") -> None:
+    """Every configuration, a bar per system: mini-batches/s per worker with p25-p75
+    whiskers, a row per model; a failed cell is marked "x" at the bottom."""
+    plt = _plt()
+    models = _uniq(c[0] for c in configs)
+    most = max(sum(1 for c in configs if c[0] == m) for m in models)
+    width = min(24.0, max(6.0, 1.5 + most * (0.3 * len(systems) + 0.5)))
+    fig, axes = plt.subplots(len(models), 1, figsize=(width, 3.6 * len(models)), squeeze=False)
+    w = 0.8 / max(1, len(systems))
+    for r, model in enumerate(models):
+        ax = axes[r][0]
+        mine = [c for c in configs if c[0] == model]
+        for j, s in enumerate(systems):
+            xs, ys, lo, hi, bad = [], [], [], [], []
+            for i, cfg in enumerate(mine):
+                x = i + (j - (len(systems) - 1) / 2) * w
+                cell = cells.get(cell_key(s, *cfg))
+                m = cell["metrics"] if cell else None
+                if m is None:
+                    if cell is not None:
+                        bad.append(x)
+                    continue
+                xs.append(x)
+                ys.append(m["batches_per_s"])
+                lo.append(max(0.0, m["batches_per_s"] - m["batches_per_s_p25"]))
+                hi.append(max(0.0, m["batches_per_s_p75"] - m["batches_per_s"]))
+            color = STYLE.get(s, (None,))[0]
+            if xs:
+                ax.bar(xs, ys, width=w, color=color, label=s, yerr=[lo, hi], capsize=2,
+                       error_kw={"linewidth": 0.8})
+            if bad:
+                ax.plot(bad, [0] * len(bad), "x", color=color or "black", ms=7, clip_on=False,
+                        label=None if xs else f"{s} (failed)")
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([f"batch {b}\n{wk} W, {sh} S" for _, b, wk, sh in mine], fontsize=8)
+        ax.set_ylabel("mini-batches/s per worker")
+        ax.set_title(model, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    _save(fig, path, title)
+
+
+def plot_fig9(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
+              systems: Sequence[str], title: str = "") -> None:
+    """Figure 9 style: per model (columns) and workers/shards (rows), mini-batches/s per
+    worker against the mini-batch size, one line per system with its p25-p75 band."""
+    plt = _plt()
+    models = _uniq(c[0] for c in configs)
+    ws = _uniq((c[2], c[3]) for c in configs)
+    fig, axes = plt.subplots(len(ws), len(models), figsize=(5.2 * len(models), 4.0 * len(ws)),
+                             squeeze=False)
+    for r, (wk, sh) in enumerate(ws):
+        for c, model in enumerate(models):
+            ax = axes[r][c]
+            batches = sorted(_uniq(b for m, b, w2, s2 in configs if m == model and (w2, s2) == (wk, sh)))
+            for s in systems:
+                color, mark, ls = STYLE.get(s, (None, "o", "-"))
+                pts = [(b, lookup(cells, s, (model, b, wk, sh))) for b in batches]
+                pts = [(b, m) for b, m in pts if m is not None]
+                if not pts:
+                    continue
+                xs = [b for b, _ in pts]
+                ax.plot(xs, [m["batches_per_s"] for _, m in pts], marker=mark, linestyle=ls,
+                        color=color, label=s + (" (1 process)" if s == "local" else ""), ms=4)
+                ax.fill_between(xs, [m["batches_per_s_p25"] for _, m in pts],
+                                [m["batches_per_s_p75"] for _, m in pts], color=color,
+                                alpha=0.15, linewidth=0)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(batches)
+            ax.set_xticklabels([str(b) for b in batches])
+            ax.set_xlabel("mini-batch size per worker")
+            ax.set_ylabel("mini-batches/s per worker")
+            ax.set_title(f"{model}: {wk} workers, {sh} shards", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=7)
+    _save(fig, path, title)
+
+
+def plot_fig11(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
+               systems: Sequence[str], netns: bool, title: str = "") -> None:
+    """Figure 11 style: per model (columns) and batch (and shard count, rows), the job's
+    samples/s against the number of workers, one line per system, the local process at 1
+    and its ideal linear scaling (local x workers)."""
+    plt = _plt()
+    models = _uniq(c[0] for c in configs)
+    # netns: shards follow workers; else one row per (batch, shards).
+    rows = _uniq((c[1], None if netns else c[3]) for c in configs)
+    fig, axes = plt.subplots(len(rows), len(models), figsize=(5.2 * len(models), 4.0 * len(rows)),
+                             squeeze=False)
+    for r, (batch, sh) in enumerate(rows):
+        for c, model in enumerate(models):
+            ax = axes[r][c]
+            mine = [cf for cf in configs if cf[0] == model and cf[1] == batch and (sh is None or cf[3] == sh)]
+            workers = sorted(_uniq(cf[2] for cf in mine))
+            by_w = {cf[2]: cf for cf in mine}
+            for s in systems:
+                if s == "local":
+                    continue
+                color, mark, ls = STYLE.get(s, (None, "o", "-"))
+                pts = [(w, lookup(cells, s, by_w[w])) for w in workers]
+                pts = [(w, m) for w, m in pts if m is not None]
+                if pts:
+                    ax.plot([w for w, _ in pts], [m["samples_per_s"] for _, m in pts], marker=mark,
+                            linestyle=ls, color=color, label=s, ms=4)
+            loc = lookup(cells, "local", (model, batch, 1, 0))
+            if loc is not None:
+                xs = sorted(set([1, *workers]))
+                ax.plot(xs, [loc["samples_per_s"] * w for w in xs], linestyle=":", color="black",
+                        label="ideal (local x workers)")
+                ax.plot([1], [loc["samples_per_s"]], marker="*", ms=9, color="grey",
+                        linestyle="none", label="local (1 process)")
+            ax.set_xticks(sorted(set([1, *workers])) if loc is not None else workers)
+            ax.set_xlabel("workers" + (" (= shards = hosts)" if netns else ""))
+            ax.set_ylabel("samples/s (whole job)")
+            ax.set_title(f"{model}: batch {batch}" + ("" if sh is None else f", {sh} shards"), fontsize=10)
+            ax.grid(True, alpha=0.3)
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=7)
+    _save(fig, path, title)
+
+
+def plot_fig12(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
+               title: str = "") -> None:
+    """Figure 12 style: a row per model, the median mini-batch time of rdmaflow with zero
+    copy and with the copy (rdmaflow-copy) per configuration, with the copy's overhead."""
+    plt = _plt()
+    models = _uniq(c[0] for c in configs)
+    most = max(sum(1 for c in configs if c[0] == m) for m in models)
+    width = min(24.0, max(5.0, 1.5 + 1.1 * most))
+    fig, axes = plt.subplots(len(models), 1, figsize=(width, 3.4 * len(models)), squeeze=False)
+    for r, model in enumerate(models):
+        ax = axes[r][0]
+        mine = [cf for cf in configs if cf[0] == model]
+        for j, s in enumerate(("rdmaflow", "rdmaflow-copy")):
+            xs, ys = [], []
+            for i, cf in enumerate(mine):
+                m = lookup(cells, s, cf)
+                if m is not None:
+                    xs.append(i + (j - 0.5) * 0.38)
+                    ys.append(m["median_iter_s"] * 1e3)
+            if xs:
+                ax.bar(xs, ys, width=0.38, color=STYLE[s][0],
+                       label="zero copy (rdmaflow)" if s == "rdmaflow" else "copy (rdmaflow-copy)")
+        for i, cf in enumerate(mine):
+            a, b = lookup(cells, "rdmaflow", cf), lookup(cells, "rdmaflow-copy", cf)
+            if a and b:
+                top = max(a["median_iter_s"], b["median_iter_s"]) * 1e3
+                pct = (b["median_iter_s"] / a["median_iter_s"] - 1) * 100
+                ax.annotate(f"copy {pct:+.0f}%", (i, top), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([f"batch {b}\n{w} W, {s} S" for _, b, w, s in mine], fontsize=8)
+        ax.set_ylabel("mini-batch time, ms (median)")
+        ax.set_title(model, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.margins(y=0.12)
+        ax.legend(fontsize=7)
+    _save(fig, path, title)
+
+
+def make_plots(out: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
+               systems: Sequence[str], netns: bool, title: str) -> list[str]:
+    """throughput.png always; fig9 when >= 2 batch sizes, fig11 when >= 2 worker counts,
+    fig12 when rdmaflow-copy was measured. Returns the paths written."""
+    if not any(c["metrics"] for c in cells.values()):
+        return []
+    made = []
+    path = os.path.join(out, PNG_BARS)
+    plot_bars(path, cells, configs, systems, title)
+    made.append(path)
+    if len(_uniq(c[1] for c in configs)) >= 2:
+        path = os.path.join(out, PNG_FIG9)
+        plot_fig9(path, cells, configs, systems, title)
+        made.append(path)
+    if len(_uniq(c[2] for c in configs)) >= 2:
+        path = os.path.join(out, PNG_FIG11)
+        plot_fig11(path, cells, configs, systems, netns, title)
+        made.append(path)
+    if "rdmaflow-copy" in systems and any(c["metrics"] for k, c in cells.items() if k[0] == "rdmaflow-copy"):
+        path = os.path.join(out, PNG_FIG12)
+        plot_fig12(path, cells, configs, title)
+        made.append(path)
+    return made
+
+
+# ------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def plan(models: Sequence[str], batches: Sequence[int], workers: Sequence[int],
+         shards: Sequence[int] | None, netns: bool) -> list[Config]:
+    """The configurations, in measurement order (netns: shards = workers)."""
+    out = []
+    for model in models:
+        for w in workers:
+            for s in ([w] if netns else shards or [DEFAULT_SHARDS]):
+                for b in batches:
+                    out.append((model, b, w, s))
+    return list(dict.fromkeys(out))
+
+
+def schedule(configs: Sequence[Config], systems: Sequence[str]) -> list[Key]:
+    """Cells in order: the systems of a configuration back to back, their order rotated by one
+    from one configuration to the next; ddp/local cells only where first needed."""
+    out: list[Key] = []
+    seen: set[Key] = set()
+    for g, cfg in enumerate(configs):
+        r = g % len(systems)
+        for s in list(systems[r:]) + list(systems[:r]):
+            k = cell_key(s, *cfg)
+            if k not in seen:
+                seen.add(k)
+                out.append(k)
+    return out
+
+
+def _positive_ints(values: Sequence[int], what: str) -> list[int]:
+    vals = list(dict.fromkeys(values))
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"--{what} needs positive integers")
+    return vals
+
+
+def _describe_models(models: Sequence[str]) -> list[str]:
+    try:
+        from rdmaflow.bench import models as mdl  # written next to this module
+    except Exception:  # noqa: BLE001 - only the header is affected
+        return []
+    out = []
+    for m in models:
+        try:
+            d = mdl.describe(m)
+            t2 = f" (seed 000 Table 2: {d['table2_mb']:g} MB)" if d.get("table2_mb") else ""
+            out.append(f"  {m}: {d['params']:,} parameters in {d['tensors']} tensors, "
+                       f"{d['mb']:.3g} MiB{t2}")
+        except Exception as e:  # noqa: BLE001 - the cell reports the real error
+            out.append(f"  {m}: unknown here ({type(e).__name__}: {e})")
+    return out
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS), metavar="M",
+                    help=f"models (rdmaflow.bench.models; default: {' '.join(DEFAULT_MODELS)})")
+    ap.add_argument("--batch", nargs="+", type=int, default=list(DEFAULT_BATCH), metavar="B",
+                    help="mini-batch sizes per worker (default 8; several: Figure 9)")
+    ap.add_argument("--workers", nargs="+", type=int, default=list(DEFAULT_WORKERS), metavar="W",
+                    help="worker counts (default 2; several: Figure 11)")
+    ap.add_argument("--shards", nargs="+", type=int, default=None, metavar="S",
+                    help=f"parameter-server shard counts (default {DEFAULT_SHARDS}; "
+                         f"--hosts netns: = workers)")
+    ap.add_argument("--system", nargs="+", default=list(SYSTEMS), metavar="X",
+                    help=f"systems (default all: {' '.join(SYSTEMS)}; also rdmaflow-copy)")
+    ap.add_argument("--no-zero-copy", action="store_true",
+                    help="also run rdmaflow with zero_copy=False, as system rdmaflow-copy (Figure 12)")
+    ap.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                    help=f"untimed iterations per worker (default {DEFAULT_WARMUP})")
+    ap.add_argument("--iters", type=int, default=DEFAULT_ITERS,
+                    help=f"timed iterations per worker (default {DEFAULT_ITERS})")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                    help=f"bound on one cell, start-up included, seconds (default {DEFAULT_TIMEOUT:g})")
+    ap.add_argument("--hosts", choices=HOSTS, default="local",
+                    help="local: every process on this host (default); netns: worker i and "
+                         "shard i in network namespace i (needs root)")
+    ap.add_argument("--transport", choices=("tcp", "sm"), default="tcp",
+                    help="rdmaflow's UCX transport and TensorPipe's: tcp (default; gRPC and gloo "
+                         "use TCP too) or sm (shared memory; --hosts local only)")
+    ap.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"learning rate (default {DEFAULT_LR:g})")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the models and data (default 0)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per process (default: the training process decides)")
+    ap.add_argument("--out", default=None,
+                    help=f"output directory (default bench-train-<timestamp>): {CSV_NAME}, "
+                         f"{JSON_NAME}, PNGs")
+    ap.add_argument("--plot", dest="plot", action="store_true", default=True,
+                    help="write PNG plots (default)")
+    ap.add_argument("--no-plot", dest="plot", action="store_false", help="no plots")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print more while running")
+    ap.add_argument("--proc-module", default=PROC_MODULE, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    netns = args.hosts == "netns"
+    try:
+        models = list(dict.fromkeys(args.model))
+        batches = _positive_ints(args.batch, "batch")
+        workers = _positive_ints(args.workers, "workers")
+        shards = _positive_ints(args.shards, "shards") if args.shards is not None else None
+        systems = list(dict.fromkeys(args.system))
+        bad = [s for s in systems if s not in ALL_SYSTEMS]
+        if bad:
+            raise ValueError(f"unknown system {' '.join(bad)}; choose from {' '.join(ALL_SYSTEMS)}")
+        if args.no_zero_copy and "rdmaflow-copy" not in systems:
+            at = systems.index("rdmaflow") + 1 if "rdmaflow" in systems else 0
+            systems.insert(at, "rdmaflow-copy")
+        systems = [s for s in ALL_SYSTEMS if s in systems]  # canonical order
+        if args.iters < 1 or args.warmup < 0 or args.timeout <= 0:
+            raise ValueError("--iters must be >= 1, --warmup >= 0, --timeout > 0")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError("--threads must be >= 1")
+        if not models or any(not m for m in models):
+            raise ValueError("--model needs names")
+        if netns and shards is not None and sorted(shards) != sorted(workers):
+            raise ValueError("--hosts netns runs one shard per host (shards = workers): drop --shards")
+        if netns and args.transport != "tcp":
+            raise ValueError("--hosts netns needs --transport tcp (the hosts share no memory)")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec(args.proc_module) is None:
+        print(f"error: {args.proc_module} is missing: the training process of this benchmark",
+              file=sys.stderr)
+        return 1
+    if netns:
+        from rdmaflow.testing.netns import netns_unavailable_reason
+
+        reason = netns_unavailable_reason()
+        if reason:
+            print(f"error: --hosts netns: network namespaces are unavailable here: {reason}",
+                  file=sys.stderr)
+            return 2
+    configs = plan(models, batches, workers, shards, netns)
+    order = schedule(configs, systems)
+    out = args.out or time.strftime("bench-train-%Y%m%d-%H%M%S")
+    os.makedirs(out, exist_ok=True)
+    csv_path, json_path = os.path.join(out, CSV_NAME), os.path.join(out, JSON_NAME)
+
+    import rdmaflow
+
+    header = (f"rdmaflow {rdmaflow.__version__} bench train: UCX {rdmaflow.ucx_version()}, "
+              f"{os.cpu_count()} CPUs, hosts {args.hosts}, rdmaflow (UCX) and TensorPipe over "
+              f"{args.transport}, "
+              f"models {' '.join(models)}, batch {' '.join(map(str, batches))}, workers "
+              f"{' '.join(map(str, workers))}, shards "
+              f"{'= workers' if netns else ' '.join(map(str, shards or [DEFAULT_SHARDS]))}, "
+              f"warmup {args.warmup}, iters {args.iters}, sync, lr {args.lr:g}, seed {args.seed}"
+              + (f", {args.threads} torch threads" if args.threads else ""))
+    print(header, flush=True)
+    for line in _describe_models(models):
+        print(line, flush=True)
+    print(f"{len(order)} cells, one at a time (timeout {args.timeout:g} s each); output in {out}/",
+          flush=True)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
+    meta = {"header": header, "argv": sys.argv, "hosts": args.hosts, "transport": args.transport,
+            "models": models, "batch": batches, "workers": workers,
+            "shards": "workers" if netns else (shards or [DEFAULT_SHARDS]), "systems": systems,
+            "warmup": args.warmup, "iters": args.iters, "lr": args.lr, "seed": args.seed,
+            "threads": args.threads, "timeout": args.timeout, "cpus": os.cpu_count(),
+            "rdmaflow": rdmaflow.__version__, "ucx": rdmaflow.ucx_version(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    cells: dict[Key, dict[str, Any]] = {}
+
+    def save() -> None:
+        ordered = ordered_cells(cells, configs, systems)
+        write_csv(csv_path, ordered)
+        write_json(json_path, meta, ordered, ratio_rows(cells, configs, systems),
+                   acceptance(cells, configs))
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    started = time.monotonic()
+    run_meter = BackgroundMeter()
+    interrupted = False
+    hosts_cm: Any = None
+    try:
+        hosts = None
+        if netns:
+            from rdmaflow.testing.netns import Hosts
+
+            hosts_cm = Hosts(max(workers))
+            hosts = hosts_cm.open()
+            log(f"hosts: {', '.join(f'{h.ns} {h.addr}' for h in hosts)}")
+        for i, key in enumerate(order, 1):
+            system, model, batch, w, s = key
+            cell = new_cell(key, hosts=args.hosts, warmup=args.warmup, iters=args.iters)
+            cfg = train_cfg(key, warmup=args.warmup, iters=args.iters, lr=args.lr,
+                            seed=args.seed, timeout=args.timeout, threads=args.threads,
+                            transport=args.transport)
+            label = f"[{i}/{len(order)}] {system} {model} batch {batch} W{w} S{s}"
+            meter = BackgroundMeter()
+            t0 = time.monotonic()
+            try:
+                res = run_cell(key, cfg=cfg, timeout=args.timeout, transport=args.transport,
+                               hosts=hosts, threads=args.threads, proc_module=args.proc_module,
+                               log=log)
+                cell["metrics"] = cell_metrics(res, batch)
+                cell["workers_results"] = res
+                cell["status"] = "ok"
+                m = cell["metrics"]
+                msg = (f"{_num(m['batches_per_s'])} batches/s per worker "
+                       f"[{_num(m['batches_per_s_p25'])}-{_num(m['batches_per_s_p75'])}], "
+                       f"{_num(m['samples_per_s'])} samples/s")
+            except Exception as e:  # noqa: BLE001 - a failed cell must not end the run
+                cell["status"] = "failed"
+                cell["error"] = " ".join(str(e).split())[:1000] or type(e).__name__
+                msg = f"FAILED: {cell['error'][:300]}"
+            finally:
+                cell["wall_s"] = time.monotonic() - t0
+            bg = meter.report()
+            cell["background_cores"] = bg["other_cores"]
+            cells[key] = cell
+            print(f"{label}: {msg} ({cell['wall_s']:.0f} s"
+                  + (f", others used {bg['other_cores']:.2f} cores" if bg["other_cores"] > 0.1 else "")
+                  + ")", flush=True)
+            save()
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted; every benchmark process was stopped", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        if hosts_cm is not None:
+            with contextlib.suppress(Exception):
+                hosts_cm.close()
+    if not cells:
+        print("nothing was measured", file=sys.stderr)
+        return 130 if interrupted else 1
+    save()
+    print()
+    print(format_tables(cells, configs, systems))
+    rr = format_ratios(ratio_rows(cells, configs, systems), systems)
+    if rr:
+        print()
+        print(rr)
+    acc = format_acceptance(acceptance(cells, configs))
+    if acc:
+        print()
+        print(acc)
+    print()
+    print(format_background(run_meter.report()))
+    plots: list[str] = []
+    if args.plot:
+        try:
+            plots = make_plots(out, cells, configs, systems, netns, header)
+        except Exception as e:  # noqa: BLE001  (a plot problem must not lose the numbers)
+            print(f"warning: could not write the plots: {e}", file=sys.stderr)
+    print(f"\nCSV: {csv_path}\nJSON: {json_path}"
+          + (f"\nplots: {', '.join(plots)}" if plots else "")
+          + f"\nelapsed: {time.monotonic() - started:.0f} s", flush=True)
+    if interrupted:
+        return 130
+    return 1 if any(c["status"] != "ok" for c in cells.values()) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="rdmaflow bench train",
+        description="Training throughput (mini-batches/s) of rdmaflow's parameter server next "
+                    "to TensorPipe, gRPC, DDP-gloo and one local process (seed 000 Figures 9, 11, 12).")
+    add_arguments(ap)
+    return run(ap.parse_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
