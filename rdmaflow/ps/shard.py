@@ -102,13 +102,26 @@ class Shard:
                                  "base": int(meta["base"]), "layout": WorkerLayout.from_dict(meta["layout"]),
                                  "channel": self.dev.channel(ep)})
         self.region = arena.region
-        self.params = [self.weights[u.shard_offset : u.shard_offset + u.numel] for u in self.units]
-        self.optimizer = build_optimizer(self.config["optim"], self.params)
+        # One optimizer per chunk, so that a chunk's weights can be updated and sent while the
+        # next chunk is computed (the optimizers are elementwise: the same numbers as one).
+        self.spans = []
+        self.optimizers = []
+        for chunk in self.chunks:
+            lo = chunk[0].shard_offset
+            hi = chunk[-1].shard_offset + chunk[-1].numel
+            self.spans.append((lo, hi))
+            params = [self.weights[u.shard_offset : u.shard_offset + u.numel] for u in chunk]
+            self.optimizers.append((params, build_optimizer(self.config["optim"], params)))
         if self.start:
             state = checkpoint.load(self.ckpt_dir, self.start, self.id, role.num_shards, self.fingerprint())
             with torch.no_grad():
                 self.weights.copy_(state["weights"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            states = state["optimizer"]
+            if len(states) != len(self.optimizers):
+                raise ShardFailure(f"checkpoint of step {self.start} has {len(states)} optimizer chunks, "
+                                   f"this shard {len(self.optimizers)} (another RDMAFLOW_PS_CHUNK_BYTES?)")
+            for (_, opt), st in zip(self.optimizers, states):
+                opt.load_state_dict(st)
         else:
             # Initial weights: worker 0's parameters.
             w0 = self.workers[0]
@@ -133,7 +146,7 @@ class Shard:
         if not self.ckpt_dir or step <= self.saved:
             return
         checkpoint.save(self.ckpt_dir, step, self.id, self.role.num_shards, self.fingerprint(),
-                        self.weights, self.optimizer.state_dict())
+                        self.weights, [opt.state_dict() for _, opt in self.optimizers])
         self.saved = step
 
     # -- data path ----------------------------------------------------------------------------
@@ -141,22 +154,28 @@ class Shard:
         """WRITEs this shard's weights into worker w's parameters chunk by chunk, in forward
         order, each chunk followed by a fence and its progress flag. Asynchronous overlap
         alternates the worker's two parameter buffers (version v lands in buffer (v - 1) % 2)."""
-        info = self.workers[w]
-        ch, remote, wl = info["channel"], info["remote"], info["layout"]
+        self._reply_begin(w)
+        for k in range(1, len(self.chunks) + 1):
+            self._reply_chunk(w, version, k)
+        if not self.chunks:
+            self._reply_chunk(w, version, 0)
+        self.stats["replies"] += 1
+
+    def _reply_begin(self, w: int) -> None:
         for f in self._reply_futs[w]:
             f.result(self.ctx.timeout)  # the previous reply's source reads are over
+        self._reply_futs[w] = []
+
+    def _reply_chunk(self, w: int, version: int, k: int) -> None:
+        info = self.workers[w]
+        ch, remote, wl = info["channel"], info["remote"], info["layout"]
         dst = info["base"] + wl.params_at(version - 1)
         isz = self.itemsize
-        futs = []
-        for k, chunk in enumerate(self.chunks, 1):
-            for u in chunk:
-                futs.append(ch.memcpy(self.region, self.base + self.layout.weights + u.shard_offset * isz,
-                                      remote, dst + u.offset * isz, u.numel * isz, W))
-            futs.append(self._flag(w, k, progress(version, k)))
-        if not self.chunks:
-            futs.append(self._flag(w, 0, progress(version, 0)))
-        self._reply_futs[w] = futs
-        self.stats["replies"] += 1
+        futs = self._reply_futs[w]
+        for u in (self.chunks[k - 1] if k else []):
+            futs.append(ch.memcpy(self.region, self.base + self.layout.weights + u.shard_offset * isz,
+                                  remote, dst + u.offset * isz, u.numel * isz, W))
+        futs.append(self._flag(w, k, progress(version, k)))
 
     def _flag(self, w: int, k: int, value: int):
         info = self.workers[w]
@@ -172,6 +191,8 @@ class Shard:
             return True
         if not self.workers[w]["channel"].failed:
             return False
+        if self.push[w].get() >= DONE:
+            return False  # it finished and closed its device: not a failure
         # A worker that stopped because the job was aborted is not the cause: say what is.
         reason = self.store.abort_reason()
         if reason:
@@ -204,11 +225,18 @@ class Shard:
             if now > deadline:
                 raise ShardFailure(f"worker {w} pushed nothing for step {t} within {self.ctx.step_timeout:.0f} s")
 
+    def apply_chunk(self, k: int, grads: torch.Tensor) -> None:
+        """Runs the optimizer on chunk k; ``grads`` is laid out like the chunk's weights."""
+        params, opt = self.optimizers[k]
+        lo = self.spans[k][0]
+        for p, u in zip(params, self.chunks[k]):
+            p.grad = grads[u.shard_offset - lo : u.shard_offset - lo + u.numel]
+        opt.step()
+
     def apply(self, grads: torch.Tensor, scale: float) -> None:
-        for p, u in zip(self.params, self.units):
-            g = grads[u.shard_offset : u.shard_offset + u.numel]
-            p.grad = g if scale == 1.0 else g * scale
-        self.optimizer.step()
+        for k, (lo, hi) in enumerate(self.spans):
+            g = grads[lo:hi]
+            self.apply_chunk(k, g if scale == 1.0 else g * scale)
         self.stats["steps"] += 1
 
     def live(self) -> list[int]:
@@ -235,18 +263,33 @@ class Shard:
                 raise ShardFailure("workers disagree on the number of steps: some finished, some pushed step "
                                    f"{t} (synchronous mode needs the same number of steps on every worker)")
             # The mean of the workers' gradients: what one process would get on the
-            # concatenated batch (of the surviving workers, after a failure).
+            # concatenated batch (of the surviving workers, after a failure). Chunk by chunk:
+            # chunk k's weights are on the wire while chunk k + 1 is computed (iRDMA §IV-C).
             ws = sorted(flags)
-            self.aggregate.copy_(self.gslots[ws[0]][0])
-            for w in ws[1:]:
-                self.aggregate.add_(self.gslots[w][0])
-            if len(ws) > 1:
-                self.aggregate.mul_(1.0 / len(ws))
-            self.apply(self.aggregate, 1.0)
             for w in ws:
                 self.applied[w] = t
-                if not self._worker_died(w):
-                    self.reply(w, t + 1)
+                self._reply_begin(w)
+            for k, (lo, hi) in enumerate(self.spans):
+                agg = self.aggregate[lo:hi]
+                if len(ws) == 1:
+                    agg.copy_(self.gslots[ws[0]][0][lo:hi])
+                elif len(ws) == 2:
+                    # The mean of two in one pass over memory (not two: add, then scale).
+                    torch.lerp(self.gslots[ws[0]][0][lo:hi], self.gslots[ws[1]][0][lo:hi], 0.5, out=agg)
+                else:
+                    torch.add(self.gslots[ws[0]][0][lo:hi], self.gslots[ws[1]][0][lo:hi], out=agg)
+                    for w in ws[2:]:
+                        agg.add_(self.gslots[w][0][lo:hi])
+                    agg.mul_(1.0 / len(ws))
+                self.apply_chunk(k, agg)
+                for w in ws:
+                    if w not in self.dead:
+                        self._reply_chunk(w, t + 1, k + 1)
+            if not self.spans:
+                for w in ws:
+                    self._reply_chunk(w, t + 1, 0)
+            self.stats["steps"] += 1
+            self.stats["replies"] += len(ws)
             if self.ckpt_every and t % self.ckpt_every == 0:
                 self.save(t)  # while the workers compute the next step
 
