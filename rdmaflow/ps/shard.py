@@ -244,13 +244,17 @@ class Shard:
 
     def run_sync(self) -> None:
         t = self.start
+        prof = self.stats.setdefault("profile", {"wait_push": 0.0, "update_and_send": 0.0})
         while True:
             t += 1
             flags = {}
+            t0 = time.monotonic()
             for w in self.live():
                 f = self._wait_push(w, t)
                 if f is not None:
                     flags[w] = f
+            t1 = time.monotonic()
+            prof["wait_push"] += t1 - t0
             if not flags:
                 return  # every worker died or finished
             finished = [w for w, f in flags.items() if f >= DONE]
@@ -290,6 +294,7 @@ class Shard:
                     self._reply_chunk(w, t + 1, 0)
             self.stats["steps"] += 1
             self.stats["replies"] += len(ws)
+            prof["update_and_send"] += time.monotonic() - t1
             if self.ckpt_every and t % self.ckpt_every == 0:
                 self.save(t)  # while the workers compute the next step
 
@@ -366,6 +371,9 @@ class Shard:
                 for f in self._reply_futs[w]:
                     f.wait(5.0)
             self.stats["applied"] = list(self.applied)
+            if os.environ.get("RDMAFLOW_PS_PROFILE"):
+                print(json.dumps({"event": "ps_profile", "shard": self.id, "steps": self.stats["steps"],
+                                  **self.stats.get("profile", {})}), file=_profile_out(), flush=True)
             self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
             return self.stats
         except Exception as e:
@@ -391,3 +399,9 @@ class Shard:
 def _core_wait(futs, timeout: float) -> None:
     for f in futs:
         f.result(timeout)
+
+
+def _profile_out():
+    """RDMAFLOW_PS_PROFILE=1: stderr; any other value: a file to append to."""
+    dest = os.environ.get("RDMAFLOW_PS_PROFILE", "1")
+    return sys.stderr if dest == "1" else open(dest, "a")

@@ -79,6 +79,8 @@ class Worker:
         self._last_step_end = None
         self._closed = False
         self._lock = threading.Lock()
+        # Where a step's time goes (seconds, summed); RDMAFLOW_PS_PROFILE=1 prints it at close.
+        self.profile = {"compute": 0.0, "forward_wait": 0.0, "zero_grad": 0.0, "step_push": 0.0, "step_wait": 0.0}
         cfg = {"mode": mode, "staleness": staleness, "policy": policy, "block_bytes": block_bytes,
                "overlap": self.overlap, "min_workers": nw if min_workers is None else int(min_workers),
                "checkpoint_dir": os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
@@ -283,8 +285,10 @@ class Worker:
         if self._ready:
             return
         v = self._version
+        t0 = time.monotonic()
         for s, k in need:
             self._wait_word(s, progress(v, k), f"the weights of version {v}")
+        self.profile["forward_wait"] += time.monotonic() - t0
         if not self.zero_copy:
             with torch.no_grad():
                 for i in own:
@@ -449,6 +453,9 @@ class Worker:
                 self.wait_weights()
                 self._wait_pushes(self.gbuf)
         t2 = time.monotonic()
+        self.profile["step_push"] += t1 - t0
+        self.profile["step_wait"] += t2 - t1
+        self.profile["compute"] += compute
         self.timings["push"] += t1 - t0
         self.timings["pull"] += t2 - t1
         self.step_count = t
@@ -459,9 +466,11 @@ class Worker:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Switches to the other gradient buffer and zeroes it: the gradient buffers are the send
         buffers, so they are zeroed in place, never dropped; the one just pushed is left alone."""
+        t0 = time.monotonic()
         self.gbuf ^= 1
         self._wait_pushes(self.gbuf)  # pushed two steps ago: long done
         self.flat_grads[self.gbuf].zero_()
+        self.profile["zero_grad"] += time.monotonic() - t0
         with torch.no_grad():
             for p, info in self._params:
                 if self.zero_copy:
@@ -495,6 +504,9 @@ class Worker:
         if self._closed:
             return
         self._closed = True
+        if os.environ.get("RDMAFLOW_PS_PROFILE"):
+            print(json.dumps({"event": "ps_profile", "worker": self.id, "steps": self.step_count - self.start_step,
+                              **{k: round(v, 4) for k, v in self.profile.items()}}), file=_profile_out(), flush=True)
         for h in self._hooks:
             h.remove()
         if self._pull_timer is not None:
@@ -518,3 +530,9 @@ class Worker:
                                                  sh["base"] + sh["layout"].push + FLAG * self.id, 8, W))
             for f in futs:
                 f.wait(5.0)
+
+
+def _profile_out():
+    """RDMAFLOW_PS_PROFILE=1: stderr; any other value: a file to append to."""
+    dest = os.environ.get("RDMAFLOW_PS_PROFILE", "1")
+    return sys.stderr if dest == "1" else open(dest, "a")
