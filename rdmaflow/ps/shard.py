@@ -38,6 +38,7 @@ class Shard:
     # -- setup --------------------------------------------------------------------------------
     def setup(self) -> None:
         store, role = self.store, self.role
+        torch.set_num_threads(shard_threads())
         store.set(f"ep/shard/{self.id}", self.dev.endpoint)
         self.config = json.loads(store.get("config"))
         self.spec = spec = json.loads(store.get("spec"))
@@ -405,3 +406,18 @@ def _profile_out():
     """RDMAFLOW_PS_PROFILE=1: stderr; any other value: a file to append to."""
     dest = os.environ.get("RDMAFLOW_PS_PROFILE", "1")
     return sys.stderr if dest == "1" else open(dest, "a")
+
+
+def shard_threads() -> int:
+    """Intra-op threads for a shard's aggregation and optimizer: RDMAFLOW_SHARD_THREADS, else
+    the host's cores divided among the job's processes on it. Elementwise updates gain little
+    from more threads, and OpenMP threads that spin between kernels take the cores the
+    workers compute on."""
+    if os.environ.get("RDMAFLOW_SHARD_THREADS"):
+        return max(1, int(os.environ["RDMAFLOW_SHARD_THREADS"]))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(1, cores // max(local, 1))
