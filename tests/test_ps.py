@@ -437,11 +437,13 @@ def test_worker_models_differ(tmp_path):
 
 def test_late_worker_learns_why_the_job_failed(tmp_path):
     """Rank 0 (shard 0) serves the store, as without torchrun. Worker 2's model differs and
-    aborts the job at once; worker 1, whose model differs too, gets to its setup only after
-    shard 0 has exited. It should still say that its model differs (or why the job was
-    aborted), not merely that the store is gone."""
+    aborts the job at once; worker 1, whose model differs too, gets to its setup 8 s later,
+    when every other process has failed and shard 0 only lingers to serve the store (up to
+    15 s, see Store._leave). It should still say that its model differs (or why the job was
+    aborted), not merely that a peer is gone. (Joining after the store is gone too can only
+    say that the store is gone; waiting up to 15 s here raced with the 15 s linger.)"""
     cfg = dict(sync_cfg("block", "sgd"), variant={"1": "extra", "2": "shape"},
-               setup_after_store_gone={"1": 15})
+               setup_after_store_gone={"1": 8})
     with Job(tmp_path, cfg) as j:
         j.start_local(3, 1)
         rcs = j.wait(JOB_TIMEOUT)

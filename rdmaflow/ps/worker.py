@@ -175,7 +175,7 @@ class Worker:
         self._pull_timer: threading.Timer | None = None
         self._avg_compute: float | None = None
         self._avg_pull: float | None = None
-        self._pull_requested_at = 0.0
+        self._last_pull_latency: float | None = None
         self.bubbles: list[float] = []
         self._await_all(S + 1, "the initial weights")
         self._ready = True
@@ -384,7 +384,7 @@ class Worker:
         self._last_pull = r
 
         def send():
-            self._pull_requested_at = time.monotonic()
+            requested = time.monotonic()
             for s, sh in enumerate(self.shards):
                 if sh["channel"].failed:
                     continue
@@ -395,20 +395,24 @@ class Worker:
                                          sh["base"] + sh["layout"].pull + FLAG * self.id, 8, W)
                 except _core.RdmaflowError:
                     pass  # the wait for the weights reports the shard
-        if delay <= 0:
-            send()
-        else:
-            self._pull_timer = threading.Timer(delay, send)
-            self._pull_timer.daemon = True
-            self._pull_timer.start()
+            # The communication thread sees the pull land: its latency feeds the bubble.
+            target = [progress(r + 1, n) for n in self.nchunks]
+            deadline = requested + self.ctx.step_timeout
+            while time.monotonic() < deadline and not self._closed:
+                if all(self.reply[s].wait_at_least(target[s], POLL) for s in range(len(target))):
+                    self._last_pull_latency = time.monotonic() - requested
+                    return
+
+        self._last_pull_latency = None
+        self._pull_timer = threading.Timer(max(delay, 0.0), send)
+        self._pull_timer.daemon = True
+        self._pull_timer.start()
 
     def _switch(self, t: int) -> None:
         """Buffer switching at the end of step t: computation t + 1 runs on pull t's weights."""
-        if self._pull_timer is not None:
-            self._pull_timer.join()
-        t_wait = time.monotonic()
         self._await_all(t + 1, f"the weights of pull {t}")
-        arrived = time.monotonic()
+        if self._pull_timer is not None:
+            self._pull_timer.join(self.ctx.timeout)
         buf = t % 2
         with torch.no_grad():
             for p, info in self._params:
@@ -418,14 +422,12 @@ class Worker:
                     p.data.copy_(self._pview(buf, info))
         self.pbuf = buf
         # The bubble: request the next pull so that it lands as the next computation ends.
-        pull = max(arrived - self._pull_requested_at, 0.0) if arrived - t_wait > 1e-4 else None
+        pull = self._last_pull_latency
         if pull is not None:
             self._avg_pull = pull if self._avg_pull is None else (1 - EMA) * self._avg_pull + EMA * pull
         bubble = 0.0
         if self._avg_compute is not None and self._avg_pull is not None:
             bubble = max(0.0, 0.9 * self._avg_compute - self._avg_pull)
-        elif self._avg_compute is not None and pull is None:
-            bubble = 0.5 * self._avg_compute  # the pull was early: try later next time
         self.bubbles.append(bubble)
         self._request_pull(t + 1, bubble)
 
