@@ -260,6 +260,7 @@ def _proc_main() -> int:
     if system == "rdmaflow":
         dopt.close()
     else:
+        dist.barrier()  # nobody tears gloo down while a peer still talks to it
         dist.destroy_process_group()
     if rank == 0:
         print(RESULT_TAG + json.dumps({"system": system, "steps": t, "setup_s": setup_s, "train_s": train_s,
@@ -604,7 +605,15 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--proc"]:
-        return _proc_main()
+        code = _proc_main()
+        # Run the exit handlers (the store's host lingers in one), then skip the interpreter's
+        # teardown: gloo's threads can abort it ("terminate called without an active exception").
+        import atexit
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        os._exit(code)
     ap = argparse.ArgumentParser(prog="python -m rdmaflow.bench.converge",
                                  description="training to convergence on the digits data set, rdmaflow PS vs DDP-gloo")
     add_arguments(ap)

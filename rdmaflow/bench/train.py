@@ -585,7 +585,8 @@ def _save(fig: Any, path: str, title: str) -> None:
     if title:
         import textwrap
 
-        fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
+        # About 13 characters of 8-point text per inch of figure.
+        fig.suptitle("\n".join(textwrap.wrap(title, max(40, int(fig.get_figwidth() * 13)))), fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100)
