@@ -124,3 +124,20 @@ def local_device(**kw):
         yield d
     finally:
         d.close()
+
+
+def processes_with_env(marker: str) -> list[int]:
+    """The pids of processes whose environment holds RDMAFLOW_TEST_MARK=<marker> (what a test
+    started, however deep), to check that nothing is left behind."""
+    found = []
+    needle = f"RDMAFLOW_TEST_MARK={marker}".encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(d))
+        except OSError:
+            pass
+    return found

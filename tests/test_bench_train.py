@@ -25,6 +25,8 @@ import time
 
 import pytest
 
+from conftest import processes_with_env as _processes_with_env
+
 from rdmaflow.bench import train
 from rdmaflow.testing.netns import list_netns, netns_unavailable_reason
 
@@ -78,19 +80,6 @@ print("RDMAFLOW_TRAIN_RESULT " + json.dumps({
 '''
 
 
-def _processes_with_env(marker: str) -> list[int]:
-    found = []
-    needle = f"RDMAFLOW_TEST_MARK={marker}".encode()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(d))
-        except OSError:
-            pass
-    return found
 
 
 def _env(marker: str, fake_dir=None, **extra) -> dict[str, str]:

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from conftest import processes_with_env as _processes_with_env
+
 from rdmaflow.bench import transfer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,19 +20,6 @@ REQUIRED = ("system", "transport", "size_bytes", "gb_per_s", "p50_us", "gb_per_s
             "gb_per_s_max", "gb_per_s_iqr", "repeats", "status")
 
 
-def _processes_with_env(marker: str) -> list[int]:
-    found = []
-    needle = f"RDMAFLOW_TEST_MARK={marker}".encode()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(d))
-        except OSError:
-            pass
-    return found
 
 
 def _stopped(marker: str) -> int:

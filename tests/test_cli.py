@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from conftest import processes_with_env as _processes_with_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -100,19 +102,6 @@ def test_bench_device_rejects_bad_sizes():
     assert p.returncode == 2 and "positive" in p.stderr
 
 
-def _processes_with_env(marker: str) -> list[int]:
-    found = []
-    needle = f"RDMAFLOW_TEST_MARK={marker}".encode()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(d))
-        except OSError:
-            pass
-    return found
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["bench", "device", "--help"]])
