@@ -27,13 +27,14 @@ Step t of worker w (t = 1, 2, ...), synchronous::
       backward: as soon as every gradient of a unit
       of s is accumulated, WRITE it -> grad slot w
       fence
-      WRITE t -> push flag w  ──────────────────▶  sees push flag w = t
-                                                   of every live worker; averages them and
-                                                   runs the optimizer on its units
-                                ◀──────────────────  for each chunk k = 1..n of its units (in
-                                                   the model's forward order): WRITE the
-                                                   chunk's weights -> params of w, fence,
-                                                   WRITE progress(t + 1, k) -> reply flag s
+      WRITE t -> push flag w  ──────────────────▶  sees push flag w = t of every live
+                                                   worker; for each chunk k = 1..n of its
+                                                   units (the model's forward order): the
+                                                   mean of the chunk's grad slots, the
+                                                   chunk's optimizer step, then
+                                ◀──────────────────  WRITE the chunk's weights -> params of w,
+                                                   fence, WRITE progress(t + 1, k) -> reply
+                                                   flag s
       forward of step t + 1: before a layer runs,
       waits until every reply flag covers the
       chunks holding that layer's weights
