@@ -207,3 +207,34 @@ def job_secret() -> str:
 
 def dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True)
+
+
+def wait_flag(word, target: int, *, store: "Store", timeout: float, exc: type, on_miss, on_timeout,
+              poll: float = 0.05) -> bool:
+    """Waits until the registered word reaches ``target``: what a worker does for weights and a
+    shard for pushes. Between polls ``on_miss()`` looks at the peer (it raises, or returns True
+    to give up: then this returns False); once a second the job's abort key is read (``exc``
+    names the reason); past ``timeout`` s, ``on_timeout()`` raises."""
+    deadline = time.monotonic() + timeout
+    last_store = time.monotonic()
+    while not word.wait_at_least(target, poll):
+        if on_miss():
+            return False
+        now = time.monotonic()
+        if now - last_store > 1.0:
+            last_store = now
+            reason = store.abort_reason()
+            if reason:
+                raise exc(f"the job was aborted: {reason}")
+        if now > deadline:
+            on_timeout()
+    return True
+
+
+def profile_stream():
+    """Where RDMAFLOW_PS_PROFILE sends a process's step-time breakdown: ``1`` for stderr, any
+    other value a file to append to."""
+    import sys
+
+    dest = os.environ.get("RDMAFLOW_PS_PROFILE", "1")
+    return sys.stderr if dest == "1" else open(dest, "a")

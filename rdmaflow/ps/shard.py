@@ -11,6 +11,7 @@ import torch
 
 from rdmaflow import _core
 from rdmaflow.ps import checkpoint
+from rdmaflow.ps.context import profile_stream, wait_flag
 from rdmaflow.ps.layout import DTYPES, MIN_CHUNK_BYTES, make_plan, spec_digest
 from rdmaflow.ps.optim import build_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
@@ -210,21 +211,13 @@ class Shard:
 
     def _wait_push(self, w: int, t: int) -> int | None:
         """The push flag of worker w once it reaches t; None if the worker died."""
-        deadline = time.monotonic() + self.ctx.step_timeout
-        last_store_check = time.monotonic()
-        while True:
-            if self.push[w].wait_at_least(t, POLL):
-                return self.push[w].get()
-            if self._worker_died(w):
-                return None
-            now = time.monotonic()
-            if now - last_store_check > 1.0:
-                last_store_check = now
-                reason = self.store.abort_reason()
-                if reason:
-                    raise ShardFailure(f"the job was aborted: {reason}")
-            if now > deadline:
-                raise ShardFailure(f"worker {w} pushed nothing for step {t} within {self.ctx.step_timeout:.0f} s")
+        def too_late():
+            raise ShardFailure(f"worker {w} pushed nothing for step {t} within {self.ctx.step_timeout:.0f} s")
+
+        if wait_flag(self.push[w], t, store=self.store, timeout=self.ctx.step_timeout, exc=ShardFailure,
+                     on_miss=lambda: self._worker_died(w), on_timeout=too_late, poll=POLL):
+            return self.push[w].get()
+        return None
 
     def apply_chunk(self, k: int, grads: torch.Tensor) -> None:
         """Runs the optimizer on chunk k; ``grads`` is laid out like the chunk's weights."""
@@ -374,7 +367,7 @@ class Shard:
             self.stats["applied"] = list(self.applied)
             if os.environ.get("RDMAFLOW_PS_PROFILE"):
                 print(json.dumps({"event": "ps_profile", "shard": self.id, "steps": self.stats["steps"],
-                                  **self.stats.get("profile", {})}), file=_profile_out(), flush=True)
+                                  **self.stats.get("profile", {})}), file=profile_stream(), flush=True)
             self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
             return self.stats
         except Exception as e:
@@ -400,12 +393,6 @@ class Shard:
 def _core_wait(futs, timeout: float) -> None:
     for f in futs:
         f.result(timeout)
-
-
-def _profile_out():
-    """RDMAFLOW_PS_PROFILE=1: stderr; any other value: a file to append to."""
-    dest = os.environ.get("RDMAFLOW_PS_PROFILE", "1")
-    return sys.stderr if dest == "1" else open(dest, "a")
 
 
 def shard_threads() -> int:

@@ -26,6 +26,7 @@ from bisect import bisect_right
 import torch
 
 from rdmaflow import _core
+from rdmaflow.ps.context import profile_stream, wait_flag
 from rdmaflow.ps.layout import DTYPES, MIN_CHUNK_BYTES, describe_difference, make_plan, spec_of
 from rdmaflow.ps.optim import describe_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
@@ -75,12 +76,12 @@ class Worker:
         self.log_every = log_every
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.step_count = 0
-        self.timings = {"push": 0.0, "pull": 0.0, "compute": 0.0}
         self._last_step_end = None
         self._closed = False
         self._lock = threading.Lock()
         # Where a step's time goes (seconds, summed); RDMAFLOW_PS_PROFILE=1 prints it at close.
         self.profile = {"compute": 0.0, "forward_wait": 0.0, "zero_grad": 0.0, "step_push": 0.0, "step_wait": 0.0}
+        self._logged = dict(self.profile)  # the profile at the last log line (log_every)
         cfg = {"mode": mode, "staleness": staleness, "policy": policy, "block_bytes": block_bytes,
                "overlap": self.overlap, "min_workers": nw if min_workers is None else int(min_workers),
                "checkpoint_dir": os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
@@ -250,14 +251,9 @@ class Worker:
     # -- waiting ------------------------------------------------------------------------------
     def _wait_word(self, s: int, target: int, what: str) -> None:
         word = self.reply[s]
-        if word.get() >= target:
-            if word.get() >= ABORT:
-                raise WorkerFailure(f"the job was aborted: {self.store.aborted() or 'by a shard'}")
-            return
-        deadline = time.monotonic() + self.ctx.step_timeout
-        last_store = time.monotonic()
-        while not word.wait_at_least(target, POLL):
-            sh = self.shards[s]
+        sh = self.shards[s]
+
+        def shard_gone() -> bool:
             if sh["channel"].failed:
                 # A shard that stopped because the job was aborted is not the cause: say what is.
                 reason = self.store.abort_reason()
@@ -266,14 +262,13 @@ class Worker:
                 msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
                 self.store.abort(msg)
                 raise _core.PeerError(msg)
-            now = time.monotonic()
-            if now - last_store > 1.0:
-                last_store = now
-                reason = self.store.abort_reason()
-                if reason:
-                    raise WorkerFailure(f"the job was aborted: {reason}")
-            if now > deadline:
-                raise _core.TimeoutError(f"shard {s} did not deliver {what} within {self.ctx.step_timeout:.0f} s")
+            return False
+
+        def too_late():
+            raise _core.TimeoutError(f"shard {s} did not deliver {what} within {self.ctx.step_timeout:.0f} s")
+
+        wait_flag(word, target, store=self.store, timeout=self.ctx.step_timeout, exc=WorkerFailure,
+                  on_miss=shard_gone, on_timeout=too_late, poll=POLL)
         if word.get() >= ABORT:
             raise WorkerFailure(f"the job was aborted: {self.store.aborted() or 'by a shard'}")
 
@@ -439,7 +434,6 @@ class Worker:
             raise _core.InvalidArgumentError("this parameter-server worker is closed")
         t0 = time.monotonic()
         compute = t0 - self._compute_start
-        self.timings["compute"] += compute
         self._avg_compute = compute if self._avg_compute is None else (1 - EMA) * self._avg_compute + EMA * compute
         if not self.switching:
             self.wait_weights()  # the weights this step computed on (a step without a forward)
@@ -458,8 +452,6 @@ class Worker:
         self.profile["step_push"] += t1 - t0
         self.profile["step_wait"] += t2 - t1
         self.profile["compute"] += compute
-        self.timings["push"] += t1 - t0
-        self.timings["pull"] += t2 - t1
         self.step_count = t
         self._last_step_end = t2
         self._compute_start = t2
@@ -491,16 +483,15 @@ class Worker:
                              f"{rate * self.bytes_per_step / 1e9:.2f} GB/s   ")
             sys.stderr.flush()
         if self.log_every and t % self.log_every == 0:
-            n = self.log_every
+            n, last = self.log_every, self._logged
+            ms = {k: 1e3 * (self.profile[k] - last[k]) / n for k in ("step_push", "step_wait", "compute")}
             rec = {"event": "ps_step", "worker": self.id, "step": t,
-                   "push_ms": 1e3 * self.timings["push"] / n, "pull_ms": 1e3 * self.timings["pull"] / n,
-                   "compute_ms": 1e3 * self.timings["compute"] / n,
+                   "push_ms": ms["step_push"], "pull_ms": ms["step_wait"], "compute_ms": ms["compute"],
                    "steps_per_s": done / elapsed, "bytes_per_s": done * self.bytes_per_step / elapsed}
             # One write per line, so that lines of several workers sharing a pipe never interleave.
             sys.stdout.write(json.dumps(rec) + "\n")
             sys.stdout.flush()
-            self.timings = {"push": 0.0, "pull": 0.0, "compute": 0.0}
-
+    
     def close(self) -> None:
         """Waits for the last weights, then tells the shards this worker is done (DONE)."""
         if self._closed:
@@ -508,7 +499,7 @@ class Worker:
         self._closed = True
         if os.environ.get("RDMAFLOW_PS_PROFILE"):
             print(json.dumps({"event": "ps_profile", "worker": self.id, "steps": self.step_count - self.start_step,
-                              **{k: round(v, 4) for k, v in self.profile.items()}}), file=_profile_out(), flush=True)
+                              **{k: round(v, 4) for k, v in self.profile.items()}}), file=profile_stream(), flush=True)
         for h in self._hooks:
             h.remove()
         if self._pull_timer is not None:
@@ -533,8 +524,3 @@ class Worker:
             for f in futs:
                 f.wait(5.0)
 
-
-def _profile_out():
-    """RDMAFLOW_PS_PROFILE=1: stderr; any other value: a file to append to."""
-    dest = os.environ.get("RDMAFLOW_PS_PROFILE", "1")
-    return sys.stderr if dest == "1" else open(dest, "a")

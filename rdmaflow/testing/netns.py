@@ -153,7 +153,82 @@ class Host:
                         pass
 
 
-class TwoHosts:
+class _Namespaces:
+    """What TwoHosts and Hosts share: open (checks, ``_build``, carriers up; undone if a step
+    fails), rate shaping, and close (kill what runs, delete every namespace made)."""
+
+    def __enter__(self):
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self):
+        reason = netns_unavailable_reason()
+        if reason is not None:
+            raise NetnsError(f"cannot create network namespaces: {reason}")
+        if self.rate is not None and shutil.which("tc") is None:
+            raise NetnsError("rate shaping needs the `tc` binary (iproute2)")
+        with _live_lock:
+            _live[id(self)] = self
+        try:
+            self._build()
+            for h in self.hosts:
+                self._wait_carrier(h)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def _add_namespace(self, ns: str) -> None:
+        _run(["ip", "netns", "add", ns], timeout=self.timeout)
+        self._created.append(ns)
+
+    def _shape(self, h: Host) -> None:
+        rate_bps = _parse_rate(self.rate or "")
+        # tbf needs a bucket of at least one MTU-sized packet per timer tick;
+        # ~1 ms worth of data (>= 64 KiB) keeps it accurate at multi-Gbit rates.
+        burst = max(64 * 1024, rate_bps // 8 // 1000)
+        _run(["ip", "netns", "exec", h.ns, "tc", "qdisc", "add", "dev", h.ifname, "root",
+              "tbf", "rate", str(self.rate), "burst", str(burst), "latency", "50ms"],
+             timeout=self.timeout)
+
+    def _wait_carrier(self, h: Host) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            cp = _run(["ip", "-n", h.ns, "-o", "link", "show", "dev", h.ifname], timeout=self.timeout)
+            if "LOWER_UP" in cp.stdout:
+                return
+            if time.monotonic() > deadline:
+                raise NetnsError(f"{h.ifname} in {h.ns} did not come up: {cp.stdout.strip()}")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Kill what runs in the hosts and delete every namespace made. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for h in self.hosts:
+            if h.ns in self._created:
+                h._kill_all(self.timeout)
+        for ns in reversed(self._created):
+            cp = _run(["ip", "netns", "del", ns], timeout=self.timeout, check=False)
+            if cp.returncode != 0 and ns in list_netns():
+                errors.append(f"{ns}: {cp.stderr.strip()}")
+        self._created.clear()
+        with _live_lock:
+            _live.pop(id(self), None)
+        if errors:
+            raise NetnsError("could not delete namespaces: " + "; ".join(errors))
+
+
+
+class TwoHosts(_Namespaces):
     """Context manager: two namespaces ``a`` and ``b`` joined by a veth pair.
 
     ``prefix``: start of the namespace names (``{prefix}-{pid}-{n}-a``/``-b``).
@@ -208,87 +283,27 @@ class TwoHosts:
     def namespaces(self) -> tuple[str, str]:
         return (self.a.ns, self.b.ns)
 
-    # -- lifecycle ---------------------------------------------------------
-    def __enter__(self) -> "TwoHosts":
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def open(self) -> "TwoHosts":
-        reason = netns_unavailable_reason()
-        if reason is not None:
-            raise NetnsError(f"cannot create network namespaces: {reason}")
-        if self.rate is not None and shutil.which("tc") is None:
-            raise NetnsError("rate shaping needs the `tc` binary (iproute2)")
-        with _live_lock:
-            _live[id(self)] = self
+    # -- lifecycle (open, close, with: _Namespaces) ------------------------
+    def _build(self) -> None:
         t = self.timeout
-        try:
-            for h in self.hosts:
-                _run(["ip", "netns", "add", h.ns], timeout=t)
-                self._created.append(h.ns)
-            a, b = self.a, self.b
-            # Create each end directly in its namespace: nothing ever appears
-            # in the root namespace, even if a later step fails.
-            _run(["ip", "link", "add", a.ifname, "netns", a.ns, "type", "veth",
-                  "peer", "name", b.ifname, "netns", b.ns], timeout=t)
-            for h in self.hosts:
-                _run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{h.prefixlen}", "dev", h.ifname], timeout=t)
-                if self.mtu is not None:
-                    _run(["ip", "-n", h.ns, "link", "set", h.ifname, "mtu", str(self.mtu)], timeout=t)
-                _run(["ip", "-n", h.ns, "link", "set", "lo", "up"], timeout=t)
-                _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"], timeout=t)
-                if self.rate is not None:
-                    self._shape(h)
-            for h in self.hosts:
-                self._wait_carrier(h)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def _shape(self, h: Host) -> None:
-        rate_bps = _parse_rate(self.rate or "")
-        # tbf needs a bucket of at least one MTU-sized packet per timer tick;
-        # ~1 ms worth of data (>= 64 KiB) keeps it accurate at multi-Gbit rates.
-        burst = max(64 * 1024, rate_bps // 8 // 1000)
-        _run(["ip", "netns", "exec", h.ns, "tc", "qdisc", "add", "dev", h.ifname, "root",
-              "tbf", "rate", str(self.rate), "burst", str(burst), "latency", "50ms"],
-             timeout=self.timeout)
-
-    def _wait_carrier(self, h: Host) -> None:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            cp = _run(["ip", "-n", h.ns, "-o", "link", "show", "dev", h.ifname], timeout=self.timeout)
-            if "LOWER_UP" in cp.stdout:
-                return
-            if time.monotonic() > deadline:
-                raise NetnsError(f"{h.ifname} in {h.ns} did not come up: {cp.stdout.strip()}")
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        """Kill what runs in the namespaces and delete them. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        errors = []
         for h in self.hosts:
-            if h.ns in self._created:
-                h._kill_all(self.timeout)
-        for ns in self._created:
-            cp = _run(["ip", "netns", "del", ns], timeout=self.timeout, check=False)
-            if cp.returncode != 0 and ns in list_netns():
-                errors.append(f"{ns}: {cp.stderr.strip()}")
-        self._created.clear()
-        with _live_lock:
-            _live.pop(id(self), None)
-        if errors:
-            raise NetnsError("could not delete namespaces: " + "; ".join(errors))
+            self._add_namespace(h.ns)
+        a, b = self.a, self.b
+        # Create each end directly in its namespace: nothing ever appears
+        # in the root namespace, even if a later step fails.
+        _run(["ip", "link", "add", a.ifname, "netns", a.ns, "type", "veth",
+              "peer", "name", b.ifname, "netns", b.ns], timeout=t)
+        for h in self.hosts:
+            _run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{h.prefixlen}", "dev", h.ifname], timeout=t)
+            if self.mtu is not None:
+                _run(["ip", "-n", h.ns, "link", "set", h.ifname, "mtu", str(self.mtu)], timeout=t)
+            _run(["ip", "-n", h.ns, "link", "set", "lo", "up"], timeout=t)
+            _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"], timeout=t)
+            if self.rate is not None:
+                self._shape(h)
 
 
-class Hosts:
+class Hosts(_Namespaces):
     """Context manager: ``n`` namespaces ("hosts") on one bridge, every host reaching every other.
 
     Host ``i`` (``hosts[i]``, a :class:`Host`) has the namespace
@@ -361,71 +376,30 @@ class Hosts:
         """Start ``argv`` in host ``i``; ``kw`` goes to subprocess.Popen."""
         return self.hosts[i].popen(argv, env=env, **kw)
 
-    # -- lifecycle ---------------------------------------------------------
-    def __enter__(self) -> "Hosts":
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def open(self) -> "Hosts":
-        reason = netns_unavailable_reason()
-        if reason is not None:
-            raise NetnsError(f"cannot create network namespaces: {reason}")
-        if self.rate is not None and shutil.which("tc") is None:
-            raise NetnsError("rate shaping needs the `tc` binary (iproute2)")
-        with _live_lock:
-            _live[id(self)] = self
+    # -- lifecycle (open, close, with: _Namespaces) ------------------------
+    def _build(self) -> None:
         t = self.timeout
         sw = self.switch_ns
-        try:
-            for ns in (sw, *(h.ns for h in self.hosts)):
-                _run(["ip", "netns", "add", ns], timeout=t)
-                self._created.append(ns)
-            _run(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"], timeout=t)
-            _run(["ip", "-n", sw, "link", "set", self.bridge, "up"], timeout=t)
-            _run(["ip", "-n", sw, "link", "set", "lo", "up"], timeout=t)
-            for i, h in enumerate(self.hosts):
-                port = f"p{i}"
-                # Both ends made directly in their namespaces (nothing in the root namespace).
-                _run(["ip", "link", "add", h.ifname, "netns", h.ns, "type", "veth",
-                      "peer", "name", port, "netns", sw], timeout=t)
-                if self.mtu is not None:
-                    _run(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)], timeout=t)
-                    _run(["ip", "-n", h.ns, "link", "set", h.ifname, "mtu", str(self.mtu)], timeout=t)
-                _run(["ip", "-n", sw, "link", "set", port, "master", self.bridge], timeout=t)
-                _run(["ip", "-n", sw, "link", "set", port, "up"], timeout=t)
-                _run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{h.prefixlen}", "dev", h.ifname], timeout=t)
-                _run(["ip", "-n", h.ns, "link", "set", "lo", "up"], timeout=t)
-                _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"], timeout=t)
-                if self.rate is not None:
-                    TwoHosts._shape(self, h)  # type: ignore[arg-type]  # uses .rate, .timeout
-            for h in self.hosts:
-                TwoHosts._wait_carrier(self, h)  # type: ignore[arg-type]  # uses .timeout
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def close(self) -> None:
-        """Kill what runs in the hosts and delete every namespace. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        errors = []
-        for h in self.hosts:
-            if h.ns in self._created:
-                h._kill_all(self.timeout)
-        for ns in reversed(self._created):
-            cp = _run(["ip", "netns", "del", ns], timeout=self.timeout, check=False)
-            if cp.returncode != 0 and ns in list_netns():
-                errors.append(f"{ns}: {cp.stderr.strip()}")
-        self._created.clear()
-        with _live_lock:
-            _live.pop(id(self), None)
-        if errors:
-            raise NetnsError("could not delete namespaces: " + "; ".join(errors))
+        for ns in (sw, *(h.ns for h in self.hosts)):
+            self._add_namespace(ns)
+        _run(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"], timeout=t)
+        _run(["ip", "-n", sw, "link", "set", self.bridge, "up"], timeout=t)
+        _run(["ip", "-n", sw, "link", "set", "lo", "up"], timeout=t)
+        for i, h in enumerate(self.hosts):
+            port = f"p{i}"
+            # Both ends made directly in their namespaces (nothing in the root namespace).
+            _run(["ip", "link", "add", h.ifname, "netns", h.ns, "type", "veth",
+                  "peer", "name", port, "netns", sw], timeout=t)
+            if self.mtu is not None:
+                _run(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)], timeout=t)
+                _run(["ip", "-n", h.ns, "link", "set", h.ifname, "mtu", str(self.mtu)], timeout=t)
+            _run(["ip", "-n", sw, "link", "set", port, "master", self.bridge], timeout=t)
+            _run(["ip", "-n", sw, "link", "set", port, "up"], timeout=t)
+            _run(["ip", "-n", h.ns, "addr", "add", f"{h.addr}/{h.prefixlen}", "dev", h.ifname], timeout=t)
+            _run(["ip", "-n", h.ns, "link", "set", "lo", "up"], timeout=t)
+            _run(["ip", "-n", h.ns, "link", "set", h.ifname, "up"], timeout=t)
+            if self.rate is not None:
+                self._shape(h)
 
 
 def _parse_rate(rate: str) -> int:
