@@ -349,7 +349,8 @@ PYBIND11_MODULE(_core, m) {
                                                       "The RDMA device of seed 000 §3.1.")
       .def(py::init([](const std::string& endpoint, int num_cqs, int qps_per_peer,
                        const std::string& secret, bool busy_poll, int spin_us,
-                       double connect_timeout, double rpc_timeout, bool data_error_handling) {
+                       double connect_timeout, double rpc_timeout, bool data_error_handling,
+                       int same_host) {
              DeviceConfig c;
              c.endpoint = endpoint;
              c.num_cqs = num_cqs;
@@ -360,18 +361,31 @@ PYBIND11_MODULE(_core, m) {
              c.connect_timeout = connect_timeout;
              c.rpc_timeout = rpc_timeout;
              c.data_error_handling = data_error_handling;
+             c.same_host = same_host;
              py::gil_scoped_release nogil;
              return DeviceImpl::create(c);
            }),
            py::arg("endpoint"), py::arg("num_cqs"), py::arg("qps_per_peer"), py::arg("secret"),
            py::arg("busy_poll"), py::arg("spin_us"), py::arg("connect_timeout"),
-           py::arg("rpc_timeout"), py::arg("data_error_handling") = false)
+           py::arg("rpc_timeout"), py::arg("data_error_handling") = false, py::arg("same_host") = 2)
       .def_property_readonly("endpoint", &DeviceImpl::endpoint)
       .def_property_readonly("uuid", &DeviceImpl::uuid)
       .def_property_readonly("num_cqs", &DeviceImpl::num_cqs)
       .def_property_readonly("qps_per_peer",
                              [](const DeviceImpl& d) { return d.config().qps_per_peer; })
       .def_property_readonly("busy_poll", [](const DeviceImpl& d) { return d.config().busy_poll; })
+      .def(
+          "transfer_counts",
+          [](const DeviceImpl& d) {
+            py::dict r;
+            r["mapped"] = d.mapped_ops.load();
+            r["ucx"] = d.ucx_ops.load();
+            return r;
+          },
+          "How many memcpys went through a same-host mapping and how many through UCX.")
+      .def_property_readonly("same_host_mapping", &DeviceImpl::same_host_mapping,
+                             "Whether regions from alloc_region() are shared memory that "
+                             "same-host peers map (the same-host fast path).")
       .def_property_readonly("closed", &DeviceImpl::closed)
       .def("close",
            [](DeviceImpl& d) {
@@ -380,8 +394,12 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("alloc_region", &DeviceImpl::alloc_region, py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>())
-      .def("register_memory", &DeviceImpl::register_memory, py::arg("address"),
-           py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "register_memory",
+          [](DeviceImpl& d, uintptr_t address, size_t nbytes) {
+            return d.register_memory(address, nbytes);
+          },
+          py::arg("address"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
       .def("channel", &DeviceImpl::channel, py::arg("remote_endpoint"), py::arg("qp_idx") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def(

@@ -4,10 +4,14 @@
 #include <netdb.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <fcntl.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -23,6 +27,7 @@ constexpr uint32_t kCtrlMagic = 0x52464331;  // "RFC1"
 constexpr uint32_t kProtoVersion = 1;
 constexpr char kDescMagic[4] = {'R', 'F', 'D', '1'};
 constexpr size_t kMacLen = 16;
+constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block follows the rkey
 constexpr size_t kMaxCtrlPayload = 1 << 20;
 
 enum CtrlType : uint32_t {
@@ -228,7 +233,30 @@ RegionMemory::~RegionMemory() {
     size_t len = (length + page - 1) / page * page;
     munmap(addr, len ? len : page);
   }
+  if (fd >= 0) close(fd);
 }
+
+Mapping::~Mapping() {
+  if (base) munmap(base, length);
+}
+
+namespace {
+// A copy into or out of a same-host peer's mapped region. Large memcpys may use non-temporal
+// stores, which x86 does not order with later stores; the fence makes the data visible before
+// anything posted after this copy (such as a flag). An aligned 8-byte copy is one atomic store,
+// so a peer polling a flag word never sees it torn.
+void copy_mapped(void* dst, const void* src, size_t n) {
+  if (n == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0 &&
+      (reinterpret_cast<uintptr_t>(src) & 7) == 0) {
+    __atomic_store_n(static_cast<uint64_t*>(dst),
+                     __atomic_load_n(static_cast<const uint64_t*>(src), __ATOMIC_RELAXED),
+                     __ATOMIC_SEQ_CST);
+    return;
+  }
+  std::memcpy(dst, src, n);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+}  // namespace
 
 std::vector<uint8_t> MemRegion::descriptor() const {
   if (freed_.load()) throw Error(ErrorKind::Region, "region " + std::to_string(id_) + " was freed");
@@ -253,7 +281,7 @@ std::shared_ptr<RemoteRegion> RemoteRegion::parse(const std::string& bytes) {
   char magic[4];
   rd.raw(magic, 4);
   uint16_t version = rd.num<uint16_t>();
-  rd.num<uint16_t>();
+  uint16_t flags = rd.num<uint16_t>();
   if (version != 1)
     throw Error(ErrorKind::Invalid,
                 "malformed descriptor: version " + std::to_string(version) + " is not supported");
@@ -265,6 +293,14 @@ std::shared_ptr<RemoteRegion> RemoteRegion::parse(const std::string& bytes) {
   r->owner_endpoint = rd.str(1024);
   std::string rk = rd.str(1 << 16);
   r->rkey.assign(rk.begin(), rk.end());
+  if (flags & kDescShared) {
+    r->shared = true;
+    r->boot_id = rd.str(64);
+    r->pid = rd.num<uint32_t>();
+    r->fd = rd.num<uint32_t>();
+    r->st_dev = rd.num<uint64_t>();
+    r->st_ino = rd.num<uint64_t>();
+  }
   rd.end();
   if (r->length > (uint64_t(1) << 56) || r->addr + r->length < r->addr)
     throw Error(ErrorKind::Invalid, "malformed descriptor: impossible address range");
@@ -336,6 +372,28 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
   auto task = [op, w, local_off, remote_off, n, write]() {
     Channel* ch = op->ch.get();
     w->track(op);
+    // Same-host fast path: one CPU copy through the mapping. Only when no UCX operation of
+    // this channel is outstanding, so that fences keep ordering mapped and UCX operations.
+    if (ch->rma_pending_ == 0 && !ch->failed()) {
+      auto dev = ch->device();
+      if (!dev || dev->closed()) {  // close() cancels what has not started
+        op->pending = 1;
+        w->op_note(op, UCS_ERR_CANCELED);
+        return;
+      }
+      if (auto m = dev->map_remote(*op->remote)) {
+        char* l = static_cast<char*>(op->local->mem_->addr) + local_off;
+        char* r = static_cast<char*>(m->base) + remote_off;
+        if (write)
+          copy_mapped(r, l, n);
+        else
+          copy_mapped(l, r, n);
+        dev->mapped_ops.fetch_add(1, std::memory_order_relaxed);
+        op->pending = 1;
+        w->op_note(op, UCS_OK);
+        return;
+      }
+    }
     op->pending = write ? 2 : 1;  // a WRITE also waits for its flush
     if (!ch->ensure_ep()) {
       op->pending = 1;
@@ -358,6 +416,9 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
     }
     void* laddr = static_cast<char*>(op->local->mem_->addr) + local_off;
     uint64_t raddr = op->remote->addr + remote_off;
+    op->rma = true;
+    ++ch->rma_pending_;
+    if (auto dev = ch->device()) dev->ucx_ops.fetch_add(1, std::memory_order_relaxed);
     ucs_status_ptr_t sp = write ? ucp_put_nbx(ch->ep_, laddr, n, raddr, rk, &p)
                                 : ucp_get_nbx(ch->ep_, laddr, n, raddr, rk, &p);
     if (UCS_PTR_IS_ERR(sp)) {
@@ -594,6 +655,7 @@ void Worker::op_done(Op* op) {
   // Completes the future; the Op itself lives on until UCX has no more callbacks for it.
   op->finished = true;
   inflight_.erase(op);
+  if (op->rma && op->ch) --op->ch->rma_pending_;
   if (op->local) op->local->inflight_.fetch_sub(1);
   if (op->status == UCS_OK) {
     op->fut->complete_ok();
@@ -684,6 +746,27 @@ std::shared_ptr<DeviceImpl> DeviceImpl::create(const DeviceConfig& cfg) {
   return d;
 }
 
+namespace {
+// Whether UCX_TLS leaves shared-memory transports on: a user who restricts UCX to tcp (or to
+// verbs) wants the data to take that path, so the same-host mapping stays off then.
+bool tls_allow_shared_memory() {
+  const char* env = std::getenv("UCX_TLS");
+  if (!env || !*env) return true;
+  std::string s(env);
+  bool negate = s[0] == '^';
+  if (negate) s.erase(0, 1);
+  static const std::set<std::string> shm = {"sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "mm"};
+  bool any_shm = false, all = false;
+  std::stringstream ss(s);
+  for (std::string t; std::getline(ss, t, ',');) {
+    for (auto& c : t) c = char(std::tolower(static_cast<unsigned char>(c)));
+    if (shm.count(t)) any_shm = true;
+    if (t == "all") all = true;
+  }
+  return negate ? !any_shm : (any_shm || all);
+}
+}  // namespace
+
 void DeviceImpl::init(const DeviceConfig& cfg) {
   cfg_ = cfg;
   if (cfg.secret.empty())
@@ -703,6 +786,18 @@ void DeviceImpl::init(const DeviceConfig& cfg) {
     auto d = hmac_sha256(cfg.secret, "rdmaflow-job-tag", 16);
     std::memcpy(&job_tag_, d.data(), 8);
   }
+  if (cfg.same_host < 0 || cfg.same_host > 2)
+    throw Error(ErrorKind::Invalid, "same_host must be 0 (off), 1 (on) or 2 (auto), got " +
+                                        std::to_string(cfg.same_host));
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {0};
+    if (std::fgets(buf, sizeof buf, f)) boot_id_ = buf;
+    std::fclose(f);
+    while (!boot_id_.empty() && (boot_id_.back() == '\n' || boot_id_.back() == ' '))
+      boot_id_.pop_back();
+  }
+  map_enabled_ = !boot_id_.empty() &&
+                 (cfg.same_host == 1 || (cfg.same_host == 2 && tls_allow_shared_memory()));
 
   ucp_config_t* ucfg = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucfg);
@@ -827,6 +922,10 @@ void DeviceImpl::close() {
   }
   // Workers go first: destroying them may purge requests that still use the regions.
   workers_.clear();
+  {
+    std::lock_guard<std::mutex> lk(maps_m_);
+    maps_.clear();
+  }
   std::vector<std::shared_ptr<MemRegion>> regions;
   {
     std::lock_guard<std::mutex> lk(m_);
@@ -884,6 +983,35 @@ std::shared_ptr<MemRegion> DeviceImpl::alloc_region(size_t nbytes) {
   if (nbytes == 0) throw Error(ErrorKind::Invalid, "cannot allocate a region of 0 bytes");
   long page = sysconf(_SC_PAGESIZE);
   size_t len = (nbytes + page - 1) / page * page;
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  if (map_enabled_) {
+    // Shared memory (a memfd) that same-host peers map through /proc/<pid>/fd/<fd>; it is
+    // still registered with UCX, so remote peers reach it over the network as usual.
+    int fd = memfd_create("rdmaflow-region", MFD_CLOEXEC);
+    struct stat st {};
+    void* p = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, off_t(len)) == 0 && fstat(fd, &st) == 0)
+      p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p != MAP_FAILED) {
+      char* c = static_cast<char*>(p);
+      madvise(c, len, MADV_HUGEPAGE);  // used where shmem_enabled=advise
+      if (madvise(c, len, MADV_POPULATE_WRITE) != 0)
+        for (size_t off = 0; off < len; off += size_t(page)) c[off] = 0;
+      auto mem = std::make_shared<RegionMemory>();
+      mem->addr = p;
+      mem->length = nbytes;
+      mem->owned = true;
+      mem->fd = fd;
+      mem->st_dev = uint64_t(st.st_dev);
+      mem->st_ino = uint64_t(st.st_ino);
+      auto r = register_memory(reinterpret_cast<uintptr_t>(p), nbytes, mem.get());
+      r->mem_ = mem;
+      return r;
+    }
+    if (fd >= 0) ::close(fd);  // fall back to private memory
+  }
   // 2 MiB-aligned and huge-page backed where the kernel allows, then faulted in: registration
   // pins memory on verbs anyway, and the first transfer should not pay for page faults.
   const size_t huge = size_t(2) << 20;
@@ -901,9 +1029,6 @@ std::shared_ptr<MemRegion> DeviceImpl::alloc_region(size_t nbytes) {
     p = aligned;
     madvise(p, len, MADV_HUGEPAGE);
   }
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
   if (madvise(p, len, MADV_POPULATE_WRITE) != 0)
     for (size_t off = 0; off < len; off += size_t(page)) p[off] = 0;
   auto mem = std::make_shared<RegionMemory>();
@@ -920,7 +1045,8 @@ std::shared_ptr<MemRegion> DeviceImpl::alloc_region(size_t nbytes) {
   return r;
 }
 
-std::shared_ptr<MemRegion> DeviceImpl::register_memory(uintptr_t addr, size_t nbytes) {
+std::shared_ptr<MemRegion> DeviceImpl::register_memory(uintptr_t addr, size_t nbytes,
+                                                       const RegionMemory* shared) {
   check_open();
   if (nbytes == 0) throw Error(ErrorKind::Invalid, "cannot register a region of 0 bytes");
   if (addr == 0) throw Error(ErrorKind::Invalid, "cannot register memory at address 0");
@@ -951,9 +1077,10 @@ std::shared_ptr<MemRegion> DeviceImpl::register_memory(uintptr_t addr, size_t nb
   ucp_rkey_buffer_release(rkbuf);
 
   Writer w;
+  bool is_shared = shared && shared->fd >= 0;
   w.raw(kDescMagic, 4);
   w.u16(1);
-  w.u16(0);
+  w.u16(is_shared ? kDescShared : 0);
   w.u64(job_tag_);
   w.u64(uuid_);
   w.u64(r->id_);
@@ -961,6 +1088,13 @@ std::shared_ptr<MemRegion> DeviceImpl::register_memory(uintptr_t addr, size_t nb
   w.u64(nbytes);
   w.str(endpoint_);
   w.str(std::string(r->rkey_.begin(), r->rkey_.end()));
+  if (is_shared) {
+    w.str(boot_id_);
+    w.u32(uint32_t(getpid()));
+    w.u32(uint32_t(shared->fd));
+    w.u64(shared->st_dev);
+    w.u64(shared->st_ino);
+  }
   std::string body = w.s;
   body += mac16(cfg_.secret, w.s);
   r->descriptor_.assign(body.begin(), body.end());
@@ -969,6 +1103,46 @@ std::shared_ptr<MemRegion> DeviceImpl::register_memory(uintptr_t addr, size_t nb
     regions_[r->id_] = r;
   }
   return r;
+}
+
+std::shared_ptr<Mapping> DeviceImpl::map_remote(const RemoteRegion& r) {
+  if (!map_enabled_ || !r.shared || r.boot_id != boot_id_) return nullptr;
+  if (revoked(r.owner_uuid, r.region_id)) return nullptr;
+  auto key = std::make_pair(r.owner_uuid, r.region_id);
+  std::lock_guard<std::mutex> lk(maps_m_);
+  auto it = maps_.find(key);
+  if (it != maps_.end()) return it->second;
+  // Same boot, but possibly another PID namespace or a reused pid: the file must be the
+  // owner's memfd (device and inode from the authenticated descriptor), or we do not map it.
+  std::shared_ptr<Mapping> m;
+  std::string path = "/proc/" + std::to_string(r.pid) + "/fd/" + std::to_string(r.fd);
+  int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd >= 0) {
+    struct stat st {};
+    long page = sysconf(_SC_PAGESIZE);
+    size_t len = (r.length + page - 1) / page * page;
+    if (fstat(fd, &st) == 0 && uint64_t(st.st_dev) == r.st_dev && uint64_t(st.st_ino) == r.st_ino &&
+        uint64_t(st.st_size) >= len) {
+      void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+      if (p != MAP_FAILED) {
+        m = std::make_shared<Mapping>();
+        m->base = p;
+        m->length = len;
+      }
+    }
+    ::close(fd);
+  }
+  maps_[key] = m;
+  return m;
+}
+
+void DeviceImpl::unmap_remote(uint64_t owner, uint64_t region_id) {
+  std::shared_ptr<Mapping> m;  // unmapped when the last copy using it is done
+  std::lock_guard<std::mutex> lk(maps_m_);
+  auto it = maps_.find({owner, region_id});
+  if (it == maps_.end()) return;
+  m = std::move(it->second);
+  maps_.erase(it);
 }
 
 void DeviceImpl::verify_remote(RemoteRegion& r) {
@@ -1380,6 +1554,7 @@ void DeviceImpl::handle_ctrl(Link* l, uint32_t type, uint64_t req, const std::st
         std::lock_guard<std::mutex> lk(peer->m);
         peer->validated.erase(id);
       }
+      unmap_remote(owner, id);
       // Acknowledge only after every worker has flushed what it sent to the owner.
       auto left = std::make_shared<std::atomic<int>>(int(workers_.size()));
       auto ack = [this, l, req, left] {

@@ -52,6 +52,10 @@ struct DeviceConfig {
   double connect_timeout = 10.0;  // seconds
   double rpc_timeout = 10.0;      // seconds, side RPC and revocation
   bool data_error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER on data endpoints too
+  // Same-host fast path: regions live in shared memory that a peer on the same host maps, so
+  // a memcpy to them is one CPU copy instead of a transport operation. 0 off, 1 on, 2 auto
+  // (on unless UCX_TLS rules out shared-memory transports).
+  int same_host = 2;
 };
 
 // Completion state shared by the issuer and the progress thread.
@@ -89,7 +93,16 @@ struct RegionMemory {
   void* addr = nullptr;
   size_t length = 0;
   bool owned = false;  // mmap'ed by us
+  int fd = -1;         // memfd of a shared region, reachable by same-host peers
+  uint64_t st_dev = 0, st_ino = 0;
   ~RegionMemory();
+};
+
+// A same-host peer's shared region mapped into this process.
+struct Mapping {
+  void* base = nullptr;
+  size_t length = 0;
+  ~Mapping();
 };
 
 class MemRegion {
@@ -125,6 +138,11 @@ class RemoteRegion {
   uint64_t job_tag = 0, owner_uuid = 0, region_id = 0, addr = 0, length = 0;
   std::string owner_endpoint;
   std::vector<uint8_t> rkey;
+  // Set when the owner's region is shared memory: where a same-host peer finds it.
+  bool shared = false;
+  std::string boot_id;
+  uint32_t pid = 0, fd = 0;
+  uint64_t st_dev = 0, st_ino = 0;
   std::string body;  // the MAC'd prefix
   uint8_t mac[16] = {0};
   std::atomic<int> verified{0};  // 0 unknown, 1 ok (for verified_for device)
@@ -183,6 +201,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   ucp_ep_h ep_ = nullptr;
   std::unordered_map<uint64_t, ucp_rkey_h> rkeys_;
   std::vector<struct Op*> unflushed_;
+  int rma_pending_ = 0;  // UCX puts/gets not yet complete; mapped copies wait for them
   bool dirty_ = false;
   // Shared state.
   std::atomic<bool> failed_{false};
@@ -195,6 +214,7 @@ struct Op {
   int pending = 1;
   bool finished = false;  // future completed
   ucs_status_t status = UCS_OK;
+  bool rma = false;  // went through UCX (counted in ch->rma_pending_)
   std::shared_ptr<MemRegion> local;
   std::shared_ptr<Channel> ch;
   std::shared_ptr<RemoteRegion> remote;
@@ -272,7 +292,8 @@ class DeviceImpl : public std::enable_shared_from_this<DeviceImpl> {
   bool closed() const { return closing_.load(); }
 
   std::shared_ptr<MemRegion> alloc_region(size_t nbytes);
-  std::shared_ptr<MemRegion> register_memory(uintptr_t addr, size_t nbytes);
+  std::shared_ptr<MemRegion> register_memory(uintptr_t addr, size_t nbytes,
+                                             const RegionMemory* shared = nullptr);
   std::shared_ptr<Channel> channel(const std::string& remote_endpoint, int qp_idx);
 
   // Side RPC: named byte strings handed out to authenticated peers.
@@ -286,6 +307,12 @@ class DeviceImpl : public std::enable_shared_from_this<DeviceImpl> {
   const DeviceConfig& config() const { return cfg_; }
   int num_cqs() const { return int(workers_.size()); }
   std::string ucx_info() const;  // ucp_context_print_info
+  bool same_host_mapping() const { return map_enabled_; }
+  // memcpys done by a CPU copy through a same-host mapping, and through UCX.
+  std::atomic<uint64_t> mapped_ops{0}, ucx_ops{0};
+  // The mapping of a same-host peer's shared region, or null when it cannot be mapped.
+  std::shared_ptr<Mapping> map_remote(const RemoteRegion& r);
+  void unmap_remote(uint64_t owner, uint64_t region_id);
 
   // Internal, used by Channel/MemRegion/Worker.
   void check_open() const;
@@ -328,6 +355,10 @@ class DeviceImpl : public std::enable_shared_from_this<DeviceImpl> {
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_region_{1};
   std::atomic<uint64_t> next_rpc_{1};
+  bool map_enabled_ = false;
+  std::string boot_id_;
+  std::mutex maps_m_;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<Mapping>> maps_;  // null: unmappable
 
   mutable std::mutex m_;
   std::map<std::string, std::shared_ptr<Peer>> peers_;

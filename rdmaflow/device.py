@@ -16,6 +16,7 @@ from rdmaflow import _core
 from rdmaflow._core import Channel, Future, MemRegion, RemoteRegion
 
 SECRET_ENV = "RDMAFLOW_JOB_SECRET"
+SAME_HOST_ENV = "RDMAFLOW_SAME_HOST"
 
 _callback_thread: threading.Thread | None = None
 _callback_lock = threading.Lock()
@@ -80,6 +81,7 @@ def Device(
     connect_timeout: float = 10.0,
     rpc_timeout: float = 10.0,
     data_error_handling: bool = False,
+    same_host: bool | None = None,
 ) -> _core.Device:
     """Creates an RDMA device listening on ``endpoint`` (``host:port``; port 0 picks one).
 
@@ -90,6 +92,12 @@ def Device(
     ``data_error_handling`` turns on UCX's peer-failure mode for data endpoints as well as the
     control link; it costs TCP puts much of their bandwidth, and a dead peer is detected
     without it.
+
+    ``same_host`` is the same-host fast path: regions from ``alloc_region`` are then shared
+    memory that a peer on the same host maps, so a memcpy to or from them is one CPU copy
+    instead of a transport operation (docs/architecture.md). ``None`` (default) reads
+    ``$RDMAFLOW_SAME_HOST`` (``0``/``1``), else is on unless ``UCX_TLS`` rules out
+    shared-memory transports (e.g. ``UCX_TLS=tcp``).
     """
     if secret is None:
         secret = os.environ.get(SECRET_ENV)
@@ -100,10 +108,20 @@ def Device(
         )
     if isinstance(secret, bytes):
         secret = secret.decode("latin-1")
+    if same_host is None:
+        env = os.environ.get(SAME_HOST_ENV, "").strip().lower()
+        if env in ("", "auto"):
+            mode = 2
+        elif env in ("0", "1"):
+            mode = int(env)
+        else:
+            raise _core.InvalidArgumentError(f"{SAME_HOST_ENV} must be 0, 1 or auto, got {env!r}")
+    else:
+        mode = 1 if same_host else 0
     _start_callback_thread()
     return _core.Device(
         endpoint, int(num_cqs), int(qps_per_peer), secret, bool(busy_poll), int(spin_us),
-        float(connect_timeout), float(rpc_timeout), bool(data_error_handling),
+        float(connect_timeout), float(rpc_timeout), bool(data_error_handling), mode,
     )
 
 

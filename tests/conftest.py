@@ -14,7 +14,9 @@ import pytest
 from rdmaflow.bench.perftest import ucx_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRANSPORTS = ["tcp", "sm"]
+# "sm": shared memory with the same-host mapping (a memcpy is one CPU copy into the peer's
+# mapped region); "sm-cma": shared memory through UCX alone (cma), the mapping turned off.
+TRANSPORTS = ["tcp", "sm", "sm-cma"]
 
 
 class PeerProcess:
@@ -83,10 +85,11 @@ class PeerProcess:
 @pytest.fixture(params=TRANSPORTS)
 def transport(request, monkeypatch):
     """Restricts this process and its peers to one UCX transport."""
-    env = ucx_env(request.param)
+    env = ucx_env(request.param.split("-")[0])
     for k, v in env.items():
         if k.startswith("UCX_"):
             monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RDMAFLOW_SAME_HOST", "0" if request.param == "sm-cma" else "auto")
     return request.param
 
 

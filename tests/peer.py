@@ -38,7 +38,11 @@ def main() -> None:
             cmd = json.loads(line)
             op = cmd["op"]
             if op == "alloc":
-                r = dev.alloc_region(cmd["nbytes"])
+                # registered=True: memory a tensor owns, registered in place (never shared).
+                if cmd.get("registered"):
+                    r = dev.register(torch.zeros(cmd["nbytes"], dtype=torch.uint8))
+                else:
+                    r = dev.alloc_region(cmd["nbytes"])
                 regions[cmd["name"]] = r
                 dev.publish_region(cmd["name"], r)
                 reply(ok=True, descriptor=r.descriptor().hex())

@@ -28,7 +28,7 @@ def seeded_bytes(seed: int, n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def test_write_then_read_every_size_at_random_offsets(spawn_peer):
+def test_write_then_read_every_size_at_random_offsets(spawn_peer, transport):
     peer = spawn_peer()
     peer.call("alloc", name="buf", nbytes=REGION, timeout=60)
     rng = random.Random(1234)
@@ -55,6 +55,43 @@ def test_write_then_read_every_size_at_random_offsets(spawn_peer):
             assert torch.equal(view[lo : lo + size], expect[ro : ro + size]), f"READ of {size} B differs"
             # Nothing outside the destination range was touched.
             assert int(view[:lo].count_nonzero()) == 0 and int(view[lo + size :].count_nonzero()) == 0
+        # Which path carried them: the same-host mapping on sm, UCX otherwise.
+        counts = dev.transfer_counts()
+        if transport == "sm":
+            assert dev.same_host_mapping and counts == {"mapped": 2 * len(SIZES), "ucx": 0}
+        else:
+            assert not dev.same_host_mapping and counts == {"mapped": 0, "ucx": 2 * len(SIZES)}
+
+
+def test_registered_memory_takes_ucx_next_to_mapped_regions(spawn_peer, transport):
+    """A peer's tensor registered in place is not shared memory: on sm, WRITEs to it go through
+    UCX (cma) while those to its arena regions are mapped copies, and a fence orders the two
+    kinds: a flag written after the fence never lands before the data."""
+    peer = spawn_peer()
+    peer.call("alloc", name="reg", nbytes=4 * MiB, registered=True, timeout=60)
+    peer.call("alloc", name="shared", nbytes=4 * MiB, timeout=60)
+    with local_device() as dev:
+        src = dev.alloc_region(4 * MiB)
+        reg = dev.lookup_region(peer.endpoint, "reg")
+        shared = dev.lookup_region(peer.endpoint, "shared")
+        ch = dev.channel(peer.endpoint)
+        view = src.tensor(torch.uint8, 4 * MiB)
+        for i in range(1, 11):
+            view.fill_(i)
+            ch.memcpy(src, 0, reg, 0, 4 * MiB, rdmaflow.WRITE)
+            ch.fence()
+            ch.memcpy(src, 0, shared, 0, 4 * MiB, rdmaflow.WRITE)
+            ch.fence()
+            ch.memcpy(src, 0, reg, 0, 8, rdmaflow.WRITE).result(30)
+        for name in ("reg", "shared"):
+            got = peer.call("digest", name=name, offset=0, nbytes=4 * MiB, timeout=60)["digest"]
+            assert got == digest(src, 0, 4 * MiB), f"{name} differs"
+        counts = dev.transfer_counts()
+        if transport == "sm":
+            # Mapped only when no UCX operation of the channel is outstanding.
+            assert counts["ucx"] >= 20 and counts["mapped"] >= 1, counts
+        else:
+            assert counts == {"mapped": 0, "ucx": 30}, counts
 
 
 def test_small_transfers_byte_for_byte(spawn_peer):
