@@ -350,7 +350,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& endpoint, int num_cqs, int qps_per_peer,
                        const std::string& secret, bool busy_poll, int spin_us,
                        double connect_timeout, double rpc_timeout, bool data_error_handling,
-                       int same_host) {
+                       int same_host, int copy_threads) {
              DeviceConfig c;
              c.endpoint = endpoint;
              c.num_cqs = num_cqs;
@@ -362,12 +362,14 @@ PYBIND11_MODULE(_core, m) {
              c.rpc_timeout = rpc_timeout;
              c.data_error_handling = data_error_handling;
              c.same_host = same_host;
+             c.copy_threads = copy_threads;
              py::gil_scoped_release nogil;
              return DeviceImpl::create(c);
            }),
            py::arg("endpoint"), py::arg("num_cqs"), py::arg("qps_per_peer"), py::arg("secret"),
            py::arg("busy_poll"), py::arg("spin_us"), py::arg("connect_timeout"),
-           py::arg("rpc_timeout"), py::arg("data_error_handling") = false, py::arg("same_host") = 2)
+           py::arg("rpc_timeout"), py::arg("data_error_handling") = false, py::arg("same_host") = 2,
+           py::arg("copy_threads") = 1)
       .def_property_readonly("endpoint", &DeviceImpl::endpoint)
       .def_property_readonly("uuid", &DeviceImpl::uuid)
       .def_property_readonly("num_cqs", &DeviceImpl::num_cqs)
@@ -383,6 +385,8 @@ PYBIND11_MODULE(_core, m) {
             return r;
           },
           "How many memcpys went through a same-host mapping and how many through UCX.")
+      .def_property_readonly("copy_threads",
+                             [](const DeviceImpl& d) { return d.config().copy_threads; })
       .def_property_readonly("same_host_mapping", &DeviceImpl::same_host_mapping,
                              "Whether regions from alloc_region() are shared memory that "
                              "same-host peers map (the same-host fast path).")

@@ -240,12 +240,72 @@ Mapping::~Mapping() {
   if (base) munmap(base, length);
 }
 
-namespace {
+struct Batch {
+  std::mutex m;
+  std::condition_variable cv;
+  int left = 0;
+};
+
+CopyPool::CopyPool(int helpers) {
+  for (int i = 0; i < helpers; ++i) threads_.emplace_back([this] { loop(); });
+}
+
+CopyPool::~CopyPool() {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void CopyPool::loop() {
+  for (;;) {
+    Part p;
+    {
+      std::unique_lock<std::mutex> lk(m_);
+      cv_.wait(lk, [this] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;
+      p = q_.back();
+      q_.pop_back();
+    }
+    std::memcpy(p.dst, p.src, p.n);
+    // Non-temporal stores are not ordered by the mutex's release: fence before signalling.
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    std::lock_guard<std::mutex> lk(p.batch->m);
+    if (--p.batch->left == 0) p.batch->cv.notify_all();
+  }
+}
+
+void CopyPool::copy(void* dst, const void* src, size_t n) {
+  constexpr size_t kMinSplit = size_t(8) << 20;  // below this, handing off costs more than it saves
+  size_t parts = threads_.size() + 1;
+  if (parts == 1 || n < kMinSplit) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  size_t chunk = (n / parts + 4095) & ~size_t(4095);
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  Batch b;
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    for (size_t off = chunk; off < n; off += chunk) {
+      q_.push_back(Part{d + off, s + off, std::min(chunk, n - off), &b});
+      ++b.left;
+    }
+  }
+  cv_.notify_all();
+  std::memcpy(d, s, std::min(chunk, n));
+  std::unique_lock<std::mutex> lk(b.m);
+  b.cv.wait(lk, [&b] { return b.left == 0; });
+}
+
 // A copy into or out of a same-host peer's mapped region. Large memcpys may use non-temporal
 // stores, which x86 does not order with later stores; the fence makes the data visible before
 // anything posted after this copy (such as a flag). An aligned 8-byte copy is one atomic store,
 // so a peer polling a flag word never sees it torn.
-void copy_mapped(void* dst, const void* src, size_t n) {
+void DeviceImpl::copy_mapped(void* dst, const void* src, size_t n) {
   if (n == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0 &&
       (reinterpret_cast<uintptr_t>(src) & 7) == 0) {
     __atomic_store_n(static_cast<uint64_t*>(dst),
@@ -253,10 +313,12 @@ void copy_mapped(void* dst, const void* src, size_t n) {
                      __ATOMIC_SEQ_CST);
     return;
   }
-  std::memcpy(dst, src, n);
+  if (copier_)
+    copier_->copy(dst, src, n);
+  else
+    std::memcpy(dst, src, n);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
-}  // namespace
 
 std::vector<uint8_t> MemRegion::descriptor() const {
   if (freed_.load()) throw Error(ErrorKind::Region, "region " + std::to_string(id_) + " was freed");
@@ -385,9 +447,9 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
         char* l = static_cast<char*>(op->local->mem_->addr) + local_off;
         char* r = static_cast<char*>(m->base) + remote_off;
         if (write)
-          copy_mapped(r, l, n);
+          dev->copy_mapped(r, l, n);
         else
-          copy_mapped(l, r, n);
+          dev->copy_mapped(l, r, n);
         dev->mapped_ops.fetch_add(1, std::memory_order_relaxed);
         op->pending = 1;
         w->op_note(op, UCS_OK);
@@ -798,6 +860,11 @@ void DeviceImpl::init(const DeviceConfig& cfg) {
   }
   map_enabled_ = !boot_id_.empty() &&
                  (cfg.same_host == 1 || (cfg.same_host == 2 && tls_allow_shared_memory()));
+  if (cfg.copy_threads < 1 || cfg.copy_threads > 64)
+    throw Error(ErrorKind::Invalid, "copy_threads must be between 1 and 64, got " +
+                                        std::to_string(cfg.copy_threads));
+  if (map_enabled_ && cfg.copy_threads > 1)
+    copier_ = std::make_unique<CopyPool>(cfg.copy_threads - 1);
 
   ucp_config_t* ucfg = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucfg);
@@ -926,6 +993,7 @@ void DeviceImpl::close() {
     std::lock_guard<std::mutex> lk(maps_m_);
     maps_.clear();
   }
+  copier_.reset();
   std::vector<std::shared_ptr<MemRegion>> regions;
   {
     std::lock_guard<std::mutex> lk(m_);

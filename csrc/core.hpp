@@ -56,6 +56,32 @@ struct DeviceConfig {
   // a memcpy to them is one CPU copy instead of a transport operation. 0 off, 1 on, 2 auto
   // (on unless UCX_TLS rules out shared-memory transports).
   int same_host = 2;
+  // Threads that share one large mapped copy (the progress thread and copy_threads - 1
+  // helpers, which sleep when idle): a single core cannot reach the memory bandwidth.
+  int copy_threads = 1;
+};
+
+// Splits large same-host copies over helper threads.
+class CopyPool {
+ public:
+  explicit CopyPool(int helpers);
+  ~CopyPool();
+  // Copies n bytes and returns when every part is done and visible to other threads.
+  void copy(void* dst, const void* src, size_t n);
+
+ private:
+  struct Part {
+    char* dst;
+    const char* src;
+    size_t n;
+    struct Batch* batch;
+  };
+  void loop();
+  std::vector<std::thread> threads_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<Part> q_;
+  bool stop_ = false;
 };
 
 // Completion state shared by the issuer and the progress thread.
@@ -313,6 +339,7 @@ class DeviceImpl : public std::enable_shared_from_this<DeviceImpl> {
   // The mapping of a same-host peer's shared region, or null when it cannot be mapped.
   std::shared_ptr<Mapping> map_remote(const RemoteRegion& r);
   void unmap_remote(uint64_t owner, uint64_t region_id);
+  void copy_mapped(void* dst, const void* src, size_t n);
 
   // Internal, used by Channel/MemRegion/Worker.
   void check_open() const;
@@ -356,6 +383,7 @@ class DeviceImpl : public std::enable_shared_from_this<DeviceImpl> {
   std::atomic<uint64_t> next_region_{1};
   std::atomic<uint64_t> next_rpc_{1};
   bool map_enabled_ = false;
+  std::unique_ptr<CopyPool> copier_;
   std::string boot_id_;
   std::mutex maps_m_;
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<Mapping>> maps_;  // null: unmappable

@@ -17,6 +17,7 @@ from rdmaflow._core import Channel, Future, MemRegion, RemoteRegion
 
 SECRET_ENV = "RDMAFLOW_JOB_SECRET"
 SAME_HOST_ENV = "RDMAFLOW_SAME_HOST"
+COPY_THREADS_ENV = "RDMAFLOW_COPY_THREADS"
 
 _callback_thread: threading.Thread | None = None
 _callback_lock = threading.Lock()
@@ -82,6 +83,7 @@ def Device(
     rpc_timeout: float = 10.0,
     data_error_handling: bool = False,
     same_host: bool | None = None,
+    copy_threads: int | None = None,
 ) -> _core.Device:
     """Creates an RDMA device listening on ``endpoint`` (``host:port``; port 0 picks one).
 
@@ -97,7 +99,9 @@ def Device(
     memory that a peer on the same host maps, so a memcpy to or from them is one CPU copy
     instead of a transport operation (docs/architecture.md). ``None`` (default) reads
     ``$RDMAFLOW_SAME_HOST`` (``0``/``1``), else is on unless ``UCX_TLS`` rules out
-    shared-memory transports (e.g. ``UCX_TLS=tcp``).
+    shared-memory transports (e.g. ``UCX_TLS=tcp``). ``copy_threads`` threads share each
+    large same-host copy (default ``$RDMAFLOW_COPY_THREADS``, else this process's share of the
+    cores: ``cpu_count // LOCAL_WORLD_SIZE``, at most 2); the helpers sleep when idle.
     """
     if secret is None:
         secret = os.environ.get(SECRET_ENV)
@@ -118,10 +122,21 @@ def Device(
             raise _core.InvalidArgumentError(f"{SAME_HOST_ENV} must be 0, 1 or auto, got {env!r}")
     else:
         mode = 1 if same_host else 0
+    if copy_threads is None:
+        env = os.environ.get(COPY_THREADS_ENV, "").strip()
+        if env:
+            try:
+                copy_threads = int(env)
+            except ValueError:
+                raise _core.InvalidArgumentError(f"{COPY_THREADS_ENV} must be an integer, got {env!r}") from None
+        else:
+            local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            copy_threads = max(1, min(2, (os.cpu_count() or 1) // local))
     _start_callback_thread()
     return _core.Device(
         endpoint, int(num_cqs), int(qps_per_peer), secret, bool(busy_poll), int(spin_us),
         float(connect_timeout), float(rpc_timeout), bool(data_error_handling), mode,
+        int(copy_threads),
     )
 
 

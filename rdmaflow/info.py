@@ -161,7 +161,8 @@ def _temporary_device() -> dict[str, Any]:
     try:
         text = dev.ucx_info()
         return {"ok": True, "error": None, "endpoint": dev.endpoint,
-                "transports": parse_context_resources(text), "text": text}
+                "transports": parse_context_resources(text), "text": text,
+                "same_host_mapping": bool(dev.same_host_mapping)}
     finally:
         dev.close()
 
@@ -297,6 +298,9 @@ def format_text(info: dict[str, Any]) -> str:
             lines.append("  warning: no tcp among them: rdmaflow devices connect through UCX's "
                          "sockaddr connection manager and will not reach their peers; add tcp "
                          "to UCX_TLS (e.g. UCX_TLS=cma,posix,self,tcp)")
+        lines.append("Same-host fast path (peers on this host map regions, one memcpy): " +
+                     ("on" if d.get("same_host_mapping") else
+                      "off (RDMAFLOW_SAME_HOST=0, or UCX_TLS rules out shared memory)"))
     else:
         lines.append(f"A temporary rdmaflow Device could not be created: {d['error']}")
     for w in info["warnings"]:

@@ -94,6 +94,27 @@ def test_registered_memory_takes_ucx_next_to_mapped_regions(spawn_peer, transpor
             assert counts == {"mapped": 0, "ucx": 30}, counts
 
 
+@pytest.mark.parametrize("copy_threads", [1, 3])
+def test_large_copies_split_over_copy_threads(spawn_peer, transport, copy_threads):
+    """Same-host copies of 8 MiB and more are shared by copy_threads threads; every byte lands,
+    in both directions, at unaligned offsets and lengths."""
+    n = 24 * MiB + 12345
+    peer = spawn_peer()
+    peer.call("alloc", name="buf", nbytes=n + 4096, timeout=60)
+    with local_device(copy_threads=copy_threads) as dev:
+        assert dev.copy_threads == copy_threads
+        local = dev.alloc_region(n + 4096)
+        local.tensor(torch.uint8, n + 4096).copy_(seeded_bytes(11, n + 4096))
+        remote = dev.lookup_region(peer.endpoint, "buf")
+        ch = dev.channel(peer.endpoint)
+        ch.memcpy(local, 3, remote, 5, n, rdmaflow.WRITE).result(60)
+        assert peer.call("digest", name="buf", offset=5, nbytes=n, timeout=60)["digest"] == digest(local, 3, n)
+        peer.call("fill", name="buf", seed=12, timeout=60)
+        ch.memcpy(local, 1, remote, 7, n, rdmaflow.READ).result(60)
+        expect = seeded_bytes(12, n + 4096)[7 : 7 + n]
+        assert torch.equal(local.tensor(torch.uint8, n + 4096)[1 : 1 + n], expect)
+
+
 def test_small_transfers_byte_for_byte(spawn_peer):
     peer = spawn_peer()
     peer.call("alloc", name="b", nbytes=4096)

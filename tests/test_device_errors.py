@@ -205,6 +205,12 @@ def test_bad_device_arguments(monkeypatch):
         rdmaflow.Device("127.0.0.1:0", num_cqs=0, secret="s")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="host:port"):
         rdmaflow.Device("localhost", secret="s")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="copy_threads"):
+        rdmaflow.Device("127.0.0.1:0", secret="s", copy_threads=0)
+    monkeypatch.setenv("RDMAFLOW_SAME_HOST", "maybe")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="RDMAFLOW_SAME_HOST"):
+        rdmaflow.Device("127.0.0.1:0", secret="s")
+    monkeypatch.delenv("RDMAFLOW_SAME_HOST")
     with rdmaflow.Device("127.0.0.1:0", secret="s") as d:
         with pytest.raises(rdmaflow.InvalidArgumentError):
             d.alloc_region(0)
