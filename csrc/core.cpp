@@ -240,7 +240,7 @@ Mapping::~Mapping() {
   if (base) munmap(base, length);
 }
 
-struct Batch {
+struct CopyPool::Batch {
   std::mutex m;
   std::condition_variable cv;
   int left = 0;
@@ -436,14 +436,14 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
     w->track(op);
     // Same-host fast path: one CPU copy through the mapping. Only when no UCX operation of
     // this channel is outstanding, so that fences keep ordering mapped and UCX operations.
+    DeviceImpl* dev = w->device();
     if (ch->rma_pending_ == 0 && !ch->failed()) {
-      auto dev = ch->device();
-      if (!dev || dev->closed()) {  // close() cancels what has not started
+      if (dev->closed()) {  // close() cancels what has not started
         op->pending = 1;
         w->op_note(op, UCS_ERR_CANCELED);
         return;
       }
-      if (auto m = dev->map_remote(*op->remote)) {
+      if (Mapping* m = ch->mapping_for(*op->remote)) {
         char* l = static_cast<char*>(op->local->mem_->addr) + local_off;
         char* r = static_cast<char*>(m->base) + remote_off;
         if (write)
@@ -480,7 +480,7 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
     uint64_t raddr = op->remote->addr + remote_off;
     op->rma = true;
     ++ch->rma_pending_;
-    if (auto dev = ch->device()) dev->ucx_ops.fetch_add(1, std::memory_order_relaxed);
+    dev->ucx_ops.fetch_add(1, std::memory_order_relaxed);
     ucs_status_ptr_t sp = write ? ucp_put_nbx(ch->ep_, laddr, n, raddr, rk, &p)
                                 : ucp_get_nbx(ch->ep_, laddr, n, raddr, rk, &p);
     if (UCS_PTR_IS_ERR(sp)) {
@@ -581,7 +581,17 @@ ucp_rkey_h Channel::rkey_for(const RemoteRegion& r) {
   return rk;
 }
 
+Mapping* Channel::mapping_for(const RemoteRegion& r) {
+  auto it = mappings_.find(r.region_id);
+  if (it != mappings_.end()) return it->second.get();
+  auto dev = dev_.lock();
+  auto m = dev ? dev->map_remote(r) : nullptr;
+  mappings_[r.region_id] = m;
+  return m.get();
+}
+
 void Channel::drop_rkey(uint64_t region_id) {
+  mappings_.erase(region_id);
   auto it = rkeys_.find(region_id);
   if (it == rkeys_.end()) return;
   ucp_rkey_destroy(it->second);
@@ -592,6 +602,7 @@ std::vector<ucs_status_ptr_t> Channel::close_ep(bool force) {
   std::vector<ucs_status_ptr_t> reqs;
   for (auto& kv : rkeys_) ucp_rkey_destroy(kv.second);
   rkeys_.clear();
+  mappings_.clear();
   if (!ep_) return reqs;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -1051,64 +1062,55 @@ std::shared_ptr<MemRegion> DeviceImpl::alloc_region(size_t nbytes) {
   if (nbytes == 0) throw Error(ErrorKind::Invalid, "cannot allocate a region of 0 bytes");
   long page = sysconf(_SC_PAGESIZE);
   size_t len = (nbytes + page - 1) / page * page;
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
+  auto mem = std::make_shared<RegionMemory>();  // unmaps (and closes the memfd) on any throw
+  mem->length = nbytes;
+  mem->owned = true;
+  char* p = nullptr;
   if (map_enabled_) {
     // Shared memory (a memfd) that same-host peers map through /proc/<pid>/fd/<fd>; it is
     // still registered with UCX, so remote peers reach it over the network as usual.
     int fd = memfd_create("rdmaflow-region", MFD_CLOEXEC);
     struct stat st {};
-    void* p = MAP_FAILED;
+    void* m = MAP_FAILED;
     if (fd >= 0 && ftruncate(fd, off_t(len)) == 0 && fstat(fd, &st) == 0)
-      p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p != MAP_FAILED) {
-      char* c = static_cast<char*>(p);
-      madvise(c, len, MADV_HUGEPAGE);  // used where shmem_enabled=advise
-      if (madvise(c, len, MADV_POPULATE_WRITE) != 0)
-        for (size_t off = 0; off < len; off += size_t(page)) c[off] = 0;
-      auto mem = std::make_shared<RegionMemory>();
-      mem->addr = p;
-      mem->length = nbytes;
-      mem->owned = true;
+      m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m != MAP_FAILED) {
+      p = static_cast<char*>(m);
       mem->fd = fd;
       mem->st_dev = uint64_t(st.st_dev);
       mem->st_ino = uint64_t(st.st_ino);
-      auto r = register_memory(reinterpret_cast<uintptr_t>(p), nbytes, mem.get());
-      r->mem_ = mem;
-      return r;
+    } else if (fd >= 0) {
+      ::close(fd);  // fall back to private memory
     }
-    if (fd >= 0) ::close(fd);  // fall back to private memory
   }
-  // 2 MiB-aligned and huge-page backed where the kernel allows, then faulted in: registration
-  // pins memory on verbs anyway, and the first transfer should not pay for page faults.
   const size_t huge = size_t(2) << 20;
-  size_t slack = len >= huge ? huge : 0;
-  void* raw = mmap(nullptr, len + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED)
-    throw Error(ErrorKind::Generic, "cannot allocate a region of " + std::to_string(nbytes) +
-                                        " bytes: " + strerror(errno));
-  char* p = static_cast<char*>(raw);
-  if (slack) {
-    char* aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1));
-    if (aligned > p) munmap(p, size_t(aligned - p));
-    size_t tail = size_t(p + len + slack - (aligned + len));
-    if (tail) munmap(aligned + len, tail);
-    p = aligned;
-    madvise(p, len, MADV_HUGEPAGE);
+  if (!p) {
+    // 2 MiB-aligned so that transparent huge pages can back it.
+    size_t slack = len >= huge ? huge : 0;
+    void* raw = mmap(nullptr, len + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED)
+      throw Error(ErrorKind::Generic, "cannot allocate a region of " + std::to_string(nbytes) +
+                                          " bytes: " + strerror(errno));
+    p = static_cast<char*>(raw);
+    if (slack) {
+      char* aligned = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1));
+      if (aligned > p) munmap(p, size_t(aligned - p));
+      size_t tail = size_t(p + len + slack - (aligned + len));
+      if (tail) munmap(aligned + len, tail);
+      p = aligned;
+    }
   }
+  mem->addr = p;
+  // Huge pages where the kernel allows (shared memory: only with shmem_enabled=advise), then
+  // faulted in: registration pins memory on verbs anyway, and the first transfer should not
+  // pay for page faults.
+  if (len >= huge) madvise(p, len, MADV_HUGEPAGE);
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
   if (madvise(p, len, MADV_POPULATE_WRITE) != 0)
     for (size_t off = 0; off < len; off += size_t(page)) p[off] = 0;
-  auto mem = std::make_shared<RegionMemory>();
-  mem->addr = p;
-  mem->length = nbytes;
-  mem->owned = true;
-  std::shared_ptr<MemRegion> r;
-  try {
-    r = register_memory(reinterpret_cast<uintptr_t>(p), nbytes);
-  } catch (...) {
-    throw;  // mem's destructor unmaps
-  }
+  auto r = register_memory(reinterpret_cast<uintptr_t>(p), nbytes, mem.get());
   r->mem_ = mem;
   return r;
 }
@@ -1145,7 +1147,7 @@ std::shared_ptr<MemRegion> DeviceImpl::register_memory(uintptr_t addr, size_t nb
   ucp_rkey_buffer_release(rkbuf);
 
   Writer w;
-  bool is_shared = shared && shared->fd >= 0;
+  bool is_shared = shared && shared->fd >= 0;  // private memory has no fd
   w.raw(kDescMagic, 4);
   w.u16(1);
   w.u16(is_shared ? kDescShared : 0);

@@ -70,11 +70,12 @@ class CopyPool {
   void copy(void* dst, const void* src, size_t n);
 
  private:
+  struct Batch;
   struct Part {
     char* dst;
     const char* src;
     size_t n;
-    struct Batch* batch;
+    Batch* batch;
   };
   void loop();
   std::vector<std::thread> threads_;
@@ -211,6 +212,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // Worker-thread only.
   bool ensure_ep();
   ucp_rkey_h rkey_for(const RemoteRegion& r);
+  // The same-host mapping of r, or null; cached like the rkey and dropped with it.
+  Mapping* mapping_for(const RemoteRegion& r);
   void drop_rkey(uint64_t region_id);
   std::vector<ucs_status_ptr_t> close_ep(bool force);
   void fail(const std::string& why);
@@ -226,6 +229,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // Worker-thread-only state.
   ucp_ep_h ep_ = nullptr;
   std::unordered_map<uint64_t, ucp_rkey_h> rkeys_;
+  std::unordered_map<uint64_t, std::shared_ptr<Mapping>> mappings_;
   std::vector<struct Op*> unflushed_;
   int rma_pending_ = 0;  // UCX puts/gets not yet complete; mapped copies wait for them
   bool dirty_ = false;
@@ -256,6 +260,7 @@ class Worker {
   ucp_worker_h handle() const { return w_; }
   const std::string& address() const { return addr_; }
   int index() const { return idx_; }
+  DeviceImpl* device() const { return dev_; }
   bool on_thread() const { return std::this_thread::get_id() == tid_; }
 
   // Worker-thread-only helpers.

@@ -121,6 +121,24 @@ _CLASSES: dict[str, int] = {
 # --------------------------------------------------------------------------- AlexNet, VGG-16
 
 
+class SlimClassifier(nn.Module):
+    """The fully connected head TF-slim's alexnet_v2 and vgg_16 share: fc6 and fc7 of 4096 units
+    with ReLU and dropout, then fc8 to the classes."""
+
+    def __init__(self, in_features: int, num_classes: int):
+        super().__init__()
+        self.fc6 = nn.Linear(in_features, 4096)
+        self.drop6 = nn.Dropout(0.5)
+        self.fc7 = nn.Linear(4096, 4096)
+        self.drop7 = nn.Dropout(0.5)
+        self.fc8 = nn.Linear(4096, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop6(F.relu(self.fc6(torch.flatten(x, 1))))
+        x = self.drop7(F.relu(self.fc7(x)))
+        return self.fc8(x)
+
+
 class AlexNet(nn.Module):
     """TF-slim alexnet_v2 at 224x224: conv1 VALID stride 4, other convs SAME, 3x3/2 max pools."""
 
@@ -131,11 +149,7 @@ class AlexNet(nn.Module):
         self.conv3 = nn.Conv2d(192, 384, 3, padding=1)
         self.conv4 = nn.Conv2d(384, 384, 3, padding=1)
         self.conv5 = nn.Conv2d(384, 256, 3, padding=1)            # 12, pool -> 5
-        self.fc6 = nn.Linear(256 * 5 * 5, 4096)
-        self.drop6 = nn.Dropout(0.5)
-        self.fc7 = nn.Linear(4096, 4096)
-        self.drop7 = nn.Dropout(0.5)
-        self.fc8 = nn.Linear(4096, num_classes)
+        self.head = SlimClassifier(256 * 5 * 5, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.max_pool2d(F.relu(self.conv1(x)), 3, 2)
@@ -143,10 +157,7 @@ class AlexNet(nn.Module):
         x = F.relu(self.conv3(x))
         x = F.relu(self.conv4(x))
         x = F.max_pool2d(F.relu(self.conv5(x)), 3, 2)
-        x = torch.flatten(x, 1)
-        x = self.drop6(F.relu(self.fc6(x)))
-        x = self.drop7(F.relu(self.fc7(x)))
-        return self.fc8(x)
+        return self.head(x)
 
 
 _VGG16_CFG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
@@ -167,21 +178,14 @@ class VGG16(nn.Module):
             self.convs.append(nn.Conv2d(cin, v, 3, padding=1))
             self._pool_after.append(False)
             cin = v
-        self.fc6 = nn.Linear(512 * 7 * 7, 4096)
-        self.drop6 = nn.Dropout(0.5)
-        self.fc7 = nn.Linear(4096, 4096)
-        self.drop7 = nn.Dropout(0.5)
-        self.fc8 = nn.Linear(4096, num_classes)
+        self.head = SlimClassifier(512 * 7 * 7, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for conv, pool in zip(self.convs, self._pool_after):
             x = F.relu(conv(x))
             if pool:
                 x = F.max_pool2d(x, 2, 2)
-        x = torch.flatten(x, 1)
-        x = self.drop6(F.relu(self.fc6(x)))
-        x = self.drop7(F.relu(self.fc7(x)))
-        return self.fc8(x)
+        return self.head(x)
 
 
 # --------------------------------------------------------------------------- Inception-v3

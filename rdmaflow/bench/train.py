@@ -572,6 +572,16 @@ STYLE = {
 }
 
 
+def _label_configs(ax, configs: Sequence[Config], model: str, ylabel: str) -> None:
+    """One tick per configuration (batch, workers, shards), titles, grid and legend."""
+    ax.set_xticks(range(len(configs)))
+    ax.set_xticklabels([f"batch {b}\n{w} W, {s} S" for _, b, w, s in configs], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(model, fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def _plt():
     import matplotlib
 
@@ -631,13 +641,8 @@ def plot_bars(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[
             if bad:
                 ax.plot(bad, [0] * len(bad), "x", color=color or "black", ms=7, clip_on=False,
                         label=None if xs else f"{s} (failed)")
-        ax.set_xticks(range(len(mine)))
-        ax.set_xticklabels([f"batch {b}\n{wk} W, {sh} S" for _, b, wk, sh in mine], fontsize=8)
-        ax.set_ylabel("mini-batches/s per worker")
-        ax.set_title(model, fontsize=10)
-        ax.grid(True, axis="y", alpha=0.3)
+        _label_configs(ax, mine, model, "mini-batches/s per worker")
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
     _save(fig, path, title)
 
 
@@ -749,13 +754,8 @@ def plot_fig12(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence
                 top = max(a["median_iter_s"], b["median_iter_s"]) * 1e3
                 pct = (b["median_iter_s"] / a["median_iter_s"] - 1) * 100
                 ax.annotate(f"copy {pct:+.0f}%", (i, top), ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(mine)))
-        ax.set_xticklabels([f"batch {b}\n{w} W, {s} S" for _, b, w, s in mine], fontsize=8)
-        ax.set_ylabel("mini-batch time, ms (median)")
-        ax.set_title(model, fontsize=10)
-        ax.grid(True, axis="y", alpha=0.3)
+        _label_configs(ax, mine, model, "mini-batch time, ms (median)")
         ax.margins(y=0.12)
-        ax.legend(fontsize=7)
     _save(fig, path, title)
 
 
