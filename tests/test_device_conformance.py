@@ -96,8 +96,9 @@ def test_registered_memory_takes_ucx_next_to_mapped_regions(spawn_peer, transpor
 
 @pytest.mark.parametrize("copy_threads", [1, 3])
 def test_large_copies_split_over_copy_threads(spawn_peer, transport, copy_threads):
-    """Same-host copies of 8 MiB and more are shared by copy_threads threads; every byte lands,
-    in both directions, at unaligned offsets and lengths."""
+    """Same-host copies of 8 MiB and more are shared by copy_threads threads and written with
+    non-temporal stores; every byte lands, in both directions, at unaligned offsets and
+    lengths (unaligned heads and tails around the streamed body)."""
     n = 24 * MiB + 12345
     peer = spawn_peer()
     peer.call("alloc", name="buf", nbytes=n + 4096, timeout=60)
