@@ -75,6 +75,7 @@ class CopyPool {
     char* dst;
     const char* src;
     size_t n;
+    bool stream;  // non-temporal stores (decided on the whole copy's size)
     Batch* batch;
   };
   void loop();
