@@ -244,12 +244,6 @@ Mapping::~Mapping() {
   if (base) munmap(base, length);
 }
 
-// A copy that the CPU will not read back soon (a same-host peer consumes it). When the copy
-// is too large to stay in the last-level cache anyway, non-temporal stores write it to memory
-// without first reading every destination line (a third of a cached copy's memory traffic)
-// and without evicting the reader's working set: 16 MiB into a peer's mapping took 0.44 ms
-// against glibc's 0.64 ms here. Smaller copies stay cached: a 1-4 MiB copy that the peer reads
-// from L3 runs at 50+ GB/s, a streamed one at DRAM speed (37 GB/s here).
 // The last-level cache as this CPU sees it: sysfs first, since in a VM sysconf can report the
 // host's total (384 MiB here against the 32 MiB the guest's cores share).
 static size_t llc_bytes() {
@@ -272,6 +266,12 @@ static size_t llc_bytes() {
   return l3 > 0 ? size_t(l3) : size_t(32) << 20;
 }
 
+// A same-host copy is read next by the peer, not by this CPU. When it is too large to stay in
+// the last-level cache anyway, non-temporal stores write it to memory without first reading
+// every destination line (a third of a cached copy's memory traffic) and without evicting the
+// reader's working set: 16 MiB into a peer's mapping took 0.44 ms against glibc's 0.64 ms
+// here. Smaller copies stay cached: a 1-4 MiB copy that the peer reads from L3 runs at 50+
+// GB/s, a streamed one at DRAM speed (37 GB/s here).
 static size_t stream_threshold() {
   static const size_t t = std::max(llc_bytes() / 2, size_t(4) << 20);
   return t;
@@ -381,10 +381,7 @@ void DeviceImpl::copy_mapped(void* dst, const void* src, size_t n) {
                      __ATOMIC_SEQ_CST);
     return;
   }
-  if (copier_)
-    copier_->copy(dst, src, n);
-  else
-    bulk_copy(dst, src, n, n >= stream_threshold());
+  copier_->copy(dst, src, n);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 
@@ -942,8 +939,7 @@ void DeviceImpl::init(const DeviceConfig& cfg) {
   if (cfg.copy_threads < 1 || cfg.copy_threads > 64)
     throw Error(ErrorKind::Invalid, "copy_threads must be between 1 and 64, got " +
                                         std::to_string(cfg.copy_threads));
-  if (map_enabled_ && cfg.copy_threads > 1)
-    copier_ = std::make_unique<CopyPool>(cfg.copy_threads - 1);
+  if (map_enabled_) copier_ = std::make_unique<CopyPool>(cfg.copy_threads - 1);
 
   ucp_config_t* ucfg = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucfg);

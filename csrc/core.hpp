@@ -61,7 +61,8 @@ struct DeviceConfig {
   int copy_threads = 1;
 };
 
-// Splits large same-host copies over helper threads.
+// Makes same-host copies: streamed or cached by size, large ones split over helper threads
+// (none when copy_threads is 1).
 class CopyPool {
  public:
   explicit CopyPool(int helpers);

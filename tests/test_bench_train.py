@@ -80,8 +80,6 @@ print("RDMAFLOW_TRAIN_RESULT " + json.dumps({
 '''
 
 
-
-
 def _env(marker: str, fake_dir=None, **extra) -> dict[str, str]:
     env = dict(os.environ)
     env["RDMAFLOW_TEST_MARK"] = marker

@@ -20,8 +20,6 @@ REQUIRED = ("system", "transport", "size_bytes", "gb_per_s", "p50_us", "gb_per_s
             "gb_per_s_max", "gb_per_s_iqr", "repeats", "status")
 
 
-
-
 def _stopped(marker: str) -> int:
     n = 0
     for pid in _processes_with_env(marker):

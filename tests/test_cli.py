@@ -102,8 +102,6 @@ def test_bench_device_rejects_bad_sizes():
     assert p.returncode == 2 and "positive" in p.stderr
 
 
-
-
 @pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["bench", "device", "--help"]])
 def test_help(argv):
     out = run_cli(*argv, timeout=30).stdout
