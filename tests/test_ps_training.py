@@ -12,6 +12,7 @@ Jobs use tests/ps_jobs/train.py and the Job helper of test_ps.py.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -176,3 +177,25 @@ def test_worker_death_under_rdmaflow_launch(tmp_path):
         j.check_ok(j.wait())
         assert j.worker_result(0)["steps"] == cfg["steps"]
         assert "worker (local rank 2) exited with -9; the others go on" in j.proc("launch").output(), j.logs()
+
+
+def test_step_log_reports_each_interval_not_the_total(tmp_path):
+    """``log_every=N`` prints the mean push, pull and compute time of the last N steps. A step's
+    three parts tile the time since the first step began, so the log's intervals, added up,
+    can never exceed the time elapsed: a log that reported sums since the start would (its
+    k-th line counting the first interval k times)."""
+    n, steps = 2, 10
+    cfg = dict(sync_cfg("block", "sgd", steps=steps), log_every=n, step_delay=0.02)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(1, 1)
+        j.check_ok(j.wait())
+        lines = [json.loads(line) for line in j.proc("worker0").output().splitlines()
+                 if line.startswith('{"event": "ps_step"')]
+    assert [r["step"] for r in lines] == list(range(n, steps + 1, n)), lines
+    logged = 0.0
+    for r in lines:
+        assert r["compute_ms"] >= 1e3 * cfg["step_delay"], r  # each step slept that long before it
+        logged += n * (r["push_ms"] + r["pull_ms"] + r["compute_ms"]) / 1e3
+        elapsed = r["step"] / r["steps_per_s"]
+        assert logged <= elapsed * (1 + 1e-9), (
+            f"the log through step {r['step']} accounts for {logged:.4f} s of {elapsed:.4f} s elapsed: {lines}")

@@ -16,7 +16,7 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
     fast_exit                               -> os._exit(0) once everything is closed and written
     init_exit_shards                        -> ps.init() exits the shards (the library's own path)
     stats_from_store                        -> worker 0 writes the shards' statistics from the store
-    overlap, zero_copy, min_workers, checkpoint_dir, checkpoint_every -> DistributedOptimizer
+    overlap, zero_copy, min_workers, checkpoint_dir, checkpoint_every, log_every -> DistributedOptimizer
     die       {"worker": w, "step": t}: worker w SIGKILLs itself after step t (a worker failure)
 
 A resumed job (RDMAFLOW_RESUME=1) runs from the optimizer's step_count to ``steps``, so its
@@ -148,7 +148,7 @@ def main() -> None:
                                   mode=cfg.get("mode", "sync"), staleness=int(cfg.get("staleness", 0)),
                                   policy=cfg.get("policy", "block"), block_bytes=int(cfg.get("block_bytes", 256)),
                                   **{k: cfg[k] for k in ("overlap", "zero_copy", "min_workers", "checkpoint_dir",
-                                                         "checkpoint_every") if k in cfg})
+                                                         "checkpoint_every", "log_every") if k in cfg})
     trace("optimizer ready")
     slow = cfg.get("slow") or {}
     delay = float(cfg.get("step_delay", 0.0)) + (float(slow["delay"]) if slow.get("worker") == w else 0.0)
