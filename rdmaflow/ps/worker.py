@@ -491,6 +491,7 @@ class Worker:
             # One write per line, so that lines of several workers sharing a pipe never interleave.
             sys.stdout.write(json.dumps(rec) + "\n")
             sys.stdout.flush()
+            self._logged = dict(self.profile)
 
     def close(self) -> None:
         """Waits for the last weights, then tells the shards this worker is done (DONE)."""
