@@ -1,30 +1,30 @@
 """rdmaflow: one-sided RDMA tensor transfer for distributed deep learning, over UCX.
 
-Layers (a lower one never imports a higher one):
-  rdmaflow._core    C++ device library: Device, MemRegion, Channel, memcpy (seed 000 §3.1)
-  rdmaflow.device   the Python face of the device, with torch tensor views
-  rdmaflow.bench, rdmaflow.cli   benchmarks and the ``rdmaflow`` command
+Layers (a lower one never imports a higher one; upper layers take these names from here):
+  rdmaflow._core, rdmaflow._ucx   the C++ device library (Device, MemRegion, Channel, memcpy)
+  rdmaflow (device layer)         this package: device.py, arena.py, errors.py, deadline.py
+  rdmaflow.transfer               zero-copy tensor transfer (static and dynamic placement)
+  rdmaflow.ps                     the parameter server and key-value store
+  rdmaflow.launch, rdmaflow.cli, rdmaflow.bench   the ``rdmaflow`` command and benchmarks
 """
 from rdmaflow import _ucx
 
 _ucx.load()
 
-from rdmaflow._core import (  # noqa: E402
+from rdmaflow._core import Direction, ucx_version, wait_u64_at_least  # noqa: E402
+from rdmaflow.arena import Arena  # noqa: E402
+from rdmaflow.device import Channel, Device, Future, MemRegion, RemoteRegion, SameHost, wait_all  # noqa: E402
+from rdmaflow.errors import (  # noqa: E402
     ArenaFullError,
     AuthError,
     DeviceClosedError,
-    Direction,
-    Future,
     InvalidArgumentError,
     OutOfBoundsError,
     PeerError,
     RdmaflowError,
     RegionError,
-    RemoteRegion,
     TimeoutError,
-    ucx_version,
 )
-from rdmaflow.device import Channel, Device, MemRegion, wait_all  # noqa: E402
 
 WRITE = Direction.WRITE
 READ = Direction.READ
@@ -32,6 +32,7 @@ READ = Direction.READ
 __version__ = "0.1.0"
 
 __all__ = [
+    "Arena",
     "ArenaFullError",
     "AuthError",
     "Channel",
@@ -47,8 +48,10 @@ __all__ = [
     "RdmaflowError",
     "RegionError",
     "RemoteRegion",
+    "SameHost",
     "TimeoutError",
     "WRITE",
     "ucx_version",
     "wait_all",
+    "wait_u64_at_least",
 ]

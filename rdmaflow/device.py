@@ -1,11 +1,14 @@
-"""The RDMA device of seed 000 §3.1 (Table 1), in Python, with torch tensor views.
+"""The RDMA device (Xue et al., EuroSys '19, §3.1, Table 1) in Python, with torch tensors.
 
-``Device``, ``MemRegion`` and ``Channel`` are the C++ classes of ``rdmaflow._core``; this module
-adds what needs Python: the job secret from the environment, tensor views of regions,
-registering memory that a tensor owns, and the thread that runs completion callbacks.
+``Device`` is the C++ ``_core.Device`` with what needs Python added: the job secret and the
+same-host and copy-thread settings from the environment, registering memory a tensor owns,
+the device's arena (``empty``, ``create_arena``, ``arena``), publishing regions by name, and
+the thread that runs completion callbacks. ``MemRegion``, ``RemoteRegion``, ``Channel`` and
+``Future`` are the C++ classes as they are.
 """
 from __future__ import annotations
 
+import enum
 import os
 import threading
 from typing import Iterable, Sequence
@@ -14,10 +17,29 @@ import torch
 
 from rdmaflow import _core
 from rdmaflow._core import Channel, Future, MemRegion, RemoteRegion
+from rdmaflow._views import region_tensor
+from rdmaflow.arena import Arena, arena_of, create_arena
+from rdmaflow.deadline import Deadline
+from rdmaflow.errors import InvalidArgumentError
 
 SECRET_ENV = "RDMAFLOW_JOB_SECRET"
 SAME_HOST_ENV = "RDMAFLOW_SAME_HOST"
 COPY_THREADS_ENV = "RDMAFLOW_COPY_THREADS"
+
+# TODO(integrator): remove once core lands (it binds MemRegion.tensor, SameHost and keyword
+# arguments of _core.Device itself).
+if not hasattr(_core.MemRegion, "tensor"):
+    _core.MemRegion.tensor = region_tensor
+if hasattr(_core, "SameHost"):
+    SameHost = _core.SameHost
+    _CORE_TAKES_KEYWORDS = True
+else:
+    class SameHost(enum.IntEnum):
+        OFF = 0
+        ON = 1
+        AUTO = 2
+
+    _CORE_TAKES_KEYWORDS = False
 
 _callback_thread: threading.Thread | None = None
 _callback_lock = threading.Lock()
@@ -27,68 +49,53 @@ def _start_callback_thread() -> None:
     global _callback_thread
     with _callback_lock:
         if _callback_thread is None:
-            _callback_thread = threading.Thread(
-                target=_core.run_callbacks, name="rdmaflow-callbacks", daemon=True
-            )
+            _callback_thread = threading.Thread(target=_core.run_callbacks, name="rdmaflow-callbacks", daemon=True)
             _callback_thread.start()
 
 
-def _dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _region_tensor(self: MemRegion, dtype: torch.dtype, shape: Sequence[int] | int, offset: int = 0) -> torch.Tensor:
-    """A tensor of ``dtype`` and ``shape`` viewing this region at byte ``offset``, with no copy.
-
-    The tensor keeps the region's memory alive, also after ``free()``.
-    """
-    if self.freed:
-        raise _core.RegionError(f"region {self.id} was freed")
-    if not isinstance(dtype, torch.dtype):
-        raise _core.InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
-    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise _core.InvalidArgumentError(f"shape {shape} has a negative dimension")
-    esize = _dtype_size(dtype)
-    count = 1
-    for s in shape:
-        count *= s
-    if offset < 0:
-        raise _core.OutOfBoundsError(f"offset must not be negative, got {offset}")
-    if offset % esize:
-        raise _core.InvalidArgumentError(f"offset {offset} is not a multiple of {dtype}'s size {esize}")
-    if offset + count * esize > self.nbytes:
-        raise _core.OutOfBoundsError(
-            f"a {dtype} tensor of shape {shape} at offset {offset} needs "
-            f"{offset + count * esize} bytes; the region has {self.nbytes}"
+def _job_secret(secret: str | bytes | None) -> str:
+    if secret is None:
+        secret = os.environ.get(SECRET_ENV)
+    if not secret:
+        raise InvalidArgumentError(
+            f"a job secret is required: pass secret=... or set {SECRET_ENV}; devices only hand "
+            "remote keys to peers that prove they know it"
         )
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(self, dtype=dtype, count=count, offset=offset)
-    return flat.view(shape)
+    return secret.decode("latin-1") if isinstance(secret, bytes) else secret
 
 
-MemRegion.tensor = _region_tensor
+def _same_host(same_host: bool | SameHost | None) -> SameHost:
+    if isinstance(same_host, SameHost):
+        return same_host
+    if isinstance(same_host, bool):
+        return SameHost.ON if same_host else SameHost.OFF
+    if same_host is not None:
+        raise InvalidArgumentError(f"same_host must be None, a bool or a SameHost, got {same_host!r}")
+    env = os.environ.get(SAME_HOST_ENV, "").strip().lower()
+    modes = {"": SameHost.AUTO, "auto": SameHost.AUTO, "0": SameHost.OFF, "1": SameHost.ON}
+    if env not in modes:
+        raise InvalidArgumentError(f"{SAME_HOST_ENV} must be 0, 1 or auto, got {env!r}")
+    return modes[env]
 
 
-def Device(
-    endpoint: str = "127.0.0.1:0",
-    num_cqs: int = 1,
-    qps_per_peer: int = 1,
-    *,
-    secret: str | bytes | None = None,
-    busy_poll: bool = False,
-    spin_us: int = 50,
-    connect_timeout: float = 10.0,
-    rpc_timeout: float = 10.0,
-    data_error_handling: bool = False,
-    same_host: bool | None = None,
-    copy_threads: int | None = None,
-) -> _core.Device:
-    """Creates an RDMA device listening on ``endpoint`` (``host:port``; port 0 picks one).
+def _copy_threads(copy_threads: int | None) -> int:
+    if copy_threads is not None:
+        return int(copy_threads)
+    env = os.environ.get(COPY_THREADS_ENV, "").strip()
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise InvalidArgumentError(f"{COPY_THREADS_ENV} must be an integer, got {env!r}") from None
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(2, (os.cpu_count() or 1) // local))
+
+
+class Device(_core.Device):
+    """An RDMA device listening on ``endpoint`` (``host:port``; port 0 picks one).
 
     ``num_cqs`` completion queues, each a UCX worker with its own progress thread, and
-    ``qps_per_peer`` queue pairs per peer, spread round-robin over them (seed 000, Figure 4).
+    ``qps_per_peer`` queue pairs per peer, spread round-robin over them (Xue et al., Figure 4).
     Peers must share ``secret`` (default: ``$RDMAFLOW_JOB_SECRET``) before any remote key is
     handed out. Progress threads sleep on UCX's wakeup fd when idle unless ``busy_poll``.
     ``data_error_handling`` turns on UCX's peer-failure mode for data endpoints as well as the
@@ -97,100 +104,96 @@ def Device(
 
     ``same_host`` is the same-host fast path: regions from ``alloc_region`` are then shared
     memory that a peer on the same host maps, so a memcpy to or from them is one CPU copy
-    instead of a transport operation (docs/architecture.md). ``None`` (default) reads
-    ``$RDMAFLOW_SAME_HOST`` (``0``/``1``), else is on unless ``UCX_TLS`` rules out
-    shared-memory transports (e.g. ``UCX_TLS=tcp``). ``copy_threads`` threads share each
-    large same-host copy (default ``$RDMAFLOW_COPY_THREADS``, else this process's share of the
-    cores: ``cpu_count // LOCAL_WORLD_SIZE``, at most 2); the helpers sleep when idle.
+    instead of a transport operation (docs/architecture.md). ``SameHost.AUTO`` is on unless
+    ``UCX_TLS`` rules out shared-memory transports (e.g. ``UCX_TLS=tcp``); ``True``/``False``
+    mean ``ON``/``OFF``; ``None`` (default) reads ``$RDMAFLOW_SAME_HOST`` (``0``, ``1`` or
+    ``auto``, the default). ``copy_threads`` threads share each large same-host copy (default
+    ``$RDMAFLOW_COPY_THREADS``, else this process's share of the cores:
+    ``cpu_count // LOCAL_WORLD_SIZE``, at most 2); the helpers sleep when idle.
+
+    A device is a context manager: leaving the ``with`` block closes it.
     """
-    if secret is None:
-        secret = os.environ.get(SECRET_ENV)
-    if not secret:
-        raise _core.InvalidArgumentError(
-            f"a job secret is required: pass secret=... or set {SECRET_ENV}; devices only hand "
-            "remote keys to peers that prove they know it"
-        )
-    if isinstance(secret, bytes):
-        secret = secret.decode("latin-1")
-    if same_host is None:
-        env = os.environ.get(SAME_HOST_ENV, "").strip().lower()
-        if env in ("", "auto"):
-            mode = 2
-        elif env in ("0", "1"):
-            mode = int(env)
-        else:
-            raise _core.InvalidArgumentError(f"{SAME_HOST_ENV} must be 0, 1 or auto, got {env!r}")
-    else:
-        mode = 1 if same_host else 0
-    if copy_threads is None:
-        env = os.environ.get(COPY_THREADS_ENV, "").strip()
-        if env:
-            try:
-                copy_threads = int(env)
-            except ValueError:
-                raise _core.InvalidArgumentError(f"{COPY_THREADS_ENV} must be an integer, got {env!r}") from None
-        else:
-            local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-            copy_threads = max(1, min(2, (os.cpu_count() or 1) // local))
-    _start_callback_thread()
-    return _core.Device(
-        endpoint, int(num_cqs), int(qps_per_peer), secret, bool(busy_poll), int(spin_us),
-        float(connect_timeout), float(rpc_timeout), bool(data_error_handling), mode,
-        int(copy_threads),
-    )
 
+    def __init__(
+        self,
+        endpoint: str = "127.0.0.1:0",
+        num_cqs: int = 1,
+        qps_per_peer: int = 1,
+        *,
+        secret: str | bytes | None = None,
+        busy_poll: bool = False,
+        spin_us: int = 50,
+        connect_timeout: float = 10.0,
+        rpc_timeout: float = 10.0,
+        data_error_handling: bool = False,
+        same_host: bool | SameHost | None = None,
+        copy_threads: int | None = None,
+    ):
+        options = dict(num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
+                       busy_poll=bool(busy_poll), spin_us=int(spin_us), connect_timeout=float(connect_timeout),
+                       rpc_timeout=float(rpc_timeout), data_error_handling=bool(data_error_handling),
+                       same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads))
+        _start_callback_thread()
+        if _CORE_TAKES_KEYWORDS:
+            super().__init__(endpoint, **options)
+        else:  # TODO(integrator): remove once core lands (the positional constructor of before)
+            options["same_host"] = int(options["same_host"])
+            super().__init__(endpoint, *options.values())
 
-def _register(self: _core.Device, tensor: torch.Tensor) -> MemRegion:
-    """Registers the memory ``tensor`` already owns; the region keeps the tensor alive."""
-    if not isinstance(tensor, torch.Tensor):
-        raise _core.InvalidArgumentError(f"register() takes a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise _core.InvalidArgumentError(
-            f"register() takes host tensors; got one on {tensor.device} (GPU memory needs UCX built with CUDA support)"
-        )
-    if not tensor.is_contiguous():
-        raise _core.InvalidArgumentError("register() needs a contiguous tensor; call .contiguous() first")
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        raise _core.InvalidArgumentError("cannot register an empty tensor")
-    region = self.register_memory(tensor.data_ptr(), nbytes)
-    region._owner = tensor
-    return region
+    def __enter__(self) -> Device:
+        return self
 
+    def __exit__(self, *exc) -> None:
+        self.close()
 
-def _publish_region(self: _core.Device, name: str, region: MemRegion) -> None:
-    """Hands ``region``'s descriptor out under ``name`` through the side RPC."""
-    self.publish(name, region.descriptor())
+    def register(self, tensor: torch.Tensor) -> MemRegion:
+        """Registers the memory ``tensor`` already owns; the region keeps the tensor alive."""
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(f"register() takes a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"register() takes host tensors; got one on {tensor.device} "
+                "(GPU memory needs UCX built with CUDA support)"
+            )
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError("register() needs a contiguous tensor; call .contiguous() first")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            raise InvalidArgumentError("cannot register an empty tensor")
+        region = self.register_memory(tensor.data_ptr(), nbytes)
+        region._owner = tensor
+        return region
 
+    def publish_region(self, name: str, region: MemRegion) -> None:
+        """Hands ``region``'s descriptor out under ``name`` through the side RPC."""
+        self.publish(name, region.descriptor())
 
-def _lookup_region(self: _core.Device, remote_endpoint: str, name: str, timeout: float = -1.0) -> RemoteRegion:
-    """Fetches the descriptor a peer published under ``name``."""
-    return RemoteRegion.from_descriptor(self.lookup(remote_endpoint, name, timeout))
+    def lookup_region(self, remote_endpoint: str, name: str, timeout: float = -1.0) -> RemoteRegion:
+        """Fetches the descriptor a peer published under ``name`` (``timeout`` -1: the device's
+        rpc_timeout)."""
+        return RemoteRegion.from_descriptor(self.lookup(remote_endpoint, name, timeout))
 
+    def create_arena(self, nbytes: int | None = None) -> Arena:
+        """Registers this device's arena (once); ``nbytes`` defaults to $RDMAFLOW_ARENA_BYTES or
+        256 MiB. Asking again returns the same arena."""
+        return create_arena(self, nbytes)
 
-def _enter(self):
-    return self
+    @property
+    def arena(self) -> Arena:
+        """This device's arena, created with the default size on first use."""
+        return arena_of(self)
 
-
-def _exit(self, *exc):
-    self.close()
-
-
-_core.Device.register = _register
-_core.Device.publish_region = _publish_region
-_core.Device.lookup_region = _lookup_region
-_core.Device.__enter__ = _enter
-_core.Device.__exit__ = _exit
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialized tensor born in this device's registered arena: it can be sent with
+        no copy. Its memory returns to the arena when it dies."""
+        return arena_of(self).empty(shape, dtype)
 
 
 def wait_all(futures: Iterable[Future], timeout: float | None = None) -> None:
     """Waits for every future; raises the first error. ``timeout`` bounds the whole wait."""
-    import time
-
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = Deadline(timeout)
     for f in futures:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        f.result(left)
+        f.result(deadline.left())
 
 
-__all__ = ["Channel", "Device", "MemRegion", "RemoteRegion", "wait_all"]
+__all__ = ["Channel", "Device", "Future", "MemRegion", "RemoteRegion", "SameHost", "wait_all"]

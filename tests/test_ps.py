@@ -538,7 +538,7 @@ class _Store:
 
 
 def _word():
-    from rdmaflow.transfer.common import Word
+    from rdmaflow.transfer import Word
 
     return Word(torch.zeros(8, dtype=torch.int64)[:1])
 

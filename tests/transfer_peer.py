@@ -17,7 +17,7 @@ Commands (``op``):
   recv    name, n, seed, [start, sleep, sleep_before, plan, crash_after]
           receives n transfers and checks each against tensor i of the sequence; answers
           received / verified / first_mismatch (also in an error answer: how many came first)
-  send    name, n, seed, [start, in_arena, plan, crash_after, crash_wait, wait_consumed]
+  send    name, n, seed, [start, in_arena, plan, crash_after, crash_wait, wait_consumed, sleep_before]
   forge   remote, name, set     writes a metadata record of a float32[3, 4] tensor, with the
           fields in ``set`` replaced, and its flag, into a DynamicReceiver's next slot
   publish_raw name, hex         publishes arbitrary bytes under ``name``
@@ -188,6 +188,8 @@ def main() -> None:
         static = isinstance(s, StaticSender)
         sent = 0
         for i in range(start, start + n):
+            if cmd.get("sleep_before"):
+                time.sleep(cmd["sleep_before"])  # the receiver waits with nothing to receive meanwhile
             x = expected("static" if static else "dynamic", seed, i, getattr(s, "shape", None),
                          getattr(s, "dtype", None), dtypes, cmd.get("plan"))
             if in_arena:

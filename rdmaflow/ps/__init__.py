@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rdmaflow import _core
+from rdmaflow import Device, InvalidArgumentError, RdmaflowError
 from rdmaflow.ps.context import Role, Store, job_secret, local_address, resolve_role
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES, make_plan
 from rdmaflow.ps.kv import KVHandle, KVStore
@@ -37,7 +37,7 @@ __all__ = ["DistributedOptimizer", "KVHandle", "KVStore", "PSContext", "init", "
 class PSContext:
     role: Role
     store: Store
-    device: _core.Device
+    device: Device
     timeout: float
     step_timeout: float
 
@@ -63,17 +63,15 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     context that ``DistributedOptimizer`` or ``KVStore`` uses. ``kv_handler(key, stored, pushed)``
     is what the shards of a ``KVStore`` job apply to each push (default: ``stored += pushed``)."""
     global _CTX
-    import rdmaflow
-
     if kv_handler is not None and not callable(kv_handler):
-        raise _core.InvalidArgumentError(f"kv_handler must be callable, got {type(kv_handler).__name__}")
+        raise InvalidArgumentError(f"kv_handler must be callable, got {type(kv_handler).__name__}")
     timeout = float(os.environ.get("RDMAFLOW_PS_TIMEOUT", 60.0)) if timeout is None else timeout
     step_timeout = float(os.environ.get("RDMAFLOW_PS_STEP_TIMEOUT", 300.0)) if step_timeout is None else step_timeout
     role = resolve_role()
     secret = job_secret()
     store = Store(role, timeout)
     host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    device = rdmaflow.Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
+    device = Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
     ctx = PSContext(role, store, device, timeout, step_timeout)
     if role.kind == "shard":
         from rdmaflow.ps.kv import KVShard, job_kind
@@ -81,7 +79,7 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
 
         try:
             stats = KVShard(ctx, kv_handler).run() if job_kind(ctx) == "kv" else Shard(ctx).run()
-        except _core.RdmaflowError as e:
+        except RdmaflowError as e:
             print(f"rdmaflow ps: shard {role.index} failed: {e}", file=sys.stderr, flush=True)
             device.close()
             if exit_shards:
@@ -125,9 +123,9 @@ class DistributedOptimizer:
                  log_every: int = 0, progress: bool | None = None, ctx: PSContext | None = None):
         ctx = ctx or _CTX
         if ctx is None:
-            raise _core.InvalidArgumentError("call rdmaflow.ps.init() first")
+            raise InvalidArgumentError("call rdmaflow.ps.init() first")
         if not ctx.is_worker:
-            raise _core.InvalidArgumentError("DistributedOptimizer runs on workers; this process is a shard")
+            raise InvalidArgumentError("DistributedOptimizer runs on workers; this process is a shard")
         if checkpoint_dir is None:
             checkpoint_dir = os.environ.get("RDMAFLOW_CHECKPOINT_DIR") or None
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,

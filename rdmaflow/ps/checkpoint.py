@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from rdmaflow import _core
+from rdmaflow import InvalidArgumentError
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -66,11 +66,11 @@ def load(root: str, step: int, shard: int, num_shards: int, fingerprint: dict) -
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise _core.InvalidArgumentError(f"checkpoint {path} is missing") from None
+        raise InvalidArgumentError(f"checkpoint {path} is missing") from None
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise _core.InvalidArgumentError(f"checkpoint {path} is unreadable: {e}") from None
+        raise InvalidArgumentError(f"checkpoint {path} is unreadable: {e}") from None
     if state.get("fingerprint") != fingerprint:
-        raise _core.InvalidArgumentError(
+        raise InvalidArgumentError(
             f"checkpoint {path} was written by a different job: {state.get('fingerprint')} there, "
             f"{fingerprint} here (the model, placement, block size, shard count and optimizer must match)")
     return state

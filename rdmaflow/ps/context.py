@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import atexit
 import json
-import weakref
 import os
 import secrets
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
-from rdmaflow import _core
+from rdmaflow import InvalidArgumentError, PeerError, RdmaflowError, TimeoutError
 
 PREFIX = "rdmaflow/ps/"
 
@@ -42,14 +42,14 @@ def _env_int(name: str, default: int | None = None) -> int:
     v = os.environ.get(name)
     if v is None or v == "":
         if default is None:
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"${name} is not set: start the job with `rdmaflow launch` or torchrun, or set it yourself"
             )
         return default
     try:
         return int(v)
     except ValueError:
-        raise _core.InvalidArgumentError(f"${name}={v!r} is not an integer") from None
+        raise InvalidArgumentError(f"${name}={v!r} is not an integer") from None
 
 
 def resolve_role() -> Role:
@@ -58,7 +58,7 @@ def resolve_role() -> Role:
     if os.environ.get("RDMAFLOW_ROLE"):
         kind = os.environ["RDMAFLOW_ROLE"]
         if kind not in ("shard", "worker"):
-            raise _core.InvalidArgumentError(f"$RDMAFLOW_ROLE must be 'shard' or 'worker', got {kind!r}")
+            raise InvalidArgumentError(f"$RDMAFLOW_ROLE must be 'shard' or 'worker', got {kind!r}")
         return Role(kind, _env_int("RDMAFLOW_ROLE_INDEX"), _env_int("RDMAFLOW_NUM_SHARDS"),
                     _env_int("RDMAFLOW_NUM_WORKERS"), rank, world)
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -67,7 +67,7 @@ def resolve_role() -> Role:
     nnodes = max(world // max(local_world, 1), 1)
     spn = _env_int("RDMAFLOW_SHARDS_PER_NODE", 1)
     if not 1 <= spn < local_world:
-        raise _core.InvalidArgumentError(
+        raise InvalidArgumentError(
             f"{spn} shards per node leave no worker among {local_world} processes per node: "
             f"start at least {spn + 1} processes per node (rdmaflow launch --nproc-per-node counts workers only)"
         )
@@ -110,7 +110,7 @@ class Store:
             self.store = dist.TCPStore(host, port, role.world_size, is_master,
                                        timeout=timedelta(seconds=timeout), wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - torch raises several types here
-            raise _core.PeerError(
+            raise PeerError(
                 f"cannot reach the job's c10d store at {host}:{port} within {timeout:.0f} s: {e}"
             ) from None
         # The process serving the store outlives the others (bounded), so that a process that
@@ -137,7 +137,7 @@ class Store:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError and others
-            raise _core.PeerError(f"the job's c10d store at {self.address} is unreachable ({what}): {e}") from None
+            raise PeerError(f"the job's c10d store at {self.address} is unreachable ({what}): {e}") from None
 
     def set(self, key: str, value: str) -> None:
         self._call("set", self.store.set, PREFIX + key, value)
@@ -181,13 +181,13 @@ class Store:
                 if self.store.check(full):
                     return
             except Exception as e:  # noqa: BLE001
-                raise _core.PeerError(f"the job's c10d store became unreachable: {e}") from None
+                raise PeerError(f"the job's c10d store became unreachable: {e}") from None
             reason = self.aborted()
             if reason:
-                raise _core.RdmaflowError(f"the job was aborted: {reason}")
+                raise RdmaflowError(f"the job was aborted: {reason}")
             if time.monotonic() > deadline:
                 missing = [k for k in keys if not self.store.check([PREFIX + k])]
-                raise _core.TimeoutError(f"timed out waiting for {missing} in the job's store")
+                raise TimeoutError(f"timed out waiting for {missing} in the job's store")
             time.sleep(0.02)
 
 
@@ -196,7 +196,7 @@ def job_secret() -> str:
     if s:
         return s
     if _env_int("WORLD_SIZE", 1) > 1:
-        raise _core.InvalidArgumentError(
+        raise InvalidArgumentError(
             "RDMAFLOW_JOB_SECRET is not set: every process of a job needs the same secret "
             "(rdmaflow launch sets one; with another launcher, export a random one on every node)"
         )
@@ -207,28 +207,6 @@ def job_secret() -> str:
 
 def dumps(obj) -> str:
     return json.dumps(obj, sort_keys=True)
-
-
-def wait_flag(word, target: int, *, store: "Store", timeout: float, exc: type, on_miss, on_timeout,
-              poll: float = 0.05) -> bool:
-    """Waits until the registered word reaches ``target``: what a worker does for weights and a
-    shard for pushes. Between polls ``on_miss()`` looks at the peer (it raises, or returns True
-    to give up: then this returns False); once a second the job's abort key is read (``exc``
-    names the reason); past ``timeout`` s, ``on_timeout()`` raises."""
-    deadline = time.monotonic() + timeout
-    last_store = time.monotonic()
-    while not word.wait_at_least(target, poll):
-        if on_miss():
-            return False
-        now = time.monotonic()
-        if now - last_store > 1.0:
-            last_store = now
-            reason = store.abort_reason()
-            if reason:
-                raise exc(f"the job was aborted: {reason}")
-        if now > deadline:
-            on_timeout()
-    return True
 
 
 def profile_stream():

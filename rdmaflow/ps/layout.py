@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
-import torch
-
-from rdmaflow import _core
+from rdmaflow import InvalidArgumentError
+from rdmaflow.transfer import FLOAT_DTYPES, dtype_name
 
 POLICIES = ("variable", "block")
 DEFAULT_BLOCK_BYTES = 1 << 20
@@ -24,9 +24,6 @@ DEFAULT_BLOCK_BYTES = 1 << 20
 # that the next forward can start early, few enough that the fences stay cheap.
 MAX_CHUNKS = 32
 MIN_CHUNK_BYTES = 1 << 20
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,7 @@ def spec_of(named_params) -> list[dict]:
     """The model's parameter spec: names, shapes, dtypes, in registration order."""
     out = []
     for name, p in named_params:
-        out.append({"name": name, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")})
+        out.append({"name": name, "shape": list(p.shape), "dtype": dtype_name(p.dtype)})
     return out
 
 
@@ -60,19 +57,28 @@ def spec_digest(spec: list[dict]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def describe_difference(mine: list[dict], theirs: list[dict]) -> str:
-    """A readable first difference between two specs."""
+def describe_difference(mine: Sequence[tuple[object, str]], theirs: Sequence[tuple[object, str]], *,
+                        item: str = "parameter", there: str = "in the job's model") -> str:
+    """The first difference between two declarations, readable: each is a sequence of
+    (name, description) in declaration order, e.g. ("0.weight", "float32[16, 8]"). Different
+    lengths name the extra and missing names; else the first pair that differs is named.
+    ``item`` is what one entry is, ``there`` where the other declaration comes from."""
     if len(mine) != len(theirs):
-        names_m = {p["name"] for p in mine}
-        names_t = {p["name"] for p in theirs}
+        names_m = {n for n, _ in mine}
+        names_t = {n for n, _ in theirs}
         extra, missing = sorted(names_m - names_t), sorted(names_t - names_m)
-        return (f"{len(mine)} parameters here, {len(theirs)} in the job's model"
+        return (f"{len(mine)} {item}s here, {len(theirs)} {there}"
                 + (f"; extra here: {extra[:5]}" if extra else "")
                 + (f"; missing here: {missing[:5]}" if missing else ""))
-    for a, b in zip(mine, theirs):
-        if a != b:
-            return f"parameter {a['name']} {a['dtype']}{a['shape']} here vs {b['name']} {b['dtype']}{b['shape']} in the job's model"
+    for (name_m, desc_m), (name_t, desc_t) in zip(mine, theirs):
+        if (name_m, desc_m) != (name_t, desc_t):
+            return f"{item} {name_m} {desc_m} here vs {name_t} {desc_t} {there}"
     return "no difference"
+
+
+def spec_entries(spec: list[dict]) -> list[tuple[str, str]]:
+    """A model spec as describe_difference takes it: ("0.weight", "float32[16, 8]") per parameter."""
+    return [(p["name"], f"{p['dtype']}{p['shape']}") for p in spec]
 
 
 @dataclass
@@ -87,7 +93,7 @@ class Plan:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return FLOAT_DTYPES[self.dtype].itemsize
 
     def units_of(self, shard: int) -> list[Unit]:
         return [u for u in self.units if u.shard == shard]
@@ -123,18 +129,18 @@ class Plan:
 def make_plan(spec: list[dict], num_shards: int, policy: str = "block",
               block_bytes: int = DEFAULT_BLOCK_BYTES) -> Plan:
     if policy not in POLICIES:
-        raise _core.InvalidArgumentError(f"placement policy must be one of {POLICIES}, got {policy!r}")
+        raise InvalidArgumentError(f"placement policy must be one of {POLICIES}, got {policy!r}")
     if num_shards < 1:
-        raise _core.InvalidArgumentError(f"need at least one shard, got {num_shards}")
+        raise InvalidArgumentError(f"need at least one shard, got {num_shards}")
     if not spec:
-        raise _core.InvalidArgumentError("the model has no parameters")
+        raise InvalidArgumentError("the model has no parameters")
     dtypes = {p["dtype"] for p in spec}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPES:
-        raise _core.InvalidArgumentError(
-            f"parameters must share one floating dtype ({', '.join(DTYPES)}); this model has {sorted(dtypes)}"
+    if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_DTYPES:
+        raise InvalidArgumentError(
+            f"parameters must share one floating dtype ({', '.join(FLOAT_DTYPES)}); this model has {sorted(dtypes)}"
         )
     dtype = next(iter(dtypes))
-    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    itemsize = FLOAT_DTYPES[dtype].itemsize
     params, off = [], 0
     for p in spec:
         numel = 1
@@ -152,7 +158,7 @@ def make_plan(spec: list[dict], num_shards: int, policy: str = "block",
             shard_fill[s] += p.numel
     else:
         if block_bytes < itemsize or block_bytes % itemsize:
-            raise _core.InvalidArgumentError(f"block size {block_bytes} is not a multiple of the element size {itemsize}")
+            raise InvalidArgumentError(f"block size {block_bytes} is not a multiple of the element size {itemsize}")
         per = block_bytes // itemsize
         k = 0
         for start in range(0, total, per):

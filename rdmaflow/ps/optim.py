@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rdmaflow import _core
+from rdmaflow import InvalidArgumentError
 
 SUPPORTED = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 
@@ -15,11 +15,11 @@ SUPPORTED = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.op
 def describe_optimizer(opt: torch.optim.Optimizer) -> dict:
     name = type(opt).__name__
     if name not in SUPPORTED:
-        raise _core.InvalidArgumentError(
+        raise InvalidArgumentError(
             f"the parameter server runs {sorted(SUPPORTED)} on its shards; {name} is not supported"
         )
     if len(opt.param_groups) != 1:
-        raise _core.InvalidArgumentError("the parameter server supports optimizers with one parameter group")
+        raise InvalidArgumentError("the parameter server supports optimizers with one parameter group")
     hp = {}
     for k, v in opt.param_groups[0].items():
         if k == "params":
@@ -38,7 +38,7 @@ def describe_optimizer(opt: torch.optim.Optimizer) -> dict:
 def build_optimizer(desc: dict, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     cls = SUPPORTED.get(desc["name"])
     if cls is None:
-        raise _core.InvalidArgumentError(f"unsupported optimizer {desc['name']!r}")
+        raise InvalidArgumentError(f"unsupported optimizer {desc['name']!r}")
     hp = dict(desc["hyper"])
     for k in ("betas",):
         if k in hp and isinstance(hp[k], list):

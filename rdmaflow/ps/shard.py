@@ -9,20 +9,19 @@ import time
 
 import torch
 
-from rdmaflow import _core
+from rdmaflow import READ, WRITE, RdmaflowError, RemoteRegion, wait_all
+from rdmaflow.deadline import Deadline
 from rdmaflow.ps import checkpoint
-from rdmaflow.ps.context import profile_stream, wait_flag
-from rdmaflow.ps.layout import DTYPES, MIN_CHUNK_BYTES, make_plan, spec_digest
+from rdmaflow.ps.context import profile_stream
+from rdmaflow.ps.layout import MIN_CHUNK_BYTES, make_plan, spec_digest
 from rdmaflow.ps.optim import build_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
-from rdmaflow.transfer.common import Word, pack_header, unpack_header
+from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 
-W = _core.Direction.WRITE
-R = _core.Direction.READ
 POLL = 0.05
 
 
-class ShardFailure(_core.RdmaflowError):
+class ShardFailure(RdmaflowError):
     pass
 
 
@@ -54,7 +53,7 @@ class Shard:
         self.plan = make_plan(spec, role.num_shards, self.config["policy"], int(self.config["block_bytes"]))
         self.units = self.plan.units_of(self.id)
         self.chunks = self.plan.chunks_of(self.id, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES))
-        self.dtype = DTYPES[self.plan.dtype]
+        self.dtype = FLOAT_DTYPES[self.plan.dtype]
         self.itemsize = self.plan.itemsize
         n = self.plan.shard_numel(self.id)
         self.numel = n
@@ -73,8 +72,8 @@ class Shard:
         self.weights = view(L.weights)
         self.aggregate = view(L.aggregate)
         self.gslots = [[view(L.gslot(w, k)) for k in range(L.slots)] for w in range(self.nw)]
-        self.push = [Word(raw[L.push + FLAG * w : L.push + FLAG * w + 8].view(torch.int64)) for w in range(self.nw)]
-        self.pull = [Word(raw[L.pull + FLAG * w : L.pull + FLAG * w + 8].view(torch.int64)) for w in range(self.nw)]
+        self.push = [Word.at(raw, L.push + FLAG * w) for w in range(self.nw)]
+        self.pull = [Word.at(raw, L.pull + FLAG * w) for w in range(self.nw)]
         self.reply_src = [raw[L.reply_src_at(w, 0) : L.reply_src_at(w + 1, 0)].view(torch.int64) for w in range(self.nw)]
         # Where this job starts: step 0, or the latest complete checkpoint when resuming.
         if self.id == 0:
@@ -100,7 +99,7 @@ class Shard:
             ep = store.get(f"ep/worker/{w}")
             store.wait([f"ready/worker/{w}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/worker"), "ps/worker")
-            self.workers.append({"ep": ep, "remote": _core.RemoteRegion.from_descriptor(desc),
+            self.workers.append({"ep": ep, "remote": RemoteRegion.from_descriptor(desc),
                                  "base": int(meta["base"]), "layout": WorkerLayout.from_dict(meta["layout"]),
                                  "channel": self.dev.channel(ep)})
         self.region = arena.region
@@ -129,8 +128,8 @@ class Shard:
             w0 = self.workers[0]
             futs = [w0["channel"].memcpy(arena.region, self.base + L.weights + u.shard_offset * self.itemsize,
                                          w0["remote"], w0["base"] + w0["layout"].params_at(0) + u.offset * self.itemsize,
-                                         u.numel * self.itemsize, R) for u in self.units]
-            _core_wait(futs, self.ctx.timeout)
+                                         u.numel * self.itemsize, READ) for u in self.units]
+            wait_all(futs, self.ctx.timeout)
         self.applied = [self.start] * self.nw
         self.answered = [self.start] * self.nw
         self.done = [False] * self.nw
@@ -176,7 +175,7 @@ class Shard:
         futs = self._reply_futs[w]
         for u in (self.chunks[k - 1] if k else []):
             futs.append(ch.memcpy(self.region, self.base + self.layout.weights + u.shard_offset * isz,
-                                  remote, dst + u.offset * isz, u.numel * isz, W))
+                                  remote, dst + u.offset * isz, u.numel * isz, WRITE))
         futs.append(self._flag(w, k, progress(version, k)))
 
     def _flag(self, w: int, k: int, value: int):
@@ -184,7 +183,7 @@ class Shard:
         info["channel"].fence()
         self.reply_src[w][k] = value
         return info["channel"].memcpy(self.region, self.base + self.layout.reply_src_at(w, k), info["remote"],
-                                      info["base"] + info["layout"].reply + FLAG * self.id, 8, W)
+                                      info["base"] + info["layout"].reply + FLAG * self.id, 8, WRITE)
 
     def _worker_died(self, w: int) -> bool:
         """Whether worker w is gone. Survivors go on (iRDMA §IV-D) while at least min_workers
@@ -214,8 +213,9 @@ class Shard:
         def too_late():
             raise ShardFailure(f"worker {w} pushed nothing for step {t} within {self.ctx.step_timeout:.0f} s")
 
-        if wait_flag(self.push[w], t, store=self.store, timeout=self.ctx.step_timeout, exc=ShardFailure,
-                     on_miss=lambda: self._worker_died(w), on_timeout=too_late, poll=POLL):
+        if wait_flag(self.push[w], t, Deadline(self.ctx.step_timeout), f"the push of worker {w} for step {t}",
+                     give_up=lambda: self._worker_died(w), abort_reason=self.store.abort_reason,
+                     aborted=ShardFailure, on_timeout=too_late, poll=POLL):
             return self.push[w].get()
         return None
 
@@ -374,7 +374,7 @@ class Shard:
             reason = f"shard {self.id}: {e}"
             self.store.abort(reason)
             self._abort_workers()
-            if isinstance(e, _core.RdmaflowError):
+            if isinstance(e, RdmaflowError):
                 raise
             raise ShardFailure(reason) from e
 
@@ -385,14 +385,9 @@ class Shard:
             try:
                 self.reply_src[w].fill_(ABORT)
                 info["channel"].memcpy(self.region, self.base + self.layout.reply_src_at(w, 0), info["remote"],
-                                       info["base"] + info["layout"].reply + FLAG * self.id, 8, W).wait(1.0)
+                                       info["base"] + info["layout"].reply + FLAG * self.id, 8, WRITE).wait(1.0)
             except Exception:  # noqa: BLE001 - best effort while failing
                 pass
-
-
-def _core_wait(futs, timeout: float) -> None:
-    for f in futs:
-        f.result(timeout)
 
 
 def shard_threads() -> int:

@@ -24,21 +24,22 @@ import time
 from bisect import bisect_right
 
 import torch
+from tqdm import tqdm
 
-from rdmaflow import _core
-from rdmaflow.ps.context import profile_stream, wait_flag
-from rdmaflow.ps.layout import DTYPES, MIN_CHUNK_BYTES, describe_difference, make_plan, spec_of
+from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
+from rdmaflow.deadline import Deadline
+from rdmaflow.ps.context import profile_stream
+from rdmaflow.ps.layout import MIN_CHUNK_BYTES, describe_difference, make_plan, spec_entries, spec_of
 from rdmaflow.ps.optim import describe_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
-from rdmaflow.transfer.common import Word, pack_header, unpack_header
+from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 
-W = _core.Direction.WRITE
 POLL = 0.05
 MODES = ("sync", "async", "bounded")
 EMA = 0.3  # weight of the newest sample in the moving averages of adaptive pulling
 
 
-class WorkerFailure(_core.RdmaflowError):
+class WorkerFailure(RdmaflowError):
     pass
 
 
@@ -51,18 +52,18 @@ class Worker:
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  log_every: int = 0, progress: bool | None = None):
         if mode not in MODES:
-            raise _core.InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "bounded" and staleness < 0:
-            raise _core.InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
+            raise InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
         nw = ctx.role.num_workers
         if min_workers is None and os.environ.get("RDMAFLOW_MIN_WORKERS"):
             min_workers = int(os.environ["RDMAFLOW_MIN_WORKERS"])  # rdmaflow launch --min-workers
         if min_workers is not None and not 1 <= min_workers <= nw:
-            raise _core.InvalidArgumentError(f"min_workers must be between 1 and the {nw} workers, got {min_workers}")
+            raise InvalidArgumentError(f"min_workers must be between 1 and the {nw} workers, got {min_workers}")
         if checkpoint_every < 0:
-            raise _core.InvalidArgumentError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+            raise InvalidArgumentError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if checkpoint_every and not checkpoint_dir:
-            raise _core.InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
+            raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
         self.ctx = ctx
         self.role = ctx.role
         self.id = ctx.role.index
@@ -105,14 +106,15 @@ class Worker:
             store.set("spec", json.dumps(spec))
         job_spec = json.loads(store.get("spec"))
         if spec != job_spec:
-            raise WorkerFailure(f"worker {self.id}'s model differs from the job's: {describe_difference(spec, job_spec)}")
+            raise WorkerFailure(f"worker {self.id}'s model differs from the job's: "
+                                f"{describe_difference(spec_entries(spec), spec_entries(job_spec))}")
         cfg = json.loads(store.get("config"))
         for k in ("mode", "policy", "overlap"):
             if cfg[k] != mine[k]:
                 raise WorkerFailure(f"worker {self.id} asks for {k}={mine[k]}; the job runs {k}={cfg[k]}")
         self.cfg = cfg
         self.plan = plan = make_plan(spec, self.role.num_shards, cfg["policy"], int(cfg["block_bytes"]))
-        self.dtype = DTYPES[plan.dtype]
+        self.dtype = FLOAT_DTYPES[plan.dtype]
         isz = self.itemsize = plan.itemsize
         # Asynchronous overlap computes on one parameter buffer while the other fills.
         self.switching = self.overlap and self.mode != "sync"
@@ -144,8 +146,7 @@ class Worker:
                     p.data = self._pview(0, info)
                     p.grad = self._gview(0, info)
                 self._params.append((p, info))
-        self.reply = [Word(raw[L.reply + FLAG * s : L.reply + FLAG * s + 8].view(torch.int64))
-                      for s in range(self.role.num_shards)]
+        self.reply = [Word.at(raw, L.reply + FLAG * s) for s in range(self.role.num_shards)]
         self.push_src = [raw[L.push_src + FLAG * s : L.push_src + FLAG * s + 8].view(torch.int64)
                          for s in range(self.role.num_shards)]
         self.pull_src = [raw[L.pull_src + FLAG * s : L.pull_src + FLAG * s + 8].view(torch.int64)
@@ -158,7 +159,7 @@ class Worker:
             ep = store.get(f"ep/shard/{s}")
             store.wait([f"ready/shard/{s}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/shard"), "ps/shard")
-            self.shards.append({"ep": ep, "remote": _core.RemoteRegion.from_descriptor(desc), "base": int(meta["base"]),
+            self.shards.append({"ep": ep, "remote": RemoteRegion.from_descriptor(desc), "base": int(meta["base"]),
                                 "layout": ShardLayout.from_dict(meta["layout"]), "channel": self.dev.channel(ep)})
         # A resumed job continues counting from its checkpoint's step; flags and versions count
         # absolute steps, so the initial weights are version start_step + 1.
@@ -192,6 +193,9 @@ class Worker:
             self._request_pull(S + 1, 0.0)
         if self.overlap:
             self._install_hooks()
+        # Off unless stderr is a terminal (progress=None), so that logs stay free of bars.
+        self._bar = tqdm(desc=f"rdmaflow ps worker {self.id}", unit="step", initial=S, file=sys.stderr,
+                         disable=not self.progress, dynamic_ncols=True)
         self._t0 = time.monotonic()
         self._compute_start = self._t0
 
@@ -261,14 +265,14 @@ class Worker:
                     raise WorkerFailure(f"the job was aborted: {reason}")
                 msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
                 self.store.abort(msg)
-                raise _core.PeerError(msg)
+                raise PeerError(msg)
             return False
 
         def too_late():
-            raise _core.TimeoutError(f"shard {s} did not deliver {what} within {self.ctx.step_timeout:.0f} s")
+            raise TimeoutError(f"shard {s} did not deliver {what} within {self.ctx.step_timeout:.0f} s")
 
-        wait_flag(word, target, store=self.store, timeout=self.ctx.step_timeout, exc=WorkerFailure,
-                  on_miss=shard_gone, on_timeout=too_late, poll=POLL)
+        wait_flag(word, target, Deadline(self.ctx.step_timeout), what, give_up=shard_gone,
+                  abort_reason=self.store.abort_reason, aborted=WorkerFailure, on_timeout=too_late, poll=POLL)
         if word.get() >= ABORT:
             raise WorkerFailure(f"the job was aborted: {self.store.aborted() or 'by a shard'}")
 
@@ -336,7 +340,7 @@ class Worker:
         isz = self.itemsize
         slot = sh["base"] + sh["layout"].gslot(self.id, t) + unit.shard_offset * isz
         f = sh["channel"].memcpy(self.region, self.base + self.layout.grads_at(self.gbuf) + unit.offset * isz,
-                                 sh["remote"], slot, unit.numel * isz, W)
+                                 sh["remote"], slot, unit.numel * isz, WRITE)
         self._cur_futs.append(f)
         self._pushed.add(u)
 
@@ -364,7 +368,7 @@ class Worker:
                 ch.fence()
                 self.push_src[s].fill_(t)
                 futs.append(ch.memcpy(self.region, self.base + self.layout.push_src + FLAG * s, sh["remote"],
-                                      sh["base"] + sh["layout"].push + FLAG * self.id, 8, W))
+                                      sh["base"] + sh["layout"].push + FLAG * self.id, 8, WRITE))
             self._push_futs[self.gbuf].extend(self._cur_futs + futs)
             self._cur_futs = []
             self._pushed = set()
@@ -387,16 +391,17 @@ class Worker:
                     sh["channel"].fence()  # after this worker's latest push flag
                     self.pull_src[s].fill_(r)
                     sh["channel"].memcpy(self.region, self.base + self.layout.pull_src + FLAG * s, sh["remote"],
-                                         sh["base"] + sh["layout"].pull + FLAG * self.id, 8, W)
-                except _core.RdmaflowError:
+                                         sh["base"] + sh["layout"].pull + FLAG * self.id, 8, WRITE)
+                except RdmaflowError:
                     pass  # the wait for the weights reports the shard
-            # The communication thread sees the pull land: its latency feeds the bubble.
-            target = [progress(r + 1, n) for n in self.nchunks]
-            deadline = requested + self.ctx.step_timeout
-            while time.monotonic() < deadline and not self._closed:
-                if all(self.reply[s].wait_at_least(target[s], POLL) for s in range(len(target))):
-                    self._last_pull_latency = time.monotonic() - requested
+            # The communication thread sees the pull land: its latency feeds the bubble. A shard
+            # that fails to deliver is reported by the step that waits for these weights.
+            deadline = Deadline(self.ctx.step_timeout)
+            for s, n in enumerate(self.nchunks):
+                if not wait_flag(self.reply[s], progress(r + 1, n), deadline, f"pull {r} from shard {s}",
+                                 give_up=lambda: self._closed, on_timeout=lambda: None, poll=POLL):
                     return
+            self._last_pull_latency = time.monotonic() - requested
 
         self._last_pull_latency = None
         self._pull_timer = threading.Timer(max(delay, 0.0), send)
@@ -431,7 +436,7 @@ class Worker:
         """Pushes this step's gradients to the shards. Without overlap it waits for the new
         weights; with overlap the next forward (sync) or the buffer switch (async) does."""
         if self._closed:
-            raise _core.InvalidArgumentError("this parameter-server worker is closed")
+            raise InvalidArgumentError("this parameter-server worker is closed")
         t0 = time.monotonic()
         compute = t0 - self._compute_start
         self._avg_compute = compute if self._avg_compute is None else (1 - EMA) * self._avg_compute + EMA * compute
@@ -477,11 +482,9 @@ class Worker:
     def _report(self, t: int) -> None:
         done = t - self.start_step
         elapsed = max(time.monotonic() - self._t0, 1e-9)
-        if self.progress and (done == 1 or t % 10 == 0):
-            rate = done / elapsed
-            sys.stderr.write(f"\r[rdmaflow ps] worker {self.id} step {t} | {rate:.1f} steps/s | "
-                             f"{rate * self.bytes_per_step / 1e9:.2f} GB/s   ")
-            sys.stderr.flush()
+        self._bar.update(1)
+        if self.progress and t % 10 == 0:
+            self._bar.set_postfix_str(f"{done / elapsed * self.bytes_per_step / 1e9:.2f} GB/s", refresh=False)
         if self.log_every and t % self.log_every == 0:
             n, last = self.log_every, self._logged
             ms = {k: 1e3 * (self.profile[k] - last[k]) / n for k in ("step_push", "step_wait", "compute")}
@@ -505,8 +508,7 @@ class Worker:
             h.remove()
         if self._pull_timer is not None:
             self._pull_timer.join()
-        if self.progress:
-            sys.stderr.write("\n")
+        self._bar.close()
         try:
             if self.switching:
                 # The pull asked for last must land before DONE: nothing writes here after it.
@@ -521,7 +523,7 @@ class Worker:
                 self.push_src[s].fill_(DONE)
                 sh["channel"].fence()
                 futs.append(sh["channel"].memcpy(self.region, self.base + self.layout.push_src + FLAG * s, sh["remote"],
-                                                 sh["base"] + sh["layout"].push + FLAG * self.id, 8, W))
+                                                 sh["base"] + sh["layout"].push + FLAG * self.id, 8, WRITE))
             for f in futs:
                 f.wait(5.0)
 

@@ -1,23 +1,42 @@
-"""Zero-copy tensor transfer over the device (seed 000 §3.2-§3.4).
+"""Zero-copy tensor transfer over the device (Xue et al., EuroSys '19, §3.2-§3.4).
 
 - ``Arena`` / ``device.empty(shape, dtype)``: one registered region per device, carved up by an
-  allocator, so tensors that will be sent are born in registered memory.
+  allocator, so tensors that will be sent are born in registered memory (rdmaflow.arena).
 - ``StaticSender`` / ``StaticReceiver``: fixed shape and dtype, preallocated destination,
   one-sided WRITE of data, fence, flag; reused every iteration with no handshake.
 - ``DynamicSender`` / ``DynamicReceiver``: any shape; fixed-size metadata written, the receiver
   allocates and READs the data.
+- ``receiver.poll()`` and ``wait_any(receivers)``: whether a transfer has landed, and the
+  first of several to land.
+
+The building blocks the upper layers share: ``Word`` and ``wait_flag`` (8-byte flags in
+registered memory and the one loop that waits on them), ``pack_header`` / ``unpack_header``
+(what a receiver publishes under its name), and the dtype table (``FLOAT_DTYPES``,
+``dtype_name``, ``dtype_code``).
 """
-from rdmaflow.transfer.arena import Arena, arena_of, create_arena
+from rdmaflow.arena import Arena, arena_of, create_arena
+from rdmaflow.transfer.common import pack_header, unpack_header
+from rdmaflow.transfer.dtypes import FLOAT_DTYPES, describe, dtype_code, dtype_name
 from rdmaflow.transfer.dynamic import MAX_RANK, DynamicReceiver, DynamicSender
+from rdmaflow.transfer.flag import Word, wait_any, wait_flag
 from rdmaflow.transfer.static import StaticReceiver, StaticSender
 
 __all__ = [
     "Arena",
     "DynamicReceiver",
     "DynamicSender",
+    "FLOAT_DTYPES",
     "MAX_RANK",
     "StaticReceiver",
     "StaticSender",
+    "Word",
     "arena_of",
     "create_arena",
+    "describe",
+    "dtype_code",
+    "dtype_name",
+    "pack_header",
+    "unpack_header",
+    "wait_any",
+    "wait_flag",
 ]

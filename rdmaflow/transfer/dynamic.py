@@ -15,9 +15,11 @@ import struct
 
 import torch
 
-from rdmaflow import _core
-from rdmaflow.transfer.common import CODE_DTYPE, KIND_DYNAMIC, check_tensor, dtype_code
-from rdmaflow.transfer.pair import Receiver, Sender, _deadline, _left
+from rdmaflow import READ, WRITE, Future, InvalidArgumentError
+from rdmaflow.deadline import Deadline
+from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor
+from rdmaflow.transfer.dtypes import CODE_DTYPE, dtype_code
+from rdmaflow.transfer.pair import Receiver, Sender
 
 MAX_RANK = 8
 RECORD = struct.Struct("<QII8qQQQ")
@@ -52,7 +54,7 @@ class DynamicReceiver(Receiver):
             numel = 1
             for d in dims[:rank]:
                 numel *= d
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             if numel * itemsize != nbytes:
                 bad = f"{nbytes} bytes do not match {dtype}{list(dims[:rank])}"
             elif nbytes and src_region != sender_arena.region_id:
@@ -61,13 +63,13 @@ class DynamicReceiver(Receiver):
                 bad = (f"it names bytes [{src_off}, {src_off + nbytes}) outside the sender's registered "
                        f"arena of {sender_arena.nbytes} bytes")
         if bad is not None:
-            raise _core.InvalidArgumentError(f"malformed metadata record for transfer {k} on '{self.name}': {bad}")
+            raise InvalidArgumentError(f"malformed metadata record for transfer {k} on '{self.name}': {bad}")
         return dtype, tuple(dims[:rank]), nbytes, src_off
 
     def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
         """Waits for the next transfer, allocates its tensor in the arena and READs the data in."""
         timeout = self.timeout if timeout == -1.0 else timeout
-        deadline = _deadline(timeout)
+        deadline = Deadline(timeout)
         k = self.seq + 1
         slot = self._wait_flag(k, deadline)
         channel, sender_arena, _ = self._connect_sender(deadline)
@@ -75,7 +77,7 @@ class DynamicReceiver(Receiver):
         out = self.arena.empty(shape, dtype)
         if nbytes:
             off = self.arena.offset_of(out)
-            channel.memcpy(self.arena.region, off, sender_arena, src_off, nbytes, _core.Direction.READ).result(_left(deadline))
+            channel.memcpy(self.arena.region, off, sender_arena, src_off, nbytes, READ).result(deadline.left())
         self.seq = k
         self._ack(k, deadline)  # the sender may release its buffer; the slot may be rewritten
         return out
@@ -89,7 +91,7 @@ class DynamicSender(Sender):
     def __init__(self, device, remote_endpoint: str, name: str, mode: str = "auto", qp_idx: int = 0,
                  timeout: float | None = 60.0):
         if mode not in MODES:
-            raise _core.InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         super().__init__(device, remote_endpoint, name, qp_idx, timeout)
         self.mode = mode
         self._records = self.arena.allocate(RECORD_BYTES * self.depth)
@@ -100,7 +102,7 @@ class DynamicSender(Sender):
         for k in [k for k in self._held if k <= done]:
             del self._held[k]
 
-    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0) -> _core.Future:
+    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0) -> Future:
         """Writes the metadata record of ``tensor`` and its flag; the receiver READs the data.
 
         The buffer read by the receiver is held until it acknowledges. With zero copy that is
@@ -110,19 +112,19 @@ class DynamicSender(Sender):
         check_tensor(tensor)
         code = dtype_code(tensor.dtype)
         if tensor.dim() > MAX_RANK:
-            raise _core.InvalidArgumentError(f"rank {tensor.dim()} exceeds the maximum of {MAX_RANK}")
+            raise InvalidArgumentError(f"rank {tensor.dim()} exceeds the maximum of {MAX_RANK}")
         with self._send_lock:
             return self._send(tensor, code, timeout)
 
     def _validate(self, meta: dict) -> None:
         if meta.get("record") != RECORD_BYTES or meta.get("max_rank") != MAX_RANK or self.r_stride < RECORD_BYTES:
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"the header published as '{self.name}' describes records this sender does not write "
                 f"(record {meta.get('record')!r}, max_rank {meta.get('max_rank')!r}, stride {self.r_stride})"
             )
 
-    def _send(self, tensor: torch.Tensor, code: int, timeout: float | None) -> _core.Future:
-        deadline = _deadline(timeout)
+    def _send(self, tensor: torch.Tensor, code: int, timeout: float | None) -> Future:
+        deadline = Deadline(timeout)
         k = self.seq + 1
         slot = self._wait_credit(k, deadline)
         self._release_consumed()
@@ -132,7 +134,7 @@ class DynamicSender(Sender):
             off = None if self.mode == "copy" else self.arena.offset_of(tensor)
             if off is None:
                 if self.mode == "zerocopy":
-                    raise _core.InvalidArgumentError(
+                    raise InvalidArgumentError(
                         "zero-copy send needs a tensor that lives in the registered arena: allocate it "
                         "with device.empty(shape, dtype), or use mode='copy'"
                     )
@@ -143,11 +145,11 @@ class DynamicSender(Sender):
         rec = RECORD.pack(k, code, tensor.dim(), *dims, nbytes, off, self.arena.region.id)
         prev = self._pending[slot]
         if prev is not None:
-            prev[0].result(_left(deadline))  # the record cell of this slot is free again
+            prev[0].result(deadline.left())  # the record cell of this slot is free again
         cell = torch.frombuffer(self._records, dtype=torch.uint8, count=RECORD_BYTES * self.depth)
         cell[slot * RECORD_BYTES : slot * RECORD_BYTES + RECORD.size] = torch.frombuffer(bytearray(rec), dtype=torch.uint8)
         self.channel.memcpy(self.arena.region, self._records.offset + slot * RECORD_BYTES, self.remote,
-                            self.r_base + self.r_data + slot * self.r_stride, RECORD.size, _core.Direction.WRITE)
+                            self.r_base + self.r_data + slot * self.r_stride, RECORD.size, WRITE)
         f = self._post_flag(k, slot)
         self._pending[slot] = (f, None)
         self._held[k] = src

@@ -16,58 +16,30 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import torch
 
-from rdmaflow import _core
+from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion
+from rdmaflow.deadline import Deadline
 from rdmaflow.transfer.common import (
     CTL_BYTES,
     FLAG_STRIDE,
     Endpoint,
     SenderIntro,
-    Word,
     align,
     pack_header,
     unpack_header,
 )
+from rdmaflow.transfer.flag import Word, wait_flag
 
-WAIT_SLICE = 0.05  # seconds between liveness checks while waiting on a word
 ACK_CELLS = 16
 CLOSED = 1 << 62  # ack value a closing receiver leaves for its sender
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def wait_word(word: Word, value: int, deadline: float | None, channel, what: str) -> None:
-    """Waits until ``word >= value``; raises PeerError if the peer's channel fails, TimeoutError
-    at the deadline. ``channel`` is a Channel, None, or a callable returning either."""
-    while True:
-        left = _left(deadline)
-        step = WAIT_SLICE if left is None else min(WAIT_SLICE, left)
-        if word.wait_at_least(value, step):
-            return
-        ch = channel() if callable(channel) else channel
-        if ch is not None and ch.failed:
-            raise _core.PeerError(f"{what}: {channel_error(ch)}")
-        if deadline is not None and time.monotonic() >= deadline:
-            raise _core.TimeoutError(f"timed out {what}")
-
-
-def channel_error(channel) -> str:
-    return f"peer {channel.remote_endpoint} failed"
 
 
 def _int_field(meta: dict, key: str, name: str, lo: int = 0, hi: int = 1 << 62) -> int:
     v = meta.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise _core.InvalidArgumentError(
+        raise InvalidArgumentError(
             f"the header published as '{name}' has a bad '{key}' field: {v!r} (want an integer in [{lo}, {hi}])"
         )
     return v
@@ -81,7 +53,7 @@ class Receiver(Endpoint):
     def __init__(self, device, name: str, depth: int, slot_bytes: int, meta: dict, timeout: float | None):
         super().__init__(device, name, timeout)
         if depth < 1:
-            raise _core.InvalidArgumentError(f"depth must be at least 1, got {depth}")
+            raise InvalidArgumentError(f"depth must be at least 1, got {depth}")
         self.depth = depth
         self.slot_stride = align(max(slot_bytes, 1))
         self.ctl_off = FLAG_STRIDE * depth
@@ -92,8 +64,8 @@ class Receiver(Endpoint):
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
         raw[: self.data_off].zero_()
         self._raw = raw
-        self.flags = [Word(raw[FLAG_STRIDE * i : FLAG_STRIDE * i + 8].view(torch.int64)) for i in range(depth)]
-        self.ctl_ready = Word(raw[self.ctl_off : self.ctl_off + 8].view(torch.int64))
+        self.flags = [Word.at(raw, FLAG_STRIDE * i) for i in range(depth)]
+        self.ctl_ready = Word.at(raw, self.ctl_off)
         # Registered sources for ack WRITEs; a cell is reused only after its WRITE completed.
         self._ack_block = self.arena.allocate(8 * ACK_CELLS)
         self._ack_cells = torch.frombuffer(self._ack_block, dtype=torch.int64, count=ACK_CELLS)
@@ -107,16 +79,16 @@ class Receiver(Endpoint):
         device.publish(name, pack_header(header, self.arena.region.descriptor()))
 
     # -- the sender's side of the link -------------------------------------------------------
-    def _connect_sender(self, deadline: float | None):
+    def _connect_sender(self, deadline: Deadline):
         if self._sender is not None:
             return self._sender
-        wait_word(self.ctl_ready, 1, deadline, None, f"waiting for a sender to introduce itself to '{self.name}'")
+        wait_flag(self.ctl_ready, 1, deadline, f"waiting for a sender to introduce itself to '{self.name}'")
         self._generation = self.ctl_ready.get()
         raw = bytes(self._raw[self.ctl_off + 8 : self.data_off].numpy())
         endpoint, desc, ack_off = SenderIntro.decode(raw)
-        remote = _core.RemoteRegion.from_descriptor(desc)
+        remote = RemoteRegion.from_descriptor(desc)
         if ack_off < 0 or ack_off + 8 > remote.nbytes:
-            raise _core.InvalidArgumentError(f"sender introduction names an ack word outside its arena ({ack_off})")
+            raise InvalidArgumentError(f"sender introduction names an ack word outside its arena ({ack_off})")
         channel = self.device.channel(endpoint)
         self._sender = (channel, remote, ack_off)
         return self._sender
@@ -125,45 +97,57 @@ class Receiver(Endpoint):
     def sender_channel(self):
         return None if self._sender is None else self._sender[0]
 
-    def _ack(self, k: int, deadline: float | None) -> None:
+    def _ack(self, k: int, deadline: Deadline) -> None:
         channel, remote, ack_off = self._connect_sender(deadline)
         i = self._ack_next
         self._ack_next = (i + 1) % ACK_CELLS
         prev = self._ack_futures[i]
         if prev is not None:
-            prev.result(_left(deadline))
+            prev.result(deadline.left())
         self._ack_cells[i] = k
         off = self._ack_block.offset + 8 * i
         # Acks must land in order: a late smaller one would take credits back for good.
         channel.fence()
-        self._ack_futures[i] = channel.memcpy(self.arena.region, off, remote, ack_off, 8, _core.Direction.WRITE)
+        self._ack_futures[i] = channel.memcpy(self.arena.region, off, remote, ack_off, 8, WRITE)
         self.acked = k
 
     def release(self) -> None:
         """Tells the sender the last received transfer is consumed; its slot may be rewritten."""
         if self.acked < self.seq:
-            self._ack(self.seq, _deadline(self.timeout))
+            self._ack(self.seq, Deadline(self.timeout))
 
     def _sender_if_known(self):
         """The channel to the sender once it has introduced itself, connecting on first sight,
         so that a wait notices the sender's death."""
         if self._sender is None and self.ctl_ready.get() >= 1:
-            self._connect_sender(None)
+            self._connect_sender(Deadline(None))
         elif self._sender is not None and self.ctl_ready.get() != self._generation:
-            raise _core.RdmaflowError(
+            raise RdmaflowError(
                 f"a second sender introduced itself to '{self.name}': a receiver pairs with one sender"
             )
         return self.sender_channel
 
-    def _wait_flag(self, k: int, deadline: float | None) -> int:
+    def _wait_flag(self, k: int, deadline: Deadline) -> int:
         slot = (k - 1) % self.depth
-        wait_word(self.flags[slot], k, deadline, self._sender_if_known, f"waiting for transfer {k} on '{self.name}'")
+        wait_flag(self.flags[slot], k, deadline, f"waiting for transfer {k} on '{self.name}'", peer=self._sender_if_known)
         # The sender that wrote this transfer introduced itself before it: latch it now.
         self._sender_if_known()
         v = self.flags[slot].get()
         if v != k:
-            raise _core.RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
+            raise RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
         return slot
+
+    def poll(self) -> bool:
+        """Whether the next transfer has landed (its flag is set, so ``recv()`` returns at once).
+        Never blocks and consumes nothing; raises PeerError when it has not landed and the
+        sender's channel failed."""
+        k = self.seq + 1
+        if self.flags[(k - 1) % self.depth].get() >= k:
+            return True
+        channel = self._sender_if_known()
+        if channel is not None and channel.failed:
+            raise PeerError(f"'{self.name}' waits for transfer {k}: peer {channel.remote_endpoint} failed")
+        return False
 
     def close(self) -> None:
         """Unpublishes, tells a connected sender that the receiver is gone, and keeps the
@@ -174,12 +158,12 @@ class Receiver(Endpoint):
         self.closed = True
         try:
             self.device.unpublish(self.name)
-        except _core.RdmaflowError:
+        except RdmaflowError:
             pass
         if self._sender is not None and not self._sender[0].failed:
             try:
-                self._ack(CLOSED, _deadline(1.0))
-            except _core.RdmaflowError:
+                self._ack(CLOSED, Deadline(1.0))
+            except RdmaflowError:
                 pass
         for f in self._ack_futures:
             if f is not None:
@@ -197,15 +181,15 @@ class Sender(Endpoint):
 
     def __init__(self, device, remote_endpoint: str, name: str, qp_idx: int, timeout: float | None):
         super().__init__(device, name, timeout)
-        deadline = _deadline(timeout)
+        deadline = Deadline(timeout)
         value = device.lookup(remote_endpoint, name, -1.0 if timeout is None else timeout)
         meta, desc = unpack_header(value, name)
         if meta.get("kind") != self.kind:
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"'{name}' at {remote_endpoint} is a {meta.get('kind')} receiver, not a {self.kind} one"
             )
         self.meta = meta
-        self.remote = _core.RemoteRegion.from_descriptor(desc)
+        self.remote = RemoteRegion.from_descriptor(desc)
         self.remote_endpoint = remote_endpoint
         self.depth = _int_field(meta, "depth", name, 1, 1 << 16)
         self.r_base = _int_field(meta, "base", name)
@@ -214,7 +198,7 @@ class Sender(Endpoint):
         self.r_stride = _int_field(meta, "stride", name, 1)
         if (self.r_ctl < FLAG_STRIDE * self.depth or self.r_data < self.r_ctl + CTL_BYTES
                 or self.r_base + self.r_data + self.r_stride * self.depth > self.remote.nbytes):
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"the header published as '{name}' lays out its slots outside its region"
             )
         # Everything the subclass needs from the header is checked before the receiver is
@@ -231,7 +215,7 @@ class Sender(Endpoint):
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
         raw.zero_()
         self._raw = raw
-        self.ack = Word(raw[0:8].view(torch.int64))
+        self.ack = Word.at(raw, 0)
         self._flag_src = [raw[self._flags_off + FLAG_STRIDE * i : self._flags_off + FLAG_STRIDE * i + 8].view(torch.int64)
                           for i in range(self.depth)]
         self.seq = 0
@@ -244,29 +228,28 @@ class Sender(Endpoint):
     def _off(self, local: int) -> int:
         return self.block.offset + local
 
-    def _introduce(self, deadline: float | None) -> None:
+    def _introduce(self, deadline: Deadline) -> None:
         intro = SenderIntro.encode(self.device.endpoint, self.arena.region.descriptor(), self._off(0))
         self._raw[self._intro_off : self._intro_off + len(intro)] = torch.frombuffer(bytearray(intro), dtype=torch.uint8)
         # A fresh generation number, so that the receiver notices if another sender takes over.
         generation = int.from_bytes(os.urandom(7), "little") | 1
         self._raw[self._one_off : self._one_off + 8].view(torch.int64).fill_(generation)
-        W = _core.Direction.WRITE
         region = self.arena.region
-        self.channel.memcpy(region, self._off(self._intro_off), self.remote, self.r_base + self.r_ctl + 8, len(intro), W)
+        self.channel.memcpy(region, self._off(self._intro_off), self.remote, self.r_base + self.r_ctl + 8, len(intro), WRITE)
         self.channel.fence()
-        f = self.channel.memcpy(region, self._off(self._one_off), self.remote, self.r_base + self.r_ctl, 8, W)
-        f.result(_left(deadline))
+        f = self.channel.memcpy(region, self._off(self._one_off), self.remote, self.r_base + self.r_ctl, 8, WRITE)
+        f.result(deadline.left())
 
-    def _wait_credit(self, k: int, deadline: float | None) -> int:
+    def _wait_credit(self, k: int, deadline: Deadline) -> int:
         if self.ack.get() >= CLOSED:
-            raise _core.PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
+            raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
         need = k - self.depth
         if need > 0:
-            wait_word(self.ack, need, deadline, self.channel,
+            wait_flag(self.ack, need, deadline,
                       f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
-                      f"(a sender never overwrites a slot its receiver has not consumed)")
+                      f"(a sender never overwrites a slot its receiver has not consumed)", peer=self.channel)
             if self.ack.get() >= CLOSED:
-                raise _core.PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
+                raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
         return (k - 1) % self.depth
 
     def _post_flag(self, k: int, slot: int):
@@ -275,7 +258,7 @@ class Sender(Endpoint):
         self.channel.fence()
         return self.channel.memcpy(
             self.arena.region, self._off(self._flags_off + FLAG_STRIDE * slot),
-            self.remote, self.r_base + FLAG_STRIDE * slot, 8, _core.Direction.WRITE,
+            self.remote, self.r_base + FLAG_STRIDE * slot, 8, WRITE,
         )
 
     def consumed(self) -> int:
@@ -285,7 +268,8 @@ class Sender(Endpoint):
     def wait_consumed(self, k: int | None = None, timeout: float | None = None) -> None:
         """Waits until the receiver has consumed transfer ``k`` (default: every transfer sent)."""
         k = self.seq if k is None else k
-        wait_word(self.ack, k, _deadline(timeout), self.channel, f"waiting for '{self.name}' to consume transfer {k}")
+        wait_flag(self.ack, k, Deadline(timeout), f"waiting for '{self.name}' to consume transfer {k}",
+                  peer=self.channel)
 
     def close(self) -> None:
         if self.closed:

@@ -17,9 +17,11 @@ from typing import Sequence
 
 import torch
 
-from rdmaflow import _core
-from rdmaflow.transfer.common import CODE_DTYPE, KIND_STATIC, check_tensor, describe, dtype_code
-from rdmaflow.transfer.pair import Receiver, Sender, _deadline, _left
+from rdmaflow import WRITE, Future, InvalidArgumentError
+from rdmaflow.deadline import Deadline
+from rdmaflow.transfer.common import KIND_STATIC, check_tensor
+from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
+from rdmaflow.transfer.pair import Receiver, Sender
 
 MODES = ("auto", "zerocopy", "copy")
 
@@ -27,7 +29,7 @@ MODES = ("auto", "zerocopy", "copy")
 def _shape(shape) -> tuple[int, ...]:
     shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
-        raise _core.InvalidArgumentError(f"shape {shape} has a negative dimension")
+        raise InvalidArgumentError(f"shape {shape} has a negative dimension")
     return shape
 
 
@@ -46,7 +48,7 @@ class StaticReceiver(Receiver):
         self.shape = _shape(shape)
         self.dtype = dtype
         dtype_code(dtype)
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = dtype.itemsize
         numel = 1
         for s in self.shape:
             numel *= s
@@ -62,7 +64,7 @@ class StaticReceiver(Receiver):
     def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
         """Waits for the next transfer and returns the tensor it landed in (no copy)."""
         timeout = self.timeout if timeout == -1.0 else timeout
-        deadline = _deadline(timeout)
+        deadline = Deadline(timeout)
         if self.acked < self.seq:
             self._ack(self.seq, deadline)  # the previous tensor is consumed by now
         k = self.seq + 1
@@ -85,7 +87,7 @@ class StaticSender(Sender):
                  dtype: torch.dtype | None = None, mode: str = "auto", qp_idx: int = 0,
                  timeout: float | None = 60.0):
         if mode not in MODES:
-            raise _core.InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self._declared = (None if shape is None else _shape(shape), dtype)
         super().__init__(device, remote_endpoint, name, qp_idx, timeout)
@@ -96,28 +98,28 @@ class StaticSender(Sender):
         if not isinstance(shape, list) or len(shape) > 64 or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
         ):
-            raise _core.InvalidArgumentError(f"the header published as '{self.name}' has a bad shape: {shape!r}")
+            raise InvalidArgumentError(f"the header published as '{self.name}' has a bad shape: {shape!r}")
         if not isinstance(code, int) or code not in CODE_DTYPE:
-            raise _core.InvalidArgumentError(f"the header published as '{self.name}' has an unknown dtype code {code!r}")
+            raise InvalidArgumentError(f"the header published as '{self.name}' has an unknown dtype code {code!r}")
         self.shape, self.dtype = tuple(shape), CODE_DTYPE[code]
         numel = 1
         for s in self.shape:
             numel *= s
-        want = numel * torch.empty((), dtype=self.dtype).element_size()
+        want = numel * self.dtype.itemsize
         if nbytes != want or self.r_stride < want:
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"the header published as '{self.name}' says {nbytes!r} bytes for {describe(self.shape, self.dtype)} "
                 f"({want} bytes) in slots of {self.r_stride}"
             )
         self.nbytes = want
         d_shape, d_dtype = self._declared
         if d_shape is not None and d_shape != self.shape or d_dtype is not None and d_dtype != self.dtype:
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"receiver '{self.name}' at {self.remote_endpoint} holds {describe(self.shape, self.dtype)}; "
                 f"this sender declared {describe(d_shape or self.shape, d_dtype or self.dtype)}"
             )
 
-    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0) -> _core.Future:
+    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0) -> Future:
         """Writes ``tensor`` into the receiver's next slot, then its flag.
 
         Returns a future that completes when both are visible at the receiver. With zero copy
@@ -126,26 +128,26 @@ class StaticSender(Sender):
         timeout = self.timeout if timeout == -1.0 else timeout
         check_tensor(tensor)
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"tensor {describe(tuple(tensor.shape), tensor.dtype)} does not match receiver "
                 f"'{self.name}' ({describe(self.shape, self.dtype)})"
             )
         with self._send_lock:
             return self._send(tensor, timeout)
 
-    def _send(self, tensor: torch.Tensor, timeout: float | None) -> _core.Future:
-        deadline = _deadline(timeout)
+    def _send(self, tensor: torch.Tensor, timeout: float | None) -> Future:
+        deadline = Deadline(timeout)
         k = self.seq + 1
         slot = self._wait_credit(k, deadline)
         prev = self._pending[slot]
         if prev is not None:
-            prev[0].result(_left(deadline))  # its source buffer may be reused now
+            prev[0].result(deadline.left())  # its source buffer may be reused now
         keep = tensor
         if self.nbytes:
             off = None if self.mode == "copy" else self.arena.offset_of(tensor)
             if off is None:
                 if self.mode == "zerocopy":
-                    raise _core.InvalidArgumentError(
+                    raise InvalidArgumentError(
                         "zero-copy send needs a tensor that lives in the registered arena: allocate it "
                         "with device.empty(shape, dtype), or use mode='copy'"
                     )
@@ -156,7 +158,7 @@ class StaticSender(Sender):
                 off = self.arena.offset_of(keep)
             self.channel.memcpy(self.arena.region, off, self.remote,
                                 self.r_base + self.r_data + slot * self.r_stride, self.nbytes,
-                                _core.Direction.WRITE)
+                                WRITE)
         f = self._post_flag(k, slot)
         self._pending[slot] = (f, keep)
         self.seq = k

@@ -3,15 +3,22 @@
 Seed 000 §3.4 ("Preallocate data buffers"): registering buffers one by one costs kernel work
 and NIC resources, so a device registers one large region up front and allocates tensors in
 it. A tensor allocated here can be sent with no copy (the paper's RDMA.zerocp).
+
+The arena belongs to the device layer (``device.empty``, ``device.create_arena`` and
+``device.arena`` use it); the transfer layer re-exports it.
 """
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from rdmaflow import _core
+from rdmaflow.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from rdmaflow.device import Device
 
 ARENA_ENV = "RDMAFLOW_ARENA_BYTES"
 DEFAULT_ARENA_BYTES = 256 << 20
@@ -29,9 +36,9 @@ def _parse_bytes(text: str) -> int:
 class Arena:
     """A thread-safe allocator over one registered region of ``nbytes``."""
 
-    def __init__(self, device: _core.Device, nbytes: int):
+    def __init__(self, device: Device, nbytes: int):
         if nbytes <= 0:
-            raise _core.InvalidArgumentError(f"arena size must be positive, got {nbytes}")
+            raise InvalidArgumentError(f"arena size must be positive, got {nbytes}")
         self.device = device
         self.region = device.alloc_region(nbytes)
         self._arena = _core.Arena(self.region, ALIGNMENT)
@@ -46,16 +53,15 @@ class Arena:
         """An uninitialized tensor living in the arena; its memory returns when it dies."""
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
-            raise _core.InvalidArgumentError(f"shape {shape} has a negative dimension")
+            raise InvalidArgumentError(f"shape {shape} has a negative dimension")
         if not isinstance(dtype, torch.dtype):
-            raise _core.InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
+            raise InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
         numel = 1
         for s in shape:
             numel *= s
-        esize = torch.empty((), dtype=dtype).element_size()
         if numel == 0:
             return torch.empty(shape, dtype=dtype)  # no bytes to place or send
-        block = self._arena.allocate(numel * esize)
+        block = self._arena.allocate(numel * dtype.itemsize)
         return torch.frombuffer(block, dtype=dtype, count=numel).view(shape)
 
     def offset_of(self, tensor: torch.Tensor) -> int | None:
@@ -93,12 +99,12 @@ class Arena:
         return f"<Arena {self.nbytes} bytes, {self.used} used, {self.num_allocations} allocations>"
 
 
-def create_arena(device: _core.Device, nbytes: int | None = None) -> Arena:
+def create_arena(device: Device, nbytes: int | None = None) -> Arena:
     """Registers the device's arena (once). ``nbytes`` defaults to $RDMAFLOW_ARENA_BYTES or 256 MiB."""
     existing = getattr(device, "_rdmaflow_arena", None)
     if existing is not None:
         if nbytes is not None and nbytes != existing.nbytes:
-            raise _core.InvalidArgumentError(
+            raise InvalidArgumentError(
                 f"this device already has an arena of {existing.nbytes} bytes; one arena per device"
             )
         return existing
@@ -110,17 +116,8 @@ def create_arena(device: _core.Device, nbytes: int | None = None) -> Arena:
     return arena
 
 
-def arena_of(device: _core.Device) -> Arena:
+def arena_of(device: Device) -> Arena:
     """The device's arena, created with the default size on first use."""
     a = getattr(device, "_rdmaflow_arena", None)
     return a if a is not None else create_arena(device)
 
-
-def _device_empty(self: _core.Device, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``device.empty(shape, dtype)``: a tensor born in the device's registered arena."""
-    return arena_of(self).empty(shape, dtype)
-
-
-_core.Device.empty = _device_empty
-_core.Device.create_arena = create_arena
-_core.Device.arena = property(lambda self: arena_of(self))

@@ -1,0 +1,44 @@
+"""Tensor views of registered memory: what ``MemRegion.tensor`` returns."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rdmaflow import _core
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def region_tensor(region: _core.MemRegion, dtype: torch.dtype, shape: Sequence[int] | int,
+                  offset: int = 0) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` viewing ``region`` at byte ``offset``, with no copy.
+
+    The tensor keeps the region's memory alive, also after ``free()``.
+    """
+    if region.freed:
+        raise _core.RegionError(f"region {region.id} was freed")
+    if not isinstance(dtype, torch.dtype):
+        raise _core.InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
+    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise _core.InvalidArgumentError(f"shape {shape} has a negative dimension")
+    esize = _dtype_size(dtype)
+    count = 1
+    for s in shape:
+        count *= s
+    if offset < 0:
+        raise _core.OutOfBoundsError(f"offset must not be negative, got {offset}")
+    if offset % esize:
+        raise _core.InvalidArgumentError(f"offset {offset} is not a multiple of {dtype}'s size {esize}")
+    if offset + count * esize > region.nbytes:
+        raise _core.OutOfBoundsError(
+            f"a {dtype} tensor of shape {shape} at offset {offset} needs "
+            f"{offset + count * esize} bytes; the region has {region.nbytes}"
+        )
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(region, dtype=dtype, count=count, offset=offset)
+    return flat.view(shape)

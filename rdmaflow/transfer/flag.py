@@ -1,0 +1,114 @@
+"""Words in registered memory that a peer WRITEs and this process waits on: the flags and acks
+of transfers, the parameter server's push, pull and reply flags, the key-value store's
+counters.
+
+Every such wait goes through ``wait_flag``: one loop, so that how a wait spends the time
+between a word's arrival and its reader noticing (spinning, yielding, sleeping) is decided in
+one place. ``wait_any`` waits for the first of several receivers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence, Union
+
+import torch
+
+from rdmaflow import Channel, InvalidArgumentError, PeerError, RdmaflowError, TimeoutError, wait_u64_at_least
+from rdmaflow.deadline import Deadline
+
+WAIT_SLICE = 0.05   # seconds between looks at the peer while a word has not arrived
+ABORT_CHECK = 1.0   # seconds between reads of the job's abort reason (a store round trip)
+# wait_any: polls that only yield the core (the progress thread applying the write may need
+# it), then naps that double up to MAX_NAP: an idle wait costs a wakeup per MAX_NAP, not a core.
+ANY_YIELDS = 50
+MIN_NAP = 10e-6
+MAX_NAP = 1e-3
+
+# A peer to watch while waiting: a channel, or a callable giving one (None while there is none).
+Peer = Union[Channel, Callable[[], Union[Channel, None]], None]
+
+
+class Word:
+    """An 8-byte counter in registered memory; waits read it with acquire semantics."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.t = tensor  # int64 view of one element
+        self.address = tensor.data_ptr()
+
+    @classmethod
+    def at(cls, raw: torch.Tensor, offset: int) -> Word:
+        """The word at byte ``offset`` of ``raw``, a uint8 view of registered memory."""
+        return cls(raw[offset : offset + 8].view(torch.int64))
+
+    def get(self) -> int:
+        return int(self.t.item())
+
+    def set(self, v: int) -> None:
+        self.t.fill_(v)
+
+    def wait_at_least(self, v: int, timeout: float | None) -> bool:
+        return wait_u64_at_least(self.address, v, timeout)
+
+
+def wait_flag(word: Word, value: int, deadline: Deadline, what: str, *, peer: Peer = None,
+              give_up: Callable[[], bool] | None = None, abort_reason: Callable[[], str | None] | None = None,
+              aborted: type[Exception] = RdmaflowError, on_timeout: Callable[[], None] | None = None,
+              poll: float = WAIT_SLICE) -> bool:
+    """Waits until ``word >= value`` and returns True; ``what`` names the wait in errors.
+
+    Each time ``poll`` seconds pass without the word, it looks, in this order, at:
+
+    - ``peer``: a failed channel raises PeerError("{what}: peer <endpoint> failed");
+    - ``give_up()``: the caller's own check; it raises, or returns True to stop waiting (this
+      then returns False);
+    - ``abort_reason()``, at most once per ABORT_CHECK seconds: a reason raises
+      ``aborted("the job was aborted: <reason>")``;
+    - the deadline: ``on_timeout()`` raises, or returns to make this return False; without
+      it, TimeoutError("timed out {what}").
+    """
+    last_abort_check = time.monotonic()
+    while not word.wait_at_least(value, deadline.slice(poll)):
+        if peer is not None:
+            channel = peer() if callable(peer) else peer
+            if channel is not None and channel.failed:
+                raise PeerError(f"{what}: peer {channel.remote_endpoint} failed")
+        if give_up is not None and give_up():
+            return False
+        if abort_reason is not None and time.monotonic() - last_abort_check >= ABORT_CHECK:
+            last_abort_check = time.monotonic()
+            reason = abort_reason()
+            if reason:
+                raise aborted(f"the job was aborted: {reason}")
+        if deadline.passed():
+            if on_timeout is None:
+                raise TimeoutError(f"timed out {what}")
+            on_timeout()
+            return False
+    return True
+
+
+def wait_any(receivers: Sequence, timeout: float | None = None) -> int:
+    """Blocks until one of ``receivers`` (static or dynamic) has its next transfer, and returns
+    the index of the first that has (its ``recv()`` then returns at once).
+
+    Raises TimeoutError after ``timeout`` seconds (None: no limit) and PeerError when the
+    sender of a receiver that has nothing yet failed. Sleeps while nothing arrives.
+    """
+    if len(receivers) == 0:
+        raise InvalidArgumentError("wait_any needs at least one receiver")
+    deadline = Deadline(timeout)
+    nap = MIN_NAP / 2
+    rounds = 0
+    while True:
+        for i, receiver in enumerate(receivers):
+            if receiver.poll():
+                return i
+        if deadline.passed():
+            names = ", ".join(repr(getattr(r, "name", r)) for r in receivers)
+            raise TimeoutError(f"none of the receivers {names} got a transfer within {timeout} s")
+        rounds += 1
+        if rounds <= ANY_YIELDS:
+            time.sleep(0)
+        else:
+            nap = min(2 * nap, MAX_NAP)
+            time.sleep(deadline.slice(nap))
