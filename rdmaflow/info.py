@@ -215,8 +215,8 @@ def gather() -> dict[str, Any]:
         flags = _configure_flags(vout)
     else:
         info["warnings"].append("ucx_info not found (libucx wheel bin/, $UCX_HOME/bin, PATH)")
-    info["ucx_configure"] = [f for f in flags if re.match(r"--(with|without|enable|disable)-"
-                                                          r"(verbs|rdmacm|cuda|rocm|mlx5|gdrcopy|cma|knem|xpmem|mt)", f)]
+    wanted = r"--(with|without|enable|disable)-(verbs|rdmacm|cuda|rocm|mlx5|gdrcopy|cma|knem|xpmem|mt)"
+    info["ucx_configure"] = [f for f in flags if re.match(wanted, f)]
 
     dev = _temporary_device()
     info["device"] = {k: v for k, v in dev.items() if k != "text"}

@@ -26,8 +26,8 @@ import torch
 
 from rdmaflow import Device, InvalidArgumentError, RdmaflowError
 from rdmaflow.ps.context import Role, Store, job_secret, local_address, resolve_role
-from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES, make_plan
 from rdmaflow.ps.kv import KVHandle, KVStore
+from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
 from rdmaflow.ps.worker import MODES, Worker
 
 __all__ = ["DistributedOptimizer", "KVHandle", "KVStore", "PSContext", "init", "MODES", "POLICIES"]

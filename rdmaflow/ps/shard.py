@@ -74,13 +74,15 @@ class Shard:
         self.gslots = [[view(L.gslot(w, k)) for k in range(L.slots)] for w in range(self.nw)]
         self.push = [Word.at(raw, L.push + FLAG * w) for w in range(self.nw)]
         self.pull = [Word.at(raw, L.pull + FLAG * w) for w in range(self.nw)]
-        self.reply_src = [raw[L.reply_src_at(w, 0) : L.reply_src_at(w + 1, 0)].view(torch.int64) for w in range(self.nw)]
+        self.reply_src = [raw[L.reply_src_at(w, 0) : L.reply_src_at(w + 1, 0)].view(torch.int64)
+                          for w in range(self.nw)]
         # Where this job starts: step 0, or the latest complete checkpoint when resuming.
         if self.id == 0:
             start = 0
             if os.environ.get("RDMAFLOW_RESUME", "") not in ("", "0"):
                 if not self.ckpt_dir:
-                    raise ShardFailure("--resume needs a checkpoint directory (DistributedOptimizer(checkpoint_dir=...))")
+                    raise ShardFailure("--resume needs a checkpoint directory "
+                                       "(DistributedOptimizer(checkpoint_dir=...))")
                 found = checkpoint.latest(self.ckpt_dir, role.num_shards)
                 if found is None:
                     print(f"rdmaflow ps: no complete checkpoint in {self.ckpt_dir}; starting at step 0",
@@ -126,9 +128,9 @@ class Shard:
         else:
             # Initial weights: worker 0's parameters.
             w0 = self.workers[0]
-            futs = [w0["channel"].memcpy(arena.region, self.base + L.weights + u.shard_offset * self.itemsize,
-                                         w0["remote"], w0["base"] + w0["layout"].params_at(0) + u.offset * self.itemsize,
-                                         u.numel * self.itemsize, READ) for u in self.units]
+            isz, src = self.itemsize, w0["base"] + w0["layout"].params_at(0)
+            futs = [w0["channel"].memcpy(arena.region, self.base + L.weights + u.shard_offset * isz,
+                                         w0["remote"], src + u.offset * isz, u.numel * isz, READ) for u in self.units]
             wait_all(futs, self.ctx.timeout)
         self.applied = [self.start] * self.nw
         self.answered = [self.start] * self.nw

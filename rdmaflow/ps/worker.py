@@ -152,7 +152,8 @@ class Worker:
         self.pull_src = [raw[L.pull_src + FLAG * s : L.pull_src + FLAG * s + 8].view(torch.int64)
                          for s in range(self.role.num_shards)]
         self._index_units()
-        self.dev.publish("ps/worker", pack_header({"layout": L.to_dict(), "base": self.base}, arena.region.descriptor()))
+        self.dev.publish("ps/worker", pack_header({"layout": L.to_dict(), "base": self.base},
+                                                  arena.region.descriptor()))
         store.set(f"ready/worker/{self.id}", "1")
         self.shards = []
         for s in range(self.role.num_shards):

@@ -147,7 +147,8 @@ class DynamicSender(Sender):
         if prev is not None:
             prev[0].result(deadline.left())  # the record cell of this slot is free again
         cell = torch.frombuffer(self._records, dtype=torch.uint8, count=RECORD_BYTES * self.depth)
-        cell[slot * RECORD_BYTES : slot * RECORD_BYTES + RECORD.size] = torch.frombuffer(bytearray(rec), dtype=torch.uint8)
+        cell[slot * RECORD_BYTES : slot * RECORD_BYTES + RECORD.size] = torch.frombuffer(bytearray(rec),
+                                                                                         dtype=torch.uint8)
         self.channel.memcpy(self.arena.region, self._records.offset + slot * RECORD_BYTES, self.remote,
                             self.r_base + self.r_data + slot * self.r_stride, RECORD.size, WRITE)
         f = self._post_flag(k, slot)

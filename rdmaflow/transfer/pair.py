@@ -129,7 +129,8 @@ class Receiver(Endpoint):
 
     def _wait_flag(self, k: int, deadline: Deadline) -> int:
         slot = (k - 1) % self.depth
-        wait_flag(self.flags[slot], k, deadline, f"waiting for transfer {k} on '{self.name}'", peer=self._sender_if_known)
+        wait_flag(self.flags[slot], k, deadline, f"waiting for transfer {k} on '{self.name}'",
+                  peer=self._sender_if_known)
         # The sender that wrote this transfer introduced itself before it: latch it now.
         self._sender_if_known()
         v = self.flags[slot].get()
@@ -216,8 +217,7 @@ class Sender(Endpoint):
         raw.zero_()
         self._raw = raw
         self.ack = Word.at(raw, 0)
-        self._flag_src = [raw[self._flags_off + FLAG_STRIDE * i : self._flags_off + FLAG_STRIDE * i + 8].view(torch.int64)
-                          for i in range(self.depth)]
+        self._flag_src = [Word.at(raw, self._flags_off + FLAG_STRIDE * i) for i in range(self.depth)]
         self.seq = 0
         self._pending: list = [None] * self.depth  # per slot: (future, what must stay alive)
         self._introduce(deadline)
@@ -230,12 +230,14 @@ class Sender(Endpoint):
 
     def _introduce(self, deadline: Deadline) -> None:
         intro = SenderIntro.encode(self.device.endpoint, self.arena.region.descriptor(), self._off(0))
-        self._raw[self._intro_off : self._intro_off + len(intro)] = torch.frombuffer(bytearray(intro), dtype=torch.uint8)
+        intro_bytes = torch.frombuffer(bytearray(intro), dtype=torch.uint8)
+        self._raw[self._intro_off : self._intro_off + len(intro)] = intro_bytes
         # A fresh generation number, so that the receiver notices if another sender takes over.
         generation = int.from_bytes(os.urandom(7), "little") | 1
         self._raw[self._one_off : self._one_off + 8].view(torch.int64).fill_(generation)
         region = self.arena.region
-        self.channel.memcpy(region, self._off(self._intro_off), self.remote, self.r_base + self.r_ctl + 8, len(intro), WRITE)
+        self.channel.memcpy(region, self._off(self._intro_off), self.remote, self.r_base + self.r_ctl + 8, len(intro),
+                            WRITE)
         self.channel.fence()
         f = self.channel.memcpy(region, self._off(self._one_off), self.remote, self.r_base + self.r_ctl, 8, WRITE)
         f.result(deadline.left())
@@ -254,7 +256,7 @@ class Sender(Endpoint):
 
     def _post_flag(self, k: int, slot: int):
         """fence, then WRITE k into the receiver's flag of ``slot``: the flag never lands before the payload."""
-        self._flag_src[slot].fill_(k)
+        self._flag_src[slot].set(k)
         self.channel.fence()
         return self.channel.memcpy(
             self.arena.region, self._off(self._flags_off + FLAG_STRIDE * slot),
