@@ -94,6 +94,14 @@ class Consumer:
         with self.lock:
             return {"times": sorted(self.times), "bad": self.bad}
 
+    def receive(self, cmd: dict, ready) -> dict:
+        """A receiver's ``recv`` command when the sender's calls run :meth:`consume`: expects
+        ``count`` tensors, says it is ready, waits for them (bounded) and returns the times."""
+        self.reset(cmd["count"], cmd["tag"], cmd.get("reduce", True))
+        ready()
+        self.wait(cmd["timeout"])
+        return self.result()
+
 
 CONSUMER = Consumer()
 

@@ -58,10 +58,7 @@ class GrpcWorker:
             self.info = {"target": target}
 
     def recv(self, cmd: dict, ready) -> dict:
-        CONSUMER.reset(cmd["count"], cmd["tag"], cmd.get("reduce", True))
-        ready()
-        CONSUMER.wait(cmd["timeout"])
-        return CONSUMER.result()
+        return CONSUMER.receive(cmd, ready)
 
     def send(self, cmd: dict) -> dict:
         import torch

@@ -29,10 +29,7 @@ class TensorPipeWorker:
         self.info = {"transports": transports, "channels": channels}
 
     def recv(self, cmd: dict, ready) -> dict:
-        CONSUMER.reset(cmd["count"], cmd["tag"], cmd.get("reduce", True))
-        ready()
-        CONSUMER.wait(cmd["timeout"])
-        return CONSUMER.result()
+        return CONSUMER.receive(cmd, ready)
 
     def send(self, cmd: dict) -> dict:
         import torch
