@@ -103,6 +103,8 @@ def test_child_process_dies_with_its_parent():
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+        if "child" in locals() and _alive(child):
+            os.kill(child, signal.SIGKILL)  # only when the test failed
 
 
 def test_free_port_and_process_env():
