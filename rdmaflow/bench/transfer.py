@@ -159,7 +159,7 @@ Key = tuple[str, str, int]  # (system, transport, size)
 
 
 def measurement_timeout(size: int, count: int, base: float) -> float:
-    # Generous: the slowest system (gRPC) must finish, not be cut off; 20 MB/s is far below it.
+    # Generous: the slowest system (gRPC) must finish, not be cut off: the bound allows 20 MB/s.
     return base + (count + warmup_of(count)) * size / 20e6
 
 
