@@ -1,20 +1,53 @@
-"""Loads the UCX shared libraries before the extension is imported.
+"""UCX outside the extension: its libraries, its tools, and the transport environments.
 
-With the libucx wheel (the default), its libraries are preloaded so that the extension's
-``libucp.so.0`` dependency resolves. A build against a system UCX (``RDMAFLOW_UCX_ROOT``)
-finds it through its rpath and loads nothing from the wheel.
+* :func:`load` preloads the libucx wheel's libraries before the extension is imported, so that
+  the extension's ``libucp.so.0`` dependency resolves. A build against a system UCX
+  (``RDMAFLOW_UCX_ROOT``) finds it through its rpath and loads nothing from the wheel.
+* :func:`bin_path` / :func:`find_bin` locate UCX's tools (``ucx_info``, ``ucx_perftest``);
+  :func:`tool_env` is an environment in which they find their libraries.
+* :func:`ucx_env` is the one definition of the transports that tests and benchmarks run
+  over (:data:`TRANSPORT_ENV`): "tcp", "sm" and "sm-cma".
+
+Standard library only, and nothing here loads a library at import: the benchmark tools and
+``rdmaflow.testing`` use it without the C++ extension.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+from collections.abc import Mapping
+
+#: transport name -> the variables that restrict a process to it. :func:`ucx_env` adds
+#: ``UCX_NET_DEVICES`` (``lo`` unless another device is given) and :data:`COMMON_ENV`.
+TRANSPORT_ENV: dict[str, dict[str, str]] = {
+    "tcp": {"UCX_TLS": "tcp"},
+    # tcp is there for the connection manager only (rdmaflow devices connect through UCX's
+    # sockaddr CM, which needs it); intra-node puts and gets take cma. posix is needed because
+    # UCP wire-up needs an active-message transport ("cma,self" alone fails), self covers
+    # loopback endpoints. Without cma (posix,self) puts are emulated over the shm FIFO.
+    "sm": {"UCX_TLS": "cma,posix,self,tcp"},
+    # sm with rdmaflow's same-host mapping turned off: every memcpy goes through UCX (cma).
+    "sm-cma": {"UCX_TLS": "cma,posix,self,tcp", "RDMAFLOW_SAME_HOST": "0"},
+}
+TRANSPORTS = tuple(TRANSPORT_ENV)
+DEFAULT_NET_DEVICE = "lo"
+
+#: Settings for every transport. Processes may carry UCX_* variables meant for other
+#: components; the "unused variable" warnings would pollute the stderr the tools parse.
+COMMON_ENV: dict[str, str] = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
 def wheel_dir() -> str | None:
+    """The libucx wheel's package directory, or None. Found without importing it (importing
+    it loads nothing today, but a spec lookup never will)."""
     try:
-        import libucx
-    except ImportError:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
         return None
-    return os.path.dirname(libucx.__file__)
+    if spec is None or spec.origin is None:
+        return None
+    return os.path.dirname(spec.origin)
 
 
 def build_source() -> str:
@@ -38,23 +71,83 @@ def load() -> None:
     libucx.load_library()
 
 
-def bin_path(name: str) -> str | None:
-    """Path of a UCX tool (ucx_info, ucx_perftest): the wheel's, $UCX_HOME's, or PATH's."""
-    import shutil
+def _roots() -> list[str]:
+    """Where UCX may be installed: the wheel, then $UCX_HOME."""
+    return [r for r in (wheel_dir(), os.environ.get("UCX_HOME")) if r]
 
-    for root in (wheel_dir(), os.environ.get("UCX_HOME")):
-        if root:
-            p = os.path.join(root, "bin", name)
-            if os.access(p, os.X_OK):
-                return p
+
+def lib_dir() -> str | None:
+    """The directory holding libucp.so: the wheel's lib/, else $UCX_HOME/lib; None if neither."""
+    for root in _roots():
+        d = os.path.join(root, "lib")
+        if os.path.isfile(os.path.join(d, "libucp.so.0")) or os.path.isfile(os.path.join(d, "libucp.so")):
+            return d
+    return None
+
+
+def bin_path(name: str) -> str | None:
+    """Path of a UCX tool (``ucx_info``, ``ucx_perftest``): the wheel's, $UCX_HOME's or PATH's."""
+    for root in _roots():
+        p = os.path.join(root, "bin", name)
+        if os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
     return shutil.which(name)
 
 
-def tool_env(base: dict | None = None) -> dict:
-    """Environment in which the wheel's UCX binaries find their libraries."""
+def find_bin(name: str) -> str:
+    """:func:`bin_path`, raising FileNotFoundError (saying where it looked) when there is none."""
+    p = bin_path(name)
+    if p is None:
+        where = [os.path.join(r, "bin") for r in _roots()] or "no wheel/UCX_HOME dirs"
+        raise FileNotFoundError(f"{name} not found (looked in {where} and PATH); "
+                                "install the libucx-cu12 wheel or set UCX_HOME")
+    return p
+
+
+def tool_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``base`` (default ``os.environ``) in which UCX's binaries find their
+    libraries: :func:`lib_dir` first on ``LD_LIBRARY_PATH``."""
     env = dict(os.environ if base is None else base)
-    d = wheel_dir()
-    if d:
-        lib = os.path.join(d, "lib")
-        env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    lib = lib_dir()
+    if lib:
+        parts = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != lib]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([lib, *parts])
+    return env
+
+
+def transport_vars(transport: str, *, net_device: str | None = None) -> dict[str, str]:
+    """The variables that put a process on ``transport`` (one of :data:`TRANSPORTS`): its
+    :data:`TRANSPORT_ENV` entry, :data:`COMMON_ENV` and ``UCX_NET_DEVICES``."""
+    if transport not in TRANSPORT_ENV:
+        raise ValueError(f"unknown transport {transport!r}; expected one of {sorted(TRANSPORT_ENV)}")
+    # Also for sm: UCX_NET_DEVICES filters network devices only (shared memory is under
+    # UCX_SHM_DEVICES), and keeps the connection manager's tcp lane on loopback, not eth0.
+    return {**COMMON_ENV, **TRANSPORT_ENV[transport], "UCX_NET_DEVICES": net_device or DEFAULT_NET_DEVICE}
+
+
+def ucx_env(transport: str, base_env: Mapping[str, str] | None = None, *,
+            net_device: str | None = None) -> dict[str, str]:
+    """The environment of a process restricted to ``transport``: ``base_env`` (default
+    ``os.environ``; copied, not modified) with :func:`transport_vars` and :func:`tool_env`'s
+    ``LD_LIBRARY_PATH``. ``net_device`` replaces ``lo`` in ``UCX_NET_DEVICES`` (e.g. a veth
+    inside a network namespace)."""
+    env = tool_env(base_env)
+    env.update(transport_vars(transport, net_device=net_device))
+    return env
+
+
+def with_tcp(env: dict[str, str]) -> dict[str, str]:
+    """Makes sure ``UCX_TLS`` in ``env`` (modified in place, and returned) allows ``tcp``:
+    rdmaflow devices connect through UCX's sockaddr connection manager, which needs it even
+    when the data goes over shared memory."""
+    tls = env.get("UCX_TLS", "").strip()
+    if not tls:
+        return env  # UCX's default: every transport
+    if tls.startswith("^"):
+        names = [t for t in tls[1:].split(",") if t and t != "tcp"]
+        env["UCX_TLS"] = "^" + ",".join(names) if names else "all"
+        return env
+    names = [t.strip() for t in tls.split(",") if t.strip()]
+    if not {"tcp", "all"} & set(names):
+        env["UCX_TLS"] = ",".join(names + ["tcp"])
     return env

@@ -11,12 +11,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from rdmaflow.bench.perftest import ucx_env
+from rdmaflow._ucx import transport_vars
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # "sm": shared memory with the same-host mapping (a memcpy is one CPU copy into the peer's
 # mapped region); "sm-cma": shared memory through UCX alone (cma), the mapping turned off.
-TRANSPORTS = ["tcp", "sm", "sm-cma"]
+TRANSPORTS = ["tcp", "sm", "sm-cma"]  # names of rdmaflow._ucx.TRANSPORT_ENV
 
 
 class PeerProcess:
@@ -85,11 +85,9 @@ class PeerProcess:
 @pytest.fixture(params=TRANSPORTS)
 def transport(request, monkeypatch):
     """Restricts this process and its peers to one UCX transport."""
-    env = ucx_env(request.param.split("-")[0])
+    env = {"RDMAFLOW_SAME_HOST": "auto", **transport_vars(request.param)}
     for k, v in env.items():
-        if k.startswith("UCX_"):
-            monkeypatch.setenv(k, v)
-    monkeypatch.setenv("RDMAFLOW_SAME_HOST", "0" if request.param == "sm-cma" else "auto")
+        monkeypatch.setenv(k, v)
     return request.param
 
 

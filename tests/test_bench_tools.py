@@ -1,4 +1,5 @@
-"""Tests for the benchmark tooling: size parsing, summaries, ucx_perftest runner, netns helper."""
+"""Tests for the benchmark tooling: size parsing and summaries (harness), the transport
+environments (rdmaflow._ucx), the ucx_perftest runner, the netns helper."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def _import_tools() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
-    names = ("rdmaflow.bench.util", "rdmaflow.bench.perftest", "rdmaflow.testing.netns")
+def _import_tools() -> tuple[types.ModuleType, ...]:
+    names = ("rdmaflow.bench.harness", "rdmaflow.bench.perftest", "rdmaflow.testing.netns", "rdmaflow._ucx")
     try:
         return tuple(importlib.import_module(n) for n in names)  # type: ignore[return-value]
     except ImportError:
@@ -38,7 +39,7 @@ def _import_tools() -> tuple[types.ModuleType, types.ModuleType, types.ModuleTyp
             del sys.modules["rdmaflow"]
 
 
-util, perftest, netns = _import_tools()
+harness, perftest, netns, ucx = _import_tools()
 
 
 def _our_ucx_children() -> list[int]:
@@ -62,7 +63,7 @@ def _our_ucx_children() -> list[int]:
 
 def _ucx_available() -> str | None:
     try:
-        perftest.find_ucx_bin("ucx_perftest")
+        ucx.find_bin("ucx_perftest")
     except FileNotFoundError as e:
         return str(e)
     return None
@@ -71,7 +72,7 @@ def _ucx_available() -> str | None:
 needs_ucx = pytest.mark.skipif(_ucx_available() is not None, reason=str(_ucx_available()))
 
 
-# --- util ---------------------------------------------------------------------------------------
+# --- harness: sizes, summaries ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,expected", [
     ("123", 123),
@@ -86,47 +87,52 @@ needs_ucx = pytest.mark.skipif(_ucx_available() is not None, reason=str(_ucx_ava
     (4096, 4096),
 ])
 def test_parse_size(text, expected):
-    assert util.parse_size(text) == expected
+    assert harness.parse_size(text) == expected
 
 
 @pytest.mark.parametrize("bad", ["", "M", "1.5M", "-1", "10X", "1 M B", "abc", -5])
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError):
-        util.parse_size(bad)
+        harness.parse_size(bad)
 
 
 def test_format_size_roundtrip():
     for s in ("1K", "64K", "1M", "16M", "1G", "123"):
-        assert util.format_size(util.parse_size(s)) == s
+        assert harness.format_size(harness.parse_size(s)) == s
 
 
 def test_summarize():
-    s = util.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    s = harness.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
     assert s == {"median": 3.0, "min": 1.0, "max": 5.0, "iqr": 2.0}
-    s = util.summarize([1, 2, 3, 4])
+    s = harness.summarize([1, 2, 3, 4])
     assert s["median"] == 2.5 and s["iqr"] == pytest.approx(1.5)
-    assert util.summarize([7]) == {"median": 7.0, "min": 7.0, "max": 7.0, "iqr": 0.0}
+    assert harness.summarize([7]) == {"median": 7.0, "min": 7.0, "max": 7.0, "iqr": 0.0}
     with pytest.raises(ValueError):
-        util.summarize([])
+        harness.summarize([])
 
 
 # --- ucx_env / perftest -------------------------------------------------------------------------
 
 def test_ucx_env_mapping():
     base = {"PATH": "/usr/bin", "UCX_NET_DEVICES": "eth0", "LD_LIBRARY_PATH": "/x"}
-    tcp = perftest.ucx_env("tcp", base)
+    tcp = ucx.ucx_env("tcp", base)
     assert tcp["UCX_TLS"] == "tcp" and tcp["UCX_NET_DEVICES"] == "lo"
     assert tcp["PATH"] == "/usr/bin"
     assert tcp["LD_LIBRARY_PATH"].endswith("/x")
     assert base["UCX_NET_DEVICES"] == "eth0"  # not modified in place
-    assert perftest.ucx_env("tcp", base, net_device="veth0")["UCX_NET_DEVICES"] == "veth0"
-    sm = perftest.ucx_env("sm", base)
+    assert ucx.ucx_env("tcp", base, net_device="veth0")["UCX_NET_DEVICES"] == "veth0"
+    sm = ucx.ucx_env("sm", base)
     assert "cma" in sm["UCX_TLS"] and sm["UCX_NET_DEVICES"] == "lo"
-    lib = perftest.ucx_lib_dir()
+    lib = ucx.lib_dir()
     if lib:
         assert sm["LD_LIBRARY_PATH"].split(os.pathsep)[0] == lib
     with pytest.raises(ValueError):
-        perftest.ucx_env("ib")
+        ucx.ucx_env("ib")
+    # sm-cma: the same UCX transports as sm, rdmaflow's same-host mapping off.
+    cma = ucx.ucx_env("sm-cma", base)
+    assert cma["UCX_TLS"] == sm["UCX_TLS"] and cma["RDMAFLOW_SAME_HOST"] == "0"
+    assert "RDMAFLOW_SAME_HOST" not in sm
+    assert perftest.ucx_env is ucx.ucx_env  # one definition
 
 
 def test_auto_iters_bounds():

@@ -24,10 +24,9 @@ import sys
 import time
 
 import pytest
-
 from conftest import processes_with_env as _processes_with_env
 
-from rdmaflow.bench import train
+from rdmaflow.bench import train, train_cells, train_plots
 from rdmaflow.testing.netns import list_netns, netns_unavailable_reason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,13 +130,13 @@ def test_metrics():
 
 
 def test_layout_plan_schedule():
-    ps = train.layout(("rdmaflow", "m", 8, 2, 3), netns=False)
+    ps = train_cells.layout(("rdmaflow", "m", 8, 2, 3), netns=False)
     assert [(m.rank, m.role, m.index) for m in ps] == [
         (0, "shard", 0), (1, "shard", 1), (2, "shard", 2), (3, "worker", 0), (4, "worker", 1)]
-    nn = train.layout(("grpc", "m", 8, 3, 3), netns=True)
+    nn = train_cells.layout(("grpc", "m", 8, 3, 3), netns=True)
     assert {(m.role, m.index): m.host for m in nn} == {(r, i): i for r in ("shard", "worker") for i in range(3)}
-    assert [m.rank for m in train.layout(("ddp", "m", 8, 3, 0), netns=False)] == [0, 1, 2]
-    assert len(train.layout(train.cell_key("local", "m", 8, 4, 2), netns=False)) == 1
+    assert [m.rank for m in train_cells.layout(("ddp", "m", 8, 3, 0), netns=False)] == [0, 1, 2]
+    assert len(train_cells.layout(train.cell_key("local", "m", 8, 4, 2), netns=False)) == 1
     assert train.cell_key("ddp", "m", 8, 4, 2) == ("ddp", "m", 8, 4, 0)
     assert train.cell_key("local", "m", 8, 4, 2) == ("local", "m", 8, 1, 0)
     cfg = train.train_cfg(("rdmaflow-copy", "m", 8, 2, 1), warmup=1, iters=3, lr=0.1, seed=4,
@@ -195,7 +194,7 @@ def test_report_csv_json_and_plots_on_synthetic_results(tmp_path):
     assert "rdmaflow / grpc" in text and "PASS" in text
     assert "/grpc" in train.format_ratios(rows, systems)
     ordered = train.ordered_cells(cells, configs, systems)
-    train.write_csv(str(tmp_path / "r.csv"), ordered)
+    train.save_csv(str(tmp_path / "r.csv"), ordered)
     got = _rows(tmp_path / "r.csv")
     assert len(got) == len(cells) and all(c in got[0] for c in REQUIRED)
     st = {(r["system"], r["model"], r["batch"], r["workers"], r["shards"]): r for r in got}
@@ -204,12 +203,12 @@ def test_report_csv_json_and_plots_on_synthetic_results(tmp_path):
     assert st[("local", "fcn5", "4", "1", "0")]["status"] == "ok"
     assert st[("rdmaflow-copy", "fcn5", "4", "1", "2")]["zero_copy"] == "0"
     assert st[("grpc", "fcn5", "4", "1", "2")]["zero_copy"] == ""
-    train.write_json(str(tmp_path / "r.json"), {"x": 1}, ordered, rows, list(acc.values()))
+    train.save_json(str(tmp_path / "r.json"), {"x": 1}, ordered, rows, list(acc.values()))
     doc = json.loads((tmp_path / "r.json").read_text())
     assert len(doc["cells"]) == len(cells) and doc["acceptance"]
     made = train.make_plots(str(tmp_path), cells, configs, systems, False, "synthetic")
     assert {os.path.basename(p) for p in made} == {
-        train.PNG_BARS, train.PNG_FIG9, train.PNG_FIG11, train.PNG_FIG12}
+        train_plots.PNG_BARS, train_plots.PNG_FIG9, train_plots.PNG_FIG11, train_plots.PNG_FIG12}
     for p in made:
         assert open(p, "rb").read(8) == PNG
 

@@ -14,6 +14,7 @@ import pytest
 from conftest import processes_with_env as _processes_with_env
 
 from rdmaflow.bench import transfer
+from rdmaflow.bench.harness import write_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("system", "transport", "size_bytes", "gb_per_s", "p50_us", "gb_per_s_min",
@@ -122,7 +123,7 @@ def test_failed_system_is_reported_and_the_run_goes_on(monkeypatch, tmp_path):
     assert rows[("rdmaflow-copy", 16 << 20)]["verdict"] == "PASS"  # 4.0 / 2.0 >= 1.2
     assert rows[("gloo", 16 << 20)]["verdict"] == "n/a"
     path = tmp_path / "t.csv"
-    transfer.write_csv(str(path), results)
+    write_csv(str(path), transfer.CSV_COLUMNS, transfer.csv_rows(results))
     with open(path, newline="") as f:
         status = {(r["system"], int(r["size_bytes"])): r["status"] for r in csv.DictReader(f)}
     assert status[("gloo", 16 << 20)].startswith("failed: boom")

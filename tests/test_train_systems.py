@@ -32,9 +32,9 @@ import time
 import pytest
 import torch
 
+from rdmaflow._ucx import ucx_env
 from rdmaflow.bench import models
-from rdmaflow.bench import train_systems as ts
-from rdmaflow.bench.perftest import ucx_env
+from rdmaflow.bench import train_job as job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_TIMEOUT = 90.0          # one job, start to end (2 loaded cores: startup dominates)
@@ -141,7 +141,7 @@ def reference(cfg: dict, workers: int):
     loss_fn = models.loss_fn(name)
     losses = [[] for _ in range(workers)]
     for t in range(cfg["warmup"] + cfg["iters"]):
-        batches = [ts.make_batch(name, cfg["batch"], cfg["seed"], w, t) for w in range(workers)]
+        batches = [job.make_batch(name, cfg["batch"], cfg["seed"], w, t) for w in range(workers)]
         with torch.no_grad():
             for w, (x, y) in enumerate(batches):
                 losses[w].append(loss_fn(model(x), y).item())
@@ -159,15 +159,15 @@ def check_results(j: Job, workers: int, shards: int) -> list[dict]:
     results = {}
     for rank in range(j.world):
         lines = j.stdout(rank).splitlines()
-        is_shard = system in ts.PS_SYSTEMS and rank < shards
+        is_shard = system in job.PS_SYSTEMS and rank < shards
         if is_shard:
             assert lines == [], f"{system} shard (rank {rank}) printed on stdout: {lines}"
             continue
-        assert len(lines) == 1 and lines[0].startswith(ts.RESULT_PREFIX), (
+        assert len(lines) == 1 and lines[0].startswith(job.RESULT_PREFIX), (
             f"{system} rank {rank}: stdout must be exactly one result line, got {lines}\n" + j.logs())
-        r = json.loads(lines[0][len(ts.RESULT_PREFIX):])
+        r = json.loads(lines[0][len(job.RESULT_PREFIX):])
         assert set(r) == RESULT_KEYS, r
-        w = rank - shards if system in ts.PS_SYSTEMS else rank
+        w = rank - shards if system in job.PS_SYSTEMS else rank
         assert (r["system"], r["model"], r["worker"], r["batch"]) == (system, cfg["model"], w, cfg["batch"])
         assert len(r["times"]) == cfg["iters"] and all(isinstance(t, float) and 0 < t < 30 for t in r["times"]), r
         assert len(r["losses"]) == cfg["warmup"] + cfg["iters"] and all(math.isfinite(x) for x in r["losses"]), r
@@ -193,25 +193,25 @@ def check_matches_reference(j: Job, results: list[dict], workers: int) -> None:
 
 
 def test_batches_are_a_function_of_seed_worker_iteration():
-    a = ts.make_batch("mlp-tiny", 4, 5, 1, 3)
-    b = ts.make_batch("mlp-tiny", 4, 5, 1, 3)
+    a = job.make_batch("mlp-tiny", 4, 5, 1, 3)
+    b = job.make_batch("mlp-tiny", 4, 5, 1, 3)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     for other in ((6, 1, 3), (5, 0, 3), (5, 1, 4)):
-        assert not torch.equal(ts.make_batch("mlp-tiny", 4, *other)[0], a[0])
-    assert len({ts.batch_seed(s, w, t) for s in range(3) for w in range(8) for t in range(50)}) == 3 * 8 * 50
+        assert not torch.equal(job.make_batch("mlp-tiny", 4, *other)[0], a[0])
+    assert len({job.batch_seed(s, w, t) for s in range(3) for w in range(8) for t in range(50)}) == 3 * 8 * 50
 
 
 def test_interfaces_face_the_master(monkeypatch):
     """gloo and TensorPipe are pointed at the interface of this host's address facing the
     master (processes in other network namespaces reach it); a value already set is kept."""
-    assert ts.interface_of("127.0.0.1") == "lo"
-    assert ts.interface_of("192.0.2.77") is None
+    assert job.interface_of("127.0.0.1") == "lo"
+    assert job.interface_of("192.0.2.77") is None
     monkeypatch.delenv("RDMAFLOW_HOST", raising=False)
     monkeypatch.delenv("TP_SOCKET_IFNAME", raising=False)
-    ts.point_at_interface("127.0.0.1", "TP_SOCKET_IFNAME")
+    job.point_at_interface("127.0.0.1", "TP_SOCKET_IFNAME")
     assert os.environ["TP_SOCKET_IFNAME"] == "lo"
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
-    ts.point_at_interface("127.0.0.1", "GLOO_SOCKET_IFNAME")
+    job.point_at_interface("127.0.0.1", "GLOO_SOCKET_IFNAME")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
 
 

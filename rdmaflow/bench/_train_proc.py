@@ -1,6 +1,8 @@
 """One process of one ``rdmaflow bench train`` cell: ``python -m rdmaflow.bench._train_proc``.
 
-The harness (:mod:`rdmaflow.bench.train`) starts every process of a cell with:
+The driver (:mod:`rdmaflow.bench.train_cells`) starts every process of a cell with
+(:mod:`rdmaflow.bench.train_job` reads them, :mod:`rdmaflow.bench.train_systems` runs the
+system):
 
 * ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``RDMAFLOW_JOB_SECRET``;
@@ -11,8 +13,9 @@ The harness (:mod:`rdmaflow.bench.train`) starts every process of a cell with:
   seed 0, timeout 300 (seconds). Optional: ``threads`` (torch.set_num_threads; else torch's
   default), ``dump`` (a path: worker 0 ``torch.save``\\ s its model's final ``state_dict``, tensors
   cloned, there: what tests compare with single-process training), ``policy`` and
-  ``staleness`` (rdmaflow's placement and bounded-staleness bound, else its defaults), ``transport`` (tensorpipe only: "tcp" = uv/basic, "sm" =
-  shm,uv/cma,basic; else TensorPipe's own choice). Unknown fields are reported on stderr and
+  ``staleness`` (rdmaflow's placement and bounded-staleness bound, else its defaults),
+  ``transport`` (tensorpipe only: "tcp" = uv/basic, "sm" = shm,uv/cma,basic; else
+  TensorPipe's own choice). Unknown fields are reported on stderr and
   ignored.
 
 Processes: parameter-server systems (rdmaflow, tensorpipe, grpc) have WORLD_SIZE = shards +
@@ -45,32 +48,33 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
-    from rdmaflow.bench import train_systems as ts
+    from rdmaflow.bench import train_job as job
+    from rdmaflow.bench import train_systems
 
-    proc = None
+    me = None
     wd = None
     try:
-        cfg = ts.parse_config(os.environ.get(ts.CFG_ENV))
-        proc = ts.resolve_proc(cfg)
-        ts.check_model(cfg)
-    except ts.ConfigError as e:
+        cfg = job.parse_config(os.environ.get(job.CFG_ENV))
+        me = job.resolve_role(cfg)
+        job.check_model(cfg)
+    except job.ConfigError as e:
         print(f"rdmaflow bench train: bad configuration: {e}", file=sys.stderr, flush=True)
         os._exit(2)
     except BaseException as e:  # noqa: BLE001 - e.g. the models module failed to import
-        print(ts.format_tb() + ts.describe_error(proc, e), file=sys.stderr, flush=True)
+        print(job.format_tb() + job.describe_error(me, e), file=sys.stderr, flush=True)
         os._exit(1)
     try:
-        wd = ts.Watchdog(ts.watchdog_limit(cfg["timeout"]), f"{cfg['system']} {proc.name} (rank {proc.rank})")
-        res = ts.run(cfg, proc, wd)
+        wd = job.Watchdog(job.watchdog_limit(cfg["timeout"]), f"{cfg['system']} {me.name} (rank {me.rank})")
+        res = train_systems.run(cfg, me, wd)
         if res is not None:
-            out.write(ts.RESULT_PREFIX + json.dumps(res) + "\n")
+            out.write(job.RESULT_PREFIX + json.dumps(res) + "\n")
             out.flush()
     except BaseException as e:  # noqa: BLE001 - reported, then the process exits nonzero
         if isinstance(e, SystemExit) and e.code in (0, None):
-            ts.exit_process(0, wd)
-        print(ts.format_tb() + ts.describe_error(proc, e), file=sys.stderr, flush=True)
-        ts.exit_process(1, wd)
-    ts.exit_process(0, wd)
+            job.exit_process(0, wd)
+        print(job.format_tb() + job.describe_error(me, e), file=sys.stderr, flush=True)
+        job.exit_process(1, wd)
+    job.exit_process(0, wd)
 
 
 if __name__ == "__main__":

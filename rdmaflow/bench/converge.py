@@ -7,9 +7,9 @@ The task: scikit-learn's handwritten digits (``sklearn.datasets.load_digits``: 1
 train = 1437 images, 20 % test = 360; ``random_state=0`` whatever ``--seed``), features
 standardized with the training set's mean and deviation. The model is an MLP 64 -> 128 (ReLU)
 -> 10 (9,738 float32 parameters, 39 KB): the smallest network that is not linear (a linear model
-stops near 95 % test accuracy; this one reaches 97 %) and trains in seconds on a CPU, so a run
-to convergence takes a minute and a step is short enough that the communication runtime, not
-the arithmetic, sets its time: what the comparison is about. Loss: cross-entropy.
+stops short of this one's test accuracy; docs/benchmarks.md has the figures) and trains quickly
+on a CPU, so a step is short enough that the communication runtime, not the arithmetic, sets
+its time: what the comparison is about. Loss: cross-entropy.
 
 Both systems run the same synchronous data-parallel SGD:
 
@@ -38,7 +38,7 @@ rdmaflow  a parameter-server job: ``--shards`` shard processes and ``--workers``
           torch.optim.SGD(...), mode="sync")``; roles through ``RDMAFLOW_ROLE``,
           ``RDMAFLOW_ROLE_INDEX``, ``RDMAFLOW_NUM_SHARDS``, ``RDMAFLOW_NUM_WORKERS`` (shards take
           ranks 0..S-1). UCX is restricted to ``--transport`` (``tcp``: TCP over loopback, the
-          path gloo takes; ``sm``: cma shared memory) with ``rdmaflow.bench.perftest.ucx_env``;
+          path gloo takes; ``sm``: cma shared memory) with ``rdmaflow._ucx.ucx_env``;
           ``--transport tcp sm`` runs it once per transport, labelled rdmaflow-tcp and
           rdmaflow-sm. Block placement, the parameters cut into ``--shards`` equal blocks.
 ddp       ``torch.nn.parallel.DistributedDataParallel`` over gloo (TCP, loopback) with
@@ -79,20 +79,25 @@ Output in ``--out`` (default ``bench-results/converge``):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
-import ctypes
 import json
 import math
 import os
-import secrets
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from rdmaflow._ucx import ucx_env
+from rdmaflow.bench.harness import (
+    BenchError,
+    ChildProcess,
+    free_port,
+    new_secret,
+    pyplot,
+    save_figure,
+    style,
+    write_csv,
+)
 
 SYSTEMS = ("rdmaflow", "ddp")
 TRANSPORTS = ("tcp", "sm")
@@ -112,10 +117,6 @@ IN_FEATURES, CLASSES = 64, 10
 _ROLE_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "RDMAFLOW_HOST",
               "RDMAFLOW_SHARDS_PER_NODE", "RDMAFLOW_ROLE", "RDMAFLOW_ROLE_INDEX", "RDMAFLOW_NUM_SHARDS",
               "RDMAFLOW_NUM_WORKERS", "MASTER_ADDR", "MASTER_PORT", "RDMAFLOW_JOB_SECRET")
-
-
-class BenchError(RuntimeError):
-    pass
 
 
 # ------------------------------------------------------------------------------------------
@@ -274,45 +275,14 @@ def _proc_main() -> int:
 # The driver
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class _Proc:
-    def __init__(self, name: str, env: Mapping[str, str], log: str):
-        self.name, self.log = name, log
-        with open(log, "w") as f:
-            self.popen = subprocess.Popen([sys.executable, "-m", "rdmaflow.bench.converge", "--proc"], env=dict(env),
-                                          stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True, preexec_fn=_die_with_parent)
-
-    def output(self) -> str:
-        try:
-            with open(self.log, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.popen.pid, signal.SIGKILL)  # its own group: whatever it started goes too
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(5)
+def _start(name: str, env: Mapping[str, str], log: str) -> ChildProcess:
+    """One process of a job, its output in ``log``."""
+    return ChildProcess([sys.executable, "-m", "rdmaflow.bench.converge", "--proc"], env, name, stdin=False, log=log)
 
 
 def _base_env(system: str, transport: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _ROLE_VARS and not k.startswith("TORCHELASTIC_")}
     if system == "rdmaflow":
-        from rdmaflow.bench.perftest import ucx_env
-
         env = ucx_env(transport, env)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     return env
@@ -327,17 +297,17 @@ def run_system(system: str, cfg: Mapping[str, Any], out: str, timeout: float, tr
     label = label or system
     workers, shards = int(cfg["workers"]), int(cfg["shards"])
     env = _base_env(system, transport)
-    env.update(MASTER_PORT=str(_free_port()))
+    env.update(MASTER_PORT=str(free_port()))
     if system == "rdmaflow":
         world = workers + shards
         roles = [("shard", s, s) for s in range(shards)] + [("worker", w, shards + w) for w in range(workers)]
-        env.update(RDMAFLOW_JOB_SECRET=secrets.token_hex(16), RDMAFLOW_NUM_SHARDS=str(shards),
+        env.update(RDMAFLOW_JOB_SECRET=new_secret(), RDMAFLOW_NUM_SHARDS=str(shards),
                    RDMAFLOW_NUM_WORKERS=str(workers),
                    RDMAFLOW_PS_TIMEOUT=str(min(timeout, 60.0)), RDMAFLOW_PS_STEP_TIMEOUT=str(min(timeout, 120.0)))
     else:
         world = workers
         roles = [("worker", w, w) for w in range(workers)]
-    procs: list[_Proc] = []
+    procs: list[ChildProcess] = []
     t_begin = time.monotonic()
     try:
         for kind, index, rank in roles:
@@ -345,22 +315,22 @@ def run_system(system: str, cfg: Mapping[str, Any], out: str, timeout: float, tr
             penv[CONFIG_ENV] = json.dumps(dict(cfg, system=system, timeout=timeout))
             if system == "rdmaflow":
                 penv.update(RDMAFLOW_ROLE=kind, RDMAFLOW_ROLE_INDEX=str(index))
-            procs.append(_Proc(f"{label}-{kind}{index}", penv, os.path.join(logs, f"{label}-{kind}{index}.log")))
+            procs.append(_start(f"{label}-{kind}{index}", penv, os.path.join(logs, f"{label}-{kind}{index}.log")))
         deadline = t_begin + timeout
         while True:
-            codes = [p.popen.poll() for p in procs]
+            codes = [p.poll() for p in procs]
             failed = [p for p, c in zip(procs, codes) if c not in (None, 0)]
             if failed:
                 time.sleep(1.0)  # let the others print their view of it
-                raise BenchError(f"{label}: {', '.join(f'{p.name} exited with {p.popen.poll()}' for p in failed)}\n"
+                raise BenchError(f"{label}: {', '.join(f'{p.label} exited with {p.poll()}' for p in failed)}\n"
                                  + _tails(procs))
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
-                running = [p.name for p, c in zip(procs, codes) if c is None]
+                running = [p.label for p, c in zip(procs, codes) if c is None]
                 raise BenchError(f"{label}: still running after {timeout:.0f} s: {running}\n" + _tails(procs))
             time.sleep(0.05)
-        worker0 = next(p for p in procs if p.name.endswith("worker0"))
+        worker0 = next(p for p in procs if p.label.endswith("worker0"))
         lines = [ln for ln in worker0.output().splitlines() if ln.startswith(RESULT_TAG)]
         if not lines:
             raise BenchError(f"{label}: worker 0 printed no result\n" + _tails(procs))
@@ -375,8 +345,8 @@ def run_system(system: str, cfg: Mapping[str, Any], out: str, timeout: float, tr
             p.kill()
 
 
-def _tails(procs: Sequence[_Proc], n: int = 2000) -> str:
-    return "\n".join(f"--- {p.name} (exit {p.popen.poll()}):\n{p.output()[-n:]}" for p in procs)
+def _tails(procs: Sequence[ChildProcess], n: int = 2000) -> str:
+    return "\n".join(f"--- {p.label} (exit {p.poll()}):\n{p.output()[-n:]}" for p in procs)
 
 
 def curve_rows(system: str, res: Mapping[str, Any]) -> list[dict]:
@@ -391,8 +361,8 @@ def summarize_system(system: str, cfg: Mapping[str, Any], res: Mapping[str, Any]
     last_epoch = [r[3] for r in recs if r[1] == epochs and r[3] is not None]
     t_acc = next((r[2] for r in evals if r[5] >= target_acc), None)
     t_loss = next((r[2] for r in evals if r[4] <= target_loss), None)
-    return {"system": system, "workers": cfg["workers"], "shards": cfg["shards"] if system.startswith("rdmaflow") else "",
-            "epochs": epochs, "steps": res["steps"],
+    shards = cfg["shards"] if system.startswith("rdmaflow") else ""
+    return {"system": system, "workers": cfg["workers"], "shards": shards, "epochs": epochs, "steps": res["steps"],
             "final_train_loss": sum(last_epoch) / len(last_epoch) if last_epoch else None,
             "final_test_loss": evals[-1][4], "final_test_acc": evals[-1][5],
             "best_test_acc": max(r[5] for r in evals), "target_acc": target_acc, "seconds_to_target_acc": t_acc,
@@ -407,15 +377,6 @@ def _fmt(v: Any, digits: int = 4) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}g}"
     return str(v)
-
-
-def write_csv(path: str, fields: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(fields))
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else (repr(r[k]) if isinstance(r[k], float) else r[k]))
-                        for k in fields})
 
 
 def print_table(summaries: Sequence[Mapping[str, Any]]) -> None:
@@ -433,21 +394,13 @@ def print_table(summaries: Sequence[Mapping[str, Any]]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
 
 
-STYLE = {"rdmaflow": "tab:red", "rdmaflow-tcp": "tab:red", "rdmaflow-sm": "tab:orange", "ddp": "tab:blue"}
-
-
 def plot(path: str, results: Mapping[str, Mapping[str, Any]], cfg: Mapping[str, Any], target_acc: float,
          title: str = "", steps_in_epoch: int = 1) -> None:
     """Figure 10 style: training loss against wall-clock seconds, one line per system; test
     accuracy against seconds beside it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(12, 4.6))
     for system, res in results.items():
-        color = STYLE.get(system)
+        color = style(system)[0]
         steps = [r for r in res["records"] if r[3] is not None]
         xs, ys = [r[2] for r in steps], [r[3] for r in steps]
         window = max(1, steps_in_epoch // int(cfg["log_every"]))
@@ -470,14 +423,7 @@ def plot(path: str, results: Mapping[str, Mapping[str, Any]], cfg: Mapping[str, 
         ax.grid(True, which="both", alpha=0.3)
         ax.set_xlim(left=0)
         ax.legend(fontsize=8)
-    if title:
-        import textwrap
-
-        fig.suptitle("\n".join(textwrap.wrap(title, 130)), fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title, wrap=130, fontsize=9, dpi=110)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ Two processes on this host: a receiver (``python -m rdmaflow.bench.device --serv
 publishes two large regions (a WRITE destination and a READ source), and the sender, this
 process, that streams WRITEs into one and READs out of the other with a window of memcpys in
 flight. In the same run, on the same transport (the
-same environment from :func:`rdmaflow.bench.perftest.ucx_env`), ``ucx_perftest`` measures UCX's
+same environment from :func:`rdmaflow._ucx.ucx_env`), ``ucx_perftest`` measures UCX's
 own ``put`` and ``get`` between two processes: the ceiling rdmaflow is held against.
 
 Method, per transport:
@@ -29,7 +29,7 @@ Method, per transport:
 * Memory (``--memory``, see the notes at "Memory" below): by default rdmaflow moves real,
   written data from ``Device.alloc_region`` buffers. ucx_perftest never writes its buffers, so
   its put/get source is the kernel's zero page, always in cache: for messages that do not fit
-  the last-level cache that flatters perftest (measured 2x for cma at 16 MiB).
+  the last-level cache that flatters perftest.
   ``--memory zero`` gives rdmaflow the same untouched sources, for a like-for-like ratio.
 """
 from __future__ import annotations
@@ -37,23 +37,29 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import csv
-import ctypes
 import json
 import math
 import mmap
 import os
-import secrets
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow.bench.perftest import run_perftest, ucx_env
-from rdmaflow.bench.util import format_size, parse_size, summarize
+from rdmaflow._ucx import ucx_env, with_tcp
+from rdmaflow.bench.harness import (
+    ChildProcess,
+    environ,
+    format_size,
+    median_ratio,
+    new_secret,
+    paired_ratio,
+    parse_size,
+    parse_sizes,
+    summarize,
+    write_csv,
+)
+from rdmaflow.bench.perftest import run_perftest
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "1M,16M"
@@ -61,11 +67,8 @@ DEFAULT_REPEATS = 5
 QUICK_REPEATS = 3
 TRANSPORTS = ("tcp", "sm")
 DEFAULT_CSV = os.path.join("bench-results", "device.csv")
-#: Outstanding memcpys per stream. Measured on the 2-core VM (UCX 1.22): tcp WRITE is best at
-#: 16-32 (64K: 2.3 GB/s at 4, 3.8 at 16, 4.0 at 32, 4.2 at 64; 16M: 4.2 at 4, 5.3 at 16, 5.1
-#: at 32, 4.1 at 128); sm keeps gaining for small messages (256K: 17 at 4, 26 at 16, 29 at 32,
-#: 33 at 128 GB/s) and is flat from 4M up. 32 is also ucp_put_bw's default outstanding count.
-#: The cost per memcpy is ~2 us on sm at 32+ in flight (22 us with one at a time).
+#: Outstanding memcpys per stream: ucp_put_bw's default outstanding count (docs/benchmarks.md
+#: has the window sweep behind it).
 DEFAULT_WINDOW = 32
 DEFAULT_TARGET_BYTES = 256 << 20
 QUICK_TARGET_BYTES = 64 << 20
@@ -95,41 +98,9 @@ PAIRS = {"write": "put", "read": "get"}
 # Environment
 
 
-def with_tcp(env: dict[str, str]) -> dict[str, str]:
-    """Makes sure ``UCX_TLS`` in ``env`` (modified in place, and returned) allows ``tcp``.
-
-    rdmaflow devices connect through UCX's sockaddr connection manager, which needs tcp even
-    when the data goes over shared memory.
-    """
-    tls = env.get("UCX_TLS", "").strip()
-    if not tls:
-        return env  # UCX's default: every transport
-    if tls.startswith("^"):
-        names = [t for t in tls[1:].split(",") if t and t != "tcp"]
-        env["UCX_TLS"] = "^" + ",".join(names) if names else "all"
-        return env
-    names = [t.strip() for t in tls.split(",") if t.strip()]
-    if not {"tcp", "all"} & set(names):
-        env["UCX_TLS"] = ",".join(names + ["tcp"])
-    return env
-
-
 def rdmaflow_env(transport: str, base_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """:func:`ucx_env` for ``transport``, with tcp added for rdmaflow's connection manager."""
     return with_tcp(ucx_env(transport, base_env))
-
-
-@contextlib.contextmanager
-def _environ(env: Mapping[str, str]):
-    """Temporarily makes ``os.environ`` equal ``env`` (UCX reads it when a context is made)."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 # ------------------------------------------------------------------------------------------
@@ -143,8 +114,8 @@ def _environ(env: Mapping[str, str]):
 #   zero    as thp, but the source is never written, so the kernel backs it with its (huge)
 #           zero page: exactly ucx_perftest's buffers (UCX_ALLOC_PRIO=thp allocates and
 #           nobody writes them). A zero-page source is always cache-hot, which makes copies
-#           of messages larger than the last-level cache look up to 2-3x faster than copies
-#           of real data; this mode shows rdmaflow under the same conditions as perftest.
+#           of messages larger than the last-level cache look faster than copies of real
+#           data; this mode shows rdmaflow under the same conditions as perftest.
 
 MEMORY_KINDS = ("region", "thp", "zero")
 _FILL = 0x5A
@@ -185,7 +156,8 @@ def _alloc(dev: Any, nbytes: int, memory: str, source: bool) -> tuple[Any, Any]:
 
 def serve(region_bytes: int, memory: str, busy_poll: bool, out=None, inp=None) -> int:
     """The receiver: publishes a destination (WRITE target) and a source (READ origin) region,
-    prints ``{"endpoint": ...}`` and serves until stdin says "exit" or closes."""
+    prints ``{"ok": true, "endpoint": ...}`` and serves until stdin says ``{"cmd": "exit"}``
+    or closes."""
     import rdmaflow
 
     out = out or sys.stdout
@@ -196,89 +168,33 @@ def serve(region_bytes: int, memory: str, busy_poll: bool, out=None, inp=None) -
         src, keep_src = _alloc(dev, region_bytes, memory, source=True)
         dev.publish_region(REGION_NAME + "-dst", dst)
         dev.publish_region(REGION_NAME + "-src", src)
-        out.write(json.dumps({"endpoint": dev.endpoint, "dst": REGION_NAME + "-dst",
+        out.write(json.dumps({"ok": True, "endpoint": dev.endpoint, "dst": REGION_NAME + "-dst",
                               "src": REGION_NAME + "-src", "nbytes": region_bytes,
                               "pid": os.getpid()}) + "\n")
         out.flush()
         for line in inp:
-            if line.strip() == "exit":
-                break
+            with contextlib.suppress(ValueError, AttributeError):
+                if json.loads(line).get("cmd") == "exit":
+                    break
         del keep_dst, keep_src
     finally:
         dev.close()
     return 0
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class Receiver:
-    """The ``--serve`` process: started in its own session, killed as a group on exit."""
-
-    def __init__(self, env: Mapping[str, str], region_bytes: int, memory: str,
-                 busy_poll: bool = False, timeout: float = 60.0):
-        argv = [sys.executable, "-m", "rdmaflow.bench.device", "--serve",
-                "--region-bytes", str(region_bytes), "--memory", memory]
-        if busy_poll:
-            argv.append("--busy-poll")
-        self.proc = subprocess.Popen(
-            argv, env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, start_new_session=True,
-            preexec_fn=_die_with_parent)
-        self._stderr: list[str] = []
-        self._err_thread = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._err_thread.start()
-        try:
-            hello = self._readline(timeout)
-            info = json.loads(hello)
-            self.endpoint: str = info["endpoint"]
-            self.dst_name: str = info["dst"]
-            self.src_name: str = info["src"]
-        except BaseException:
-            self.close()
-            raise
-
-    def _drain_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._stderr.append(line)
-            del self._stderr[:-200]
-
-    def stderr_tail(self) -> str:
-        return "".join(self._stderr)[-2000:]
-
-    def _readline(self, timeout: float) -> str:
-        box: list[str] = []
-        t = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout)
-        if not box or not box[0]:
-            self._err_thread.join(0.5)
-            raise RuntimeError(
-                f"benchmark receiver did not start within {timeout:.0f} s "
-                f"(exit code {self.proc.poll()}); its stderr:\n{self.stderr_tail()}")
-        return box[0]
-
-    def close(self) -> None:
-        p = self.proc
-        if p.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                p.stdin.write("exit\n")
-                p.stdin.flush()
-            with contextlib.suppress(OSError, ValueError):
-                p.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(5)
-        for f in (p.stdin, p.stdout):
-            with contextlib.suppress(Exception):
-                f.close()
+def start_receiver(env: Mapping[str, str], region_bytes: int, memory: str, busy_poll: bool = False,
+                   timeout: float = 60.0) -> tuple[ChildProcess, dict]:
+    """Starts the ``--serve`` process; returns it and its hello (endpoint, region names)."""
+    argv = [sys.executable, "-m", "rdmaflow.bench.device", "--serve",
+            "--region-bytes", str(region_bytes), "--memory", memory]
+    if busy_poll:
+        argv.append("--busy-poll")
+    proc = ChildProcess(argv, env, "benchmark receiver")
+    try:
+        return proc, proc.read(timeout)
+    except BaseException:
+        proc.close()
+        raise
 
 
 # ------------------------------------------------------------------------------------------
@@ -295,24 +211,24 @@ class RdmaflowStream:
         self.rdmaflow = rdmaflow
         self.timeout = timeout
         env = rdmaflow_env(transport)
-        env["RDMAFLOW_JOB_SECRET"] = secrets.token_hex(16)
+        env["RDMAFLOW_JOB_SECRET"] = new_secret()
         self.env = env
-        self.receiver: Receiver | None = None
+        self.receiver: ChildProcess | None = None
         self.dev = None
         try:
-            self.receiver = Receiver(env, region_bytes, memory, busy_poll, timeout)
+            self.receiver, hello = start_receiver(env, region_bytes, memory, busy_poll, timeout)
             # UCX_WARN_UNUSED_ENV_VARS is a global option, read when libucs loaded; set now,
             # the new context would only warn that it is unused.
             denv = {k: v for k, v in env.items() if k != "UCX_WARN_UNUSED_ENV_VARS"}
-            with _environ(denv):
+            with environ(denv):
                 self.dev = rdmaflow.Device("127.0.0.1:0", busy_poll=busy_poll,
                                            secret=env["RDMAFLOW_JOB_SECRET"])
             self.local_src, keep_src = _alloc(self.dev, region_bytes, memory, source=True)
             self.local_dst, keep_dst = _alloc(self.dev, region_bytes, memory, source=False)
             self._keep = (keep_src, keep_dst)
-            ep = self.receiver.endpoint
-            self.remote_dst = self.dev.lookup_region(ep, self.receiver.dst_name, timeout)
-            self.remote_src = self.dev.lookup_region(ep, self.receiver.src_name, timeout)
+            ep = hello["endpoint"]
+            self.remote_dst = self.dev.lookup_region(ep, hello["dst"], timeout)
+            self.remote_src = self.dev.lookup_region(ep, hello["src"], timeout)
             self.ch = self.dev.channel(ep)
             # Fault in and warm every page both ways once, before anything is timed (this
             # writes only destinations, so a "zero" source stays the zero page).
@@ -328,8 +244,7 @@ class RdmaflowStream:
 
         When the window is full the sender sleeps until ``refill`` (default: half the window)
         memcpys have completed, then posts that many: one wake-up per batch rather than per
-        memcpy (on the 2-core VM, waking per memcpy cost sm READ at 1 MiB a quarter of its
-        bandwidth: 32 vs 42 GB/s).
+        memcpy, which costs sm READs of small messages much of their bandwidth.
         """
         if op == "write":
             direction, local, remote = self.rdmaflow.WRITE, self.local_src, self.remote_dst
@@ -367,7 +282,7 @@ class RdmaflowStream:
                 self.dev.close()
             self.dev = None
         if self.receiver is not None:
-            self.receiver.close()
+            self.receiver.close(grace=10.0)
             self.receiver = None
 
     def __enter__(self) -> RdmaflowStream:
@@ -436,25 +351,21 @@ def bench_transport(transport: str, sizes: Sequence[int], *, repeats: int, windo
     return results
 
 
+def _values(results: Mapping[Key, dict[str, Any]], system: str, transport: str, op: str, size: int) -> list:
+    r = results.get((system, transport, op, size))
+    return r["values"] if r else []
+
+
 def _ratio(results: Mapping[Key, dict[str, Any]], transport: str, op: str, size: int) -> float | None:
-    mine = results.get(("rdmaflow", transport, op, size))
-    ref = results.get(("ucx_perftest", transport, PAIRS[op], size))
-    if not mine or not ref or not mine["values"] or not ref["values"]:
-        return None
-    den = summarize(ref["values"])["median"]
-    return summarize(mine["values"])["median"] / den if den > 0 else None
+    return median_ratio(_values(results, "rdmaflow", transport, op, size),
+                        _values(results, "ucx_perftest", transport, PAIRS[op], size))
 
 
 def _paired_ratio(results: Mapping[Key, dict[str, Any]], transport: str, op: str,
                   size: int) -> float | None:
-    """Median over repeats of rdmaflow / perftest measured in the same repeat (seconds apart):
-    less sensitive to load that comes and goes than the ratio of the medians."""
-    mine = results.get(("rdmaflow", transport, op, size))
-    ref = results.get(("ucx_perftest", transport, PAIRS[op], size))
-    if not mine or not ref:
-        return None
-    pairs = [a / b for a, b in zip(mine["values"], ref["values"]) if b > 0]
-    return summarize(pairs)["median"] if pairs else None
+    """Median over repeats of rdmaflow / perftest measured in the same repeat (seconds apart)."""
+    return paired_ratio(_values(results, "rdmaflow", transport, op, size),
+                        _values(results, "ucx_perftest", transport, PAIRS[op], size))
 
 
 def format_table(results: Mapping[Key, dict[str, Any]], transport: str, sizes: Sequence[int], *,
@@ -502,42 +413,38 @@ def format_table(results: Mapping[Key, dict[str, Any]], transport: str, sizes: S
         ratios = {s: _ratio(results, transport, "write", s) for s in checked}
         bad = [s for s, x in ratios.items() if x is None or x < ACCEPT_RATIO]
         worst = min((x for x in ratios.values() if x is not None), default=float("nan"))
-        verdict = "PASS" if not bad else "MISS at " + ",".join(format_size(s) for s in bad)
+        result = "PASS" if not bad else "MISS at " + ",".join(format_size(s) for s in bad)
         paired = [_paired_ratio(results, transport, "write", s) for s in checked]
         pworst = min((x for x in paired if x is not None), default=float("nan"))
         lines.append(f"WRITE >= {ACCEPT_RATIO:.0%} of perftest put for sizes >= "
-                     f"{format_size(ACCEPT_MIN_SIZE)}: {verdict} (lowest {worst * 100:.0f}%; "
+                     f"{format_size(ACCEPT_MIN_SIZE)}: {result} (lowest {worst * 100:.0f}%; "
                      f"lowest median of per-repeat ratios {pworst * 100:.0f}%)")
     return "\n".join(lines)
 
 
-def write_csv(path: str, results: Mapping[Key, dict[str, Any]], *, window: int, memory: str) -> None:
-    d = os.path.dirname(path)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for (system, transport, op, size), r in results.items():
-            if not r["values"]:
-                continue
-            s = summarize(r["values"])
-            ratio = _ratio(results, transport, op, size) if system == "rdmaflow" else None
-            paired = _paired_ratio(results, transport, op, size) if system == "rdmaflow" else None
-            w.writerow({
-                "system": system, "transport": transport, "op": op, "size_bytes": size,
-                "size": format_size(size),
-                "gb_per_s_median": f"{s['median'] / 1e9:.4f}",
-                "gb_per_s_min": f"{s['min'] / 1e9:.4f}",
-                "gb_per_s_max": f"{s['max'] / 1e9:.4f}",
-                "gb_per_s_iqr": f"{s['iqr'] / 1e9:.4f}",
-                "repeats": len(r["values"]), "iters": r["iters"],
-                "window": window if system == "rdmaflow" else "",
-                "memory": memory if system == "rdmaflow" else "zero",  # perftest never writes its buffers
-                "ratio_vs_perftest": "" if ratio is None else f"{ratio:.4f}",
-                "paired_ratio_vs_perftest": "" if paired is None else f"{paired:.4f}",
-                "values_gb_per_s": " ".join(f"{v / 1e9:.4f}" for v in r["values"]),
-            })
+def csv_rows(results: Mapping[Key, dict[str, Any]], *, window: int, memory: str) -> list[dict[str, Any]]:
+    rows = []
+    for (system, transport, op, size), r in results.items():
+        if not r["values"]:
+            continue
+        s = summarize(r["values"])
+        ratio = _ratio(results, transport, op, size) if system == "rdmaflow" else None
+        paired = _paired_ratio(results, transport, op, size) if system == "rdmaflow" else None
+        rows.append({
+            "system": system, "transport": transport, "op": op, "size_bytes": size,
+            "size": format_size(size),
+            "gb_per_s_median": f"{s['median'] / 1e9:.4f}",
+            "gb_per_s_min": f"{s['min'] / 1e9:.4f}",
+            "gb_per_s_max": f"{s['max'] / 1e9:.4f}",
+            "gb_per_s_iqr": f"{s['iqr'] / 1e9:.4f}",
+            "repeats": len(r["values"]), "iters": r["iters"],
+            "window": window if system == "rdmaflow" else "",
+            "memory": memory if system == "rdmaflow" else "zero",  # perftest never writes its buffers
+            "ratio_vs_perftest": "" if ratio is None else f"{ratio:.4f}",
+            "paired_ratio_vs_perftest": "" if paired is None else f"{paired:.4f}",
+            "values_gb_per_s": " ".join(f"{v / 1e9:.4f}" for v in r["values"]),
+        })
+    return rows
 
 
 # ------------------------------------------------------------------------------------------
@@ -579,7 +486,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sizes_text = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
-    sizes = [parse_size(s) for s in sizes_text.split(",") if s.strip()]
+    sizes = parse_sizes(sizes_text)
     if not sizes or any(s <= 0 for s in sizes):
         print("error: --sizes needs positive sizes", file=sys.stderr)
         return 2
@@ -618,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_table(r, t, sizes, repeats=repeats, window=args.window, memory=args.memory,
                            refill=args.refill), flush=True)
-        write_csv(args.csv, results, window=args.window, memory=args.memory)
+        write_csv(args.csv, CSV_COLUMNS, csv_rows(results, window=args.window, memory=args.memory))
     if results:
         print(f"\nCSV: {args.csv}")
     return status

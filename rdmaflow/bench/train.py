@@ -1,9 +1,10 @@
 """``rdmaflow bench train``: training throughput of parameter-server and all-reduce systems
 (seed 000 §5.2, Figures 9, 11 and 12).
 
-Each *cell* is one short training job: ``(system, model, batch, workers, shards)``. The
-job's processes are ``python -m rdmaflow.bench._train_proc``, started here, each in its own
-process group, with torchrun's variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+Each *cell* is one short training job: ``(system, model, batch, workers, shards)``
+(:mod:`rdmaflow.bench.train_cells` runs one). The job's processes are
+``python -m rdmaflow.bench._train_proc``, each in its own process group, with torchrun's
+variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``), a fresh ``RDMAFLOW_JOB_SECRET`` and the cell's configuration
 as JSON in ``RDMAFLOW_TRAIN_CFG``:
 ``{"system", "model", "batch", "workers", "shards", "warmup", "iters", "zero_copy",
@@ -68,29 +69,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import importlib.util
-import json
 import os
-import queue
-import secrets
 import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow.bench.perftest import ucx_env
-from rdmaflow.bench.transfer import BackgroundMeter, Proc, _free_port, format_background
-from rdmaflow.bench.util import _percentile
+from rdmaflow.bench.harness import BackgroundMeter, format_background, percentile, verdict, write_csv, write_json
+from rdmaflow.bench.train_cells import (
+    PROC_MODULE,
+    RDMAFLOW_SYSTEMS,
+    Config,
+    Key,
+    cell_key,
+    lookup,
+    run_cell,
+    train_cfg,
+)
+from rdmaflow.bench.train_plots import make_plots
 
 SYSTEMS = ("rdmaflow", "tensorpipe", "grpc", "ddp", "local")
 #: Every system name, in the order of the tables and plots.
 ALL_SYSTEMS = ("rdmaflow", "rdmaflow-copy", "tensorpipe", "grpc", "ddp", "local")
-PS_SYSTEMS = ("rdmaflow", "rdmaflow-copy", "tensorpipe", "grpc")
-RDMAFLOW_SYSTEMS = ("rdmaflow", "rdmaflow-copy")
 DEFAULT_MODELS = ("fcn5", "alexnet")
 DEFAULT_BATCH = (8,)
 DEFAULT_WORKERS = (2,)
@@ -100,16 +103,9 @@ DEFAULT_ITERS = 20
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_LR = 0.01
 HOSTS = ("local", "netns")
-PROC_MODULE = "rdmaflow.bench._train_proc"
-RESULT_TAG = "RDMAFLOW_TRAIN_RESULT"
-RESULT_KEYS = ("system", "model", "worker", "times", "losses", "batch")
 
 CSV_NAME = "results.csv"
 JSON_NAME = "results.json"
-PNG_BARS = "throughput.png"
-PNG_FIG9 = "fig9_batch.png"
-PNG_FIG11 = "fig11_workers.png"
-PNG_FIG12 = "fig12_zero_copy.png"
 
 #: The project's bars (rdmaflow's batches/s per worker over the system's), checked at
 #: ACCEPT_CONFIG for ACCEPT_MODELS when the run measured them.
@@ -121,222 +117,9 @@ CSV_COLUMNS = [
     "system", "model", "batch", "workers", "shards", "batches_per_s",
     "batches_per_s_p25", "batches_per_s_p75", "batches_per_s_min", "batches_per_s_max",
     "samples_per_s", "median_iter_s", "iters", "warmup", "hosts", "zero_copy",
-    "loss_first", "loss_last", "worker_batches_per_s", "wall_s", "background_cores",
+    "loss_first", "loss_last", "worker_batches_per_s", "wall_s", "background_cpus",
     "status", "error",
 ]
-
-
-class CellError(RuntimeError):
-    pass
-
-
-# ------------------------------------------------------------------------------------------
-# Cells and their processes
-
-
-Key = tuple[str, str, int, int, int]  # (system, model, batch, workers, shards)
-Config = tuple[str, int, int, int]    # (model, batch, workers, shards)
-
-
-def cell_key(system: str, model: str, batch: int, workers: int, shards: int) -> Key:
-    """The cell a system measures for a configuration: ddp ignores shards, local both."""
-    if system == "local":
-        return (system, model, batch, 1, 0)
-    if system == "ddp":
-        return (system, model, batch, workers, 0)
-    return (system, model, batch, workers, shards)
-
-
-@dataclass(frozen=True)
-class Member:
-    """One process of a cell."""
-    rank: int
-    role: str    # "shard" or "worker"
-    index: int   # shard or worker index
-    host: int    # the host (netns) it runs on; 0 for --hosts local
-    local_rank: int
-    local_world: int
-
-
-def layout(key: Key, netns: bool) -> list[Member]:
-    """The processes of a cell, by rank. PS systems: shards first (ranks 0..S-1), then the
-    workers; with netns, shard i and worker i share host i."""
-    system, _, _, workers, shards = key
-    if system in PS_SYSTEMS:
-        world = shards + workers
-        out = []
-        for s in range(shards):
-            out.append(Member(s, "shard", s, s if netns else 0, 0 if netns else s,
-                              2 if netns else world))
-        for w in range(workers):
-            out.append(Member(shards + w, "worker", w, w if netns else 0,
-                              1 if netns else shards + w, 2 if netns else world))
-        return out
-    return [Member(w, "worker", w, w if netns else 0, 0 if netns else w, 1 if netns else workers)
-            for w in range(workers)]
-
-
-def train_cfg(key: Key, *, warmup: int, iters: int, lr: float, seed: int, timeout: float,
-              threads: int | None, transport: str = "tcp") -> dict[str, Any]:
-    system, model, batch, workers, shards = key
-    cfg: dict[str, Any] = {
-        "system": "rdmaflow" if system == "rdmaflow-copy" else system, "model": model,
-        "batch": batch, "workers": workers, "shards": shards, "warmup": warmup, "iters": iters,
-        "zero_copy": system != "rdmaflow-copy", "overlap": True, "mode": "sync", "lr": lr,
-        "seed": seed, "timeout": timeout,
-    }
-    if threads is not None:
-        cfg["threads"] = threads
-    if system == "tensorpipe":
-        cfg["transport"] = transport  # tcp: uv/basic (TCP like the others); sm: shm/cma
-    return cfg
-
-
-def process_env(key: Key, m: Member, members: Sequence[Member], *, cfg: Mapping[str, Any],
-                master_addr: str, port: int, secret: str, transport: str,
-                ifname: str | None, host_addr: str, threads: int | None,
-                base: Mapping[str, str] | None = None) -> dict[str, str]:
-    system, _, _, workers, shards = key
-    base = dict(os.environ if base is None else base)
-    if system in RDMAFLOW_SYSTEMS:
-        env = ucx_env(transport, base, net_device=ifname)
-        # rdmaflow.ps places roles by these when set (ranks 0..S-1 shards, then workers).
-        env.update(RDMAFLOW_ROLE=m.role, RDMAFLOW_ROLE_INDEX=str(m.index),
-                   RDMAFLOW_NUM_SHARDS=str(shards), RDMAFLOW_NUM_WORKERS=str(workers))
-    else:
-        env = base
-    env.update({
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(m.rank),
-        "WORLD_SIZE": str(len(members)), "LOCAL_RANK": str(m.local_rank),
-        "LOCAL_WORLD_SIZE": str(m.local_world), "RDMAFLOW_JOB_SECRET": secret,
-        "RDMAFLOW_TRAIN_CFG": json.dumps(cfg), "RDMAFLOW_HOST": host_addr,
-        "GLOO_SOCKET_IFNAME": ifname or "lo", "TP_SOCKET_IFNAME": ifname or "lo",
-        "PYTHONUNBUFFERED": "1",
-    })
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def _one_line(text: str, n: int = 600) -> str:
-    """The last line of a process's stderr first (the training process ends with its summary
-    there), then the lines before it, on one line, at most about ``n`` characters."""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
-        return ""
-    last = lines[-1] if len(lines[-1]) <= n else lines[-1][:n] + "..."
-    before = " | ".join(lines[-6:-1])
-    if not before:
-        return last
-    room = max(80, n - len(last))
-    if len(before) > room:
-        before = "..." + before[-room:]
-    return f"{last} [stderr before it: {before}]"
-
-
-def _drain(p: Proc, timeout: float) -> list[str]:
-    """Every stdout line of a process that has exited (bounded: a grandchild may hold it)."""
-    out: list[str] = []
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            line = p.lines.get(timeout=max(0.001, end - time.monotonic()))
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        out.append(line)
-    return out
-
-
-def parse_results(lines: Iterable[str]) -> list[dict[str, Any]]:
-    out = []
-    for line in lines:
-        line = line.strip()
-        if line.startswith(RESULT_TAG):
-            out.append(json.loads(line[len(RESULT_TAG):].strip()))
-    return out
-
-
-def check_result(r: Any, key: Key, index: int) -> None:
-    system, model, batch, _, _ = key
-    if not isinstance(r, dict) or any(k not in r for k in RESULT_KEYS):
-        raise CellError(f"worker {index}: result lacks {[k for k in RESULT_KEYS if k not in (r or {})]}")
-    if r["worker"] != index:
-        raise CellError(f"worker {index} (rank order) reported itself as worker {r['worker']}")
-    if r["model"] != model or int(r["batch"]) != batch:
-        raise CellError(f"worker {index} reports model {r['model']!r} batch {r['batch']}, "
-                        f"expected {model!r} batch {batch}")
-    times = r["times"]
-    if not isinstance(times, list) or not times or not all(
-            isinstance(t, (int, float)) and t > 0 for t in times):
-        raise CellError(f"worker {index}: times must be a non-empty list of positive seconds")
-
-
-def run_cell(key: Key, *, cfg: Mapping[str, Any], timeout: float, transport: str = "tcp",
-             hosts: Any = None, threads: int | None = None, proc_module: str = PROC_MODULE,
-             log: Callable[[str], None] = lambda s: None) -> list[dict[str, Any]]:
-    """Runs one cell to its end; returns the workers' results (by worker index) or raises
-    CellError. Every process it starts is killed before it returns or raises."""
-    members = layout(key, hosts is not None)
-    secret = secrets.token_hex(16)
-    port = _free_port()
-    master = hosts[0].addr if hosts is not None else "127.0.0.1"
-    argv = [sys.executable, "-m", proc_module]
-    procs: list[tuple[Member, Proc]] = []
-    try:
-        for m in members:
-            h = hosts[m.host] if hosts is not None else None
-            env = process_env(key, m, members, cfg=cfg, master_addr=master, port=port,
-                              secret=secret, transport=transport,
-                              ifname=h.ifname if h else None,
-                              host_addr=h.addr if h else "127.0.0.1", threads=threads)
-            label = f"{m.role} {m.index}" + (f" (host {m.host})" if h else "")
-            p = Proc(h.argv(argv) if h else argv, env, label)
-            with contextlib.suppress(Exception):
-                p.proc.stdin.close()
-            procs.append((m, p))
-            log(f"  {key[0]}: started {label}, rank {m.rank} of {len(members)}, pid {p.proc.pid}")
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.proc.poll() for _, p in procs]
-            if any(c not in (None, 0) for c in codes):
-                time.sleep(0.5)  # let the others show whether they failed too; stderr catch up
-                codes = [p.proc.poll() for _, p in procs]
-                bad = [(m, p, c) for (m, p), c in zip(procs, codes) if c not in (None, 0)]
-                m, p, c = bad[0]
-                msg = f"{p.label} exited with code {c}: {_one_line(p.stderr_tail(4000)) or '(no stderr)'}"
-                if len(bad) > 1:
-                    msg += "; also failed: " + ", ".join(f"{b[1].label} ({b[2]})" for b in bad[1:])
-                raise CellError(msg)
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                running = [p.label for (_, p), c in zip(procs, codes) if c is None]
-                tails = [f"{p.label}: {_one_line(p.stderr_tail(2000), 300)}"
-                         for (_, p), c in zip(procs, codes) if c is None and p.stderr_tail()]
-                raise CellError(f"timed out after {timeout:.0f} s; still running: "
-                                f"{', '.join(running)}" + (f"; stderr: {'; '.join(tails)}" if tails else ""))
-            time.sleep(0.05)
-        results = []
-        for m, p in procs:
-            lines = _drain(p, 5.0)
-            if m.role != "worker":
-                continue
-            try:
-                found = parse_results(lines)
-            except ValueError as e:
-                raise CellError(f"{p.label} printed a malformed {RESULT_TAG} line: {e}") from None
-            if len(found) != 1:
-                tail = _one_line("".join(lines[-5:]) or p.stderr_tail(2000), 300)
-                raise CellError(f"{p.label} printed {len(found)} {RESULT_TAG} lines, expected 1"
-                                + (f"; output: {tail}" if tail else ""))
-            check_result(found[0], key, m.index)
-            results.append(found[0])
-        return results
-    finally:
-        for _, p in procs:
-            p.kill()
 
 
 # ------------------------------------------------------------------------------------------
@@ -358,8 +141,8 @@ def cell_metrics(results: Sequence[Mapping[str, Any]], batch: int) -> dict[str, 
 
     return {
         "batches_per_s": bps,
-        "batches_per_s_p25": _percentile(rates, 0.25),
-        "batches_per_s_p75": _percentile(rates, 0.75),
+        "batches_per_s_p25": percentile(rates, 0.25),
+        "batches_per_s_p75": percentile(rates, 0.75),
         "batches_per_s_min": rates[0],
         "batches_per_s_max": rates[-1],
         "samples_per_s": bps * batch * len(results),
@@ -376,14 +159,8 @@ def new_cell(key: Key, *, hosts: str, warmup: int, iters: int) -> dict[str, Any]
     return {"system": system, "model": model, "batch": batch, "workers": workers,
             "shards": shards, "hosts": hosts, "warmup": warmup, "iters": iters,
             "zero_copy": (system == "rdmaflow") if system in RDMAFLOW_SYSTEMS else None,
-            "status": "not run", "error": "", "wall_s": None, "background_cores": None,
+            "status": "not run", "error": "", "wall_s": None, "background_cpus": None,
             "metrics": None, "workers_results": []}
-
-
-def lookup(cells: Mapping[Key, dict[str, Any]], system: str, cfg: Config) -> dict[str, Any] | None:
-    """The metrics a system measured for a configuration, or None."""
-    cell = cells.get(cell_key(system, *cfg))
-    return cell["metrics"] if cell else None
 
 
 def ratio(cells: Mapping[Key, dict[str, Any]], cfg: Config, num: str, den: str,
@@ -424,7 +201,7 @@ def acceptance(cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config]) -
             x = ratio(cells, cfg, "rdmaflow", den)
             rows.append({"model": model, **ACCEPT_CONFIG, "num": "rdmaflow", "den": den,
                          "bar": bar, "ratio": x,
-                         "verdict": "n/a" if x is None else ("PASS" if x >= bar else "MISS")})
+                         "verdict": verdict(x, bar)})
     return rows
 
 
@@ -452,7 +229,7 @@ def csv_row(cell: Mapping[str, Any]) -> dict[str, Any]:
     row["iters"] = m["iters"] if m else cell["iters"]
     row["zero_copy"] = "" if cell["zero_copy"] is None else int(cell["zero_copy"])
     row["wall_s"] = "" if cell["wall_s"] is None else f"{cell['wall_s']:.1f}"
-    row["background_cores"] = "" if cell["background_cores"] is None else f"{cell['background_cores']:.2f}"
+    row["background_cpus"] = "" if cell["background_cpus"] is None else f"{cell['background_cpus']:.2f}"
     for k in ("batches_per_s", "batches_per_s_p25", "batches_per_s_p75", "batches_per_s_min",
               "batches_per_s_max", "samples_per_s", "median_iter_s", "loss_first", "loss_last"):
         row[k] = "" if not m or m[k] is None else f"{m[k]:.6g}"
@@ -460,25 +237,14 @@ def csv_row(cell: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-def write_csv(path: str, cells: Iterable[Mapping[str, Any]]) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for c in cells:
-            w.writerow(csv_row(c))
-    os.replace(tmp, path)
+def save_csv(path: str, cells: Iterable[Mapping[str, Any]]) -> None:
+    write_csv(path, CSV_COLUMNS, [csv_row(c) for c in cells])
 
 
-def write_json(path: str, meta: Mapping[str, Any], cells: Iterable[Mapping[str, Any]],
-               ratios: Any = None, accept: Any = None) -> None:
-    doc = {"meta": dict(meta), "cells": list(cells), "ratios": ratios or [],
-           "acceptance": accept or []}
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, path)
+def save_json(path: str, meta: Mapping[str, Any], cells: Iterable[Mapping[str, Any]],
+              ratios: Any = None, accept: Any = None) -> None:
+    write_json(path, {"meta": dict(meta), "cells": list(cells), "ratios": ratios or [],
+                      "acceptance": accept or []})
 
 
 def ordered_cells(cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
@@ -560,228 +326,6 @@ def format_acceptance(rows: Sequence[Mapping[str, Any]]) -> str:
         lines.append(f"  {r['model']:<8} rdmaflow / {r['den']:<10} = {_fmt(r['ratio'], '.2f'):>6}"
                      f"  (bar >= {r['bar']:g})  {r['verdict']}")
     return "\n".join(lines)
-
-
-STYLE = {
-    "rdmaflow": ("tab:red", "o", "-"),
-    "rdmaflow-copy": ("tab:orange", "s", "-"),
-    "tensorpipe": ("tab:green", "D", "-"),
-    "grpc": ("tab:blue", "v", "-"),
-    "ddp": ("tab:purple", "P", "-"),
-    "local": ("grey", "x", "--"),
-}
-
-
-def _label_configs(ax, configs: Sequence[Config], model: str, ylabel: str) -> None:
-    """One tick per configuration (batch, workers, shards), titles, grid and legend."""
-    ax.set_xticks(range(len(configs)))
-    ax.set_xticklabels([f"batch {b}\n{w} W, {s} S" for _, b, w, s in configs], fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(model, fontsize=10)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: str, title: str) -> None:
-    if title:
-        import textwrap
-
-        # About 13 characters of 8-point text per inch of figure.
-        fig.suptitle("\n".join(textwrap.wrap(title, max(40, int(fig.get_figwidth() * 13)))), fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=100)
-    _plt().close(fig)
-
-
-def _uniq(xs: Iterable[Any]) -> list[Any]:
-    return list(dict.fromkeys(xs))
-
-
-def plot_bars(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
-              systems: Sequence[str], title: str = "") -> None:
-    """Every configuration, a bar per system: mini-batches/s per worker with p25-p75
-    whiskers, a row per model; a failed cell is marked "x" at the bottom."""
-    plt = _plt()
-    models = _uniq(c[0] for c in configs)
-    most = max(sum(1 for c in configs if c[0] == m) for m in models)
-    width = min(24.0, max(6.0, 1.5 + most * (0.3 * len(systems) + 0.5)))
-    fig, axes = plt.subplots(len(models), 1, figsize=(width, 3.6 * len(models)), squeeze=False)
-    w = 0.8 / max(1, len(systems))
-    for r, model in enumerate(models):
-        ax = axes[r][0]
-        mine = [c for c in configs if c[0] == model]
-        for j, s in enumerate(systems):
-            xs, ys, lo, hi, bad = [], [], [], [], []
-            for i, cfg in enumerate(mine):
-                x = i + (j - (len(systems) - 1) / 2) * w
-                cell = cells.get(cell_key(s, *cfg))
-                m = cell["metrics"] if cell else None
-                if m is None:
-                    if cell is not None:
-                        bad.append(x)
-                    continue
-                xs.append(x)
-                ys.append(m["batches_per_s"])
-                lo.append(max(0.0, m["batches_per_s"] - m["batches_per_s_p25"]))
-                hi.append(max(0.0, m["batches_per_s_p75"] - m["batches_per_s"]))
-            color = STYLE.get(s, (None,))[0]
-            if xs:
-                ax.bar(xs, ys, width=w, color=color, label=s, yerr=[lo, hi], capsize=2,
-                       error_kw={"linewidth": 0.8})
-            if bad:
-                ax.plot(bad, [0] * len(bad), "x", color=color or "black", ms=7, clip_on=False,
-                        label=None if xs else f"{s} (failed)")
-        _label_configs(ax, mine, model, "mini-batches/s per worker")
-        ax.set_ylim(bottom=0)
-    _save(fig, path, title)
-
-
-def plot_fig9(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
-              systems: Sequence[str], title: str = "") -> None:
-    """Figure 9 style: per model (columns) and workers/shards (rows), mini-batches/s per
-    worker against the mini-batch size, one line per system with its p25-p75 band."""
-    plt = _plt()
-    models = _uniq(c[0] for c in configs)
-    ws = _uniq((c[2], c[3]) for c in configs)
-    fig, axes = plt.subplots(len(ws), len(models), figsize=(5.2 * len(models), 4.0 * len(ws)),
-                             squeeze=False)
-    for r, (wk, sh) in enumerate(ws):
-        for c, model in enumerate(models):
-            ax = axes[r][c]
-            batches = sorted(_uniq(b for m, b, w2, s2 in configs if m == model and (w2, s2) == (wk, sh)))
-            for s in systems:
-                color, mark, ls = STYLE.get(s, (None, "o", "-"))
-                pts = [(b, lookup(cells, s, (model, b, wk, sh))) for b in batches]
-                pts = [(b, m) for b, m in pts if m is not None]
-                if not pts:
-                    continue
-                xs = [b for b, _ in pts]
-                ax.plot(xs, [m["batches_per_s"] for _, m in pts], marker=mark, linestyle=ls,
-                        color=color, label=s + (" (1 process)" if s == "local" else ""), ms=4)
-                ax.fill_between(xs, [m["batches_per_s_p25"] for _, m in pts],
-                                [m["batches_per_s_p75"] for _, m in pts], color=color,
-                                alpha=0.15, linewidth=0)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(batches)
-            ax.set_xticklabels([str(b) for b in batches])
-            ax.set_xlabel("mini-batch size per worker")
-            ax.set_ylabel("mini-batches/s per worker")
-            ax.set_title(f"{model}: {wk} workers, {sh} shards", fontsize=10)
-            ax.grid(True, which="both", alpha=0.3)
-            ax.set_ylim(bottom=0)
-            ax.legend(fontsize=7)
-    _save(fig, path, title)
-
-
-def plot_fig11(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
-               systems: Sequence[str], netns: bool, title: str = "") -> None:
-    """Figure 11 style: per model (columns) and batch (and shard count, rows), the job's
-    samples/s against the number of workers, one line per system, the local process at 1
-    and its ideal linear scaling (local x workers)."""
-    plt = _plt()
-    models = _uniq(c[0] for c in configs)
-    # netns: shards follow workers; else one row per (batch, shards).
-    rows = _uniq((c[1], None if netns else c[3]) for c in configs)
-    fig, axes = plt.subplots(len(rows), len(models), figsize=(5.2 * len(models), 4.0 * len(rows)),
-                             squeeze=False)
-    for r, (batch, sh) in enumerate(rows):
-        for c, model in enumerate(models):
-            ax = axes[r][c]
-            mine = [cf for cf in configs if cf[0] == model and cf[1] == batch and (sh is None or cf[3] == sh)]
-            workers = sorted(_uniq(cf[2] for cf in mine))
-            by_w = {cf[2]: cf for cf in mine}
-            for s in systems:
-                if s == "local":
-                    continue
-                color, mark, ls = STYLE.get(s, (None, "o", "-"))
-                pts = [(w, lookup(cells, s, by_w[w])) for w in workers]
-                pts = [(w, m) for w, m in pts if m is not None]
-                if pts:
-                    ax.plot([w for w, _ in pts], [m["samples_per_s"] for _, m in pts], marker=mark,
-                            linestyle=ls, color=color, label=s, ms=4)
-            loc = lookup(cells, "local", (model, batch, 1, 0))
-            if loc is not None:
-                xs = sorted(set([1, *workers]))
-                ax.plot(xs, [loc["samples_per_s"] * w for w in xs], linestyle=":", color="black",
-                        label="ideal (local x workers)")
-                ax.plot([1], [loc["samples_per_s"]], marker="*", ms=9, color="grey",
-                        linestyle="none", label="local (1 process)")
-            ax.set_xticks(sorted(set([1, *workers])) if loc is not None else workers)
-            ax.set_xlabel("workers" + (" (= shards = hosts)" if netns else ""))
-            ax.set_ylabel("samples/s (whole job)")
-            ax.set_title(f"{model}: batch {batch}" + ("" if sh is None else f", {sh} shards"), fontsize=10)
-            ax.grid(True, alpha=0.3)
-            ax.set_ylim(bottom=0)
-            ax.legend(fontsize=7)
-    _save(fig, path, title)
-
-
-def plot_fig12(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
-               title: str = "") -> None:
-    """Figure 12 style: a row per model, the median mini-batch time of rdmaflow with zero
-    copy and with the copy (rdmaflow-copy) per configuration, with the copy's overhead."""
-    plt = _plt()
-    models = _uniq(c[0] for c in configs)
-    most = max(sum(1 for c in configs if c[0] == m) for m in models)
-    width = min(24.0, max(5.0, 1.5 + 1.1 * most))
-    fig, axes = plt.subplots(len(models), 1, figsize=(width, 3.4 * len(models)), squeeze=False)
-    for r, model in enumerate(models):
-        ax = axes[r][0]
-        mine = [cf for cf in configs if cf[0] == model]
-        for j, s in enumerate(("rdmaflow", "rdmaflow-copy")):
-            xs, ys = [], []
-            for i, cf in enumerate(mine):
-                m = lookup(cells, s, cf)
-                if m is not None:
-                    xs.append(i + (j - 0.5) * 0.38)
-                    ys.append(m["median_iter_s"] * 1e3)
-            if xs:
-                ax.bar(xs, ys, width=0.38, color=STYLE[s][0],
-                       label="zero copy (rdmaflow)" if s == "rdmaflow" else "copy (rdmaflow-copy)")
-        for i, cf in enumerate(mine):
-            a, b = lookup(cells, "rdmaflow", cf), lookup(cells, "rdmaflow-copy", cf)
-            if a and b:
-                top = max(a["median_iter_s"], b["median_iter_s"]) * 1e3
-                pct = (b["median_iter_s"] / a["median_iter_s"] - 1) * 100
-                ax.annotate(f"copy {pct:+.0f}%", (i, top), ha="center", va="bottom", fontsize=8)
-        _label_configs(ax, mine, model, "mini-batch time, ms (median)")
-        ax.margins(y=0.12)
-    _save(fig, path, title)
-
-
-def make_plots(out: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config],
-               systems: Sequence[str], netns: bool, title: str) -> list[str]:
-    """throughput.png always; fig9 when >= 2 batch sizes, fig11 when >= 2 worker counts,
-    fig12 when rdmaflow-copy was measured. Returns the paths written."""
-    if not any(c["metrics"] for c in cells.values()):
-        return []
-    made = []
-    path = os.path.join(out, PNG_BARS)
-    plot_bars(path, cells, configs, systems, title)
-    made.append(path)
-    if len(_uniq(c[1] for c in configs)) >= 2:
-        path = os.path.join(out, PNG_FIG9)
-        plot_fig9(path, cells, configs, systems, title)
-        made.append(path)
-    if len(_uniq(c[2] for c in configs)) >= 2:
-        path = os.path.join(out, PNG_FIG11)
-        plot_fig11(path, cells, configs, systems, netns, title)
-        made.append(path)
-    if "rdmaflow-copy" in systems and any(c["metrics"] for k, c in cells.items() if k[0] == "rdmaflow-copy"):
-        path = os.path.join(out, PNG_FIG12)
-        plot_fig12(path, cells, configs, title)
-        made.append(path)
-    return made
 
 
 # ------------------------------------------------------------------------------------------
@@ -952,8 +496,8 @@ def run(args: argparse.Namespace) -> int:
 
     def save() -> None:
         ordered = ordered_cells(cells, configs, systems)
-        write_csv(csv_path, ordered)
-        write_json(json_path, meta, ordered, ratio_rows(cells, configs, systems),
+        save_csv(csv_path, ordered)
+        save_json(json_path, meta, ordered, ratio_rows(cells, configs, systems),
                    acceptance(cells, configs))
 
     def on_term(signum, frame):
@@ -999,10 +543,10 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 cell["wall_s"] = time.monotonic() - t0
             bg = meter.report()
-            cell["background_cores"] = bg["other_cores"]
+            cell["background_cpus"] = bg["other_cpus"]
             cells[key] = cell
             print(f"{label}: {msg} ({cell['wall_s']:.0f} s"
-                  + (f", others used {bg['other_cores']:.2f} cores" if bg["other_cores"] > 0.1 else "")
+                  + (f", others used {bg['other_cpus']:.2f} cores" if bg["other_cpus"] > 0.1 else "")
                   + ")", flush=True)
             save()
     except KeyboardInterrupt:

@@ -3,7 +3,8 @@
 Gives multi-host tests a real network path (own IPs, own routing, optional
 rate limit) without touching any real network: the addresses live only
 inside namespaces created here. Standard library only; needs root and the
-``ip`` binary (``tc`` too when ``rate`` is given).
+``ip`` binary (``tc`` too when ``rate`` is given). ``ucx_env`` below is
+:func:`rdmaflow._ucx.ucx_env`; scripts/netns_perftest.py is a self-check.
 
     with TwoHosts() as (a, b):
         srv = a.popen(["ucx_perftest", "-p", "13337"], env=ucx_env("tcp", net_device=a.ifname))
@@ -227,7 +228,6 @@ class _Namespaces:
             raise NetnsError("could not delete namespaces: " + "; ".join(errors))
 
 
-
 class TwoHosts(_Namespaces):
     """Context manager: two namespaces ``a`` and ``b`` joined by a veth pair.
 
@@ -434,40 +434,3 @@ def _cleanup_at_exit() -> None:
             th.close()
         except Exception:
             pass
-
-
-def _main() -> int:
-    # Self-check: ucx_perftest server in a, client in b, over the veth.
-    import argparse
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from rdmaflow.bench.perftest import run_perftest
-
-    ap = argparse.ArgumentParser(description="TwoHosts self-check with ucx_perftest over tcp")
-    ap.add_argument("--size", default="16M")
-    ap.add_argument("--op", default="put", choices=["put", "get"])
-    ap.add_argument("--rate", default=None, help="tc rate, e.g. 10gbit")
-    ap.add_argument("--mtu", type=int, default=None)
-    args = ap.parse_args()
-    from rdmaflow.bench.util import parse_size
-    reason = netns_unavailable_reason()
-    if reason:
-        print(f"netns unavailable: {reason}")
-        return 1
-    with TwoHosts(rate=args.rate, mtu=args.mtu) as th:
-        a, b = th.a, th.b
-        print(f"a={a} b={b}")
-        # Each side names its own veth: the server binds on a's, the client on b's.
-        bw = run_perftest("tcp", args.op, parse_size(args.size), timeout=30, server_addr=a.addr,
-                          server_env={"UCX_NET_DEVICES": a.ifname},
-                          client_env={"UCX_NET_DEVICES": b.ifname},
-                          server_popen=a.popen, client_popen=b.popen)
-        print(f"tcp {args.op} {args.size} over veth: {bw / 1e9:.3f} GB/s")
-        names = th.namespaces
-    left = [n for n in list_netns() if n in names]
-    print("namespaces left:", left or "none")
-    return 0 if not left else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

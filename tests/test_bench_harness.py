@@ -1,0 +1,173 @@
+"""The benchmark harness (rdmaflow.bench.harness): child processes for real, output files,
+ratio tables and plots on known numbers."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rdmaflow.bench import harness as h
+
+ECHO = textwrap.dedent("""
+    import json, sys
+    print(json.dumps({"ok": True, "hello": 1}), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        if cmd["cmd"] == "fail":
+            print(json.dumps({"ok": False, "error": "asked to fail"}), flush=True)
+        elif cmd["cmd"] == "die":
+            sys.exit(7)
+        else:
+            print(json.dumps({"ok": True, "echo": cmd["x"]}), flush=True)
+""")
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_child_process_json_lines():
+    p = h.ChildProcess([sys.executable, "-c", ECHO], os.environ, "echo")
+    try:
+        assert p.read(30)["hello"] == 1
+        p.send({"cmd": "echo", "x": [1, 2]})
+        assert p.read(30)["echo"] == [1, 2]
+        p.send({"cmd": "fail"})
+        with pytest.raises(h.BenchError, match="echo: asked to fail"):
+            p.read(30)
+        t0 = time.monotonic()
+        with pytest.raises(h.BenchError, match="did not answer within"):
+            p.read(0.3)  # nothing comes: bounded
+        assert time.monotonic() - t0 < 5
+        assert "to stderr" in p.stderr_tail()
+        p.send({"cmd": "die"})
+        with pytest.raises(h.BenchError, match=r"exited \(code 7\)"):
+            p.read(30)
+    finally:
+        p.close()
+    assert p.poll() == 7
+
+
+def test_child_process_close_and_log(tmp_path):
+    p = h.ChildProcess([sys.executable, "-c", ECHO], os.environ, "echo")
+    p.read(30)
+    p.close(grace=10)
+    assert p.poll() == 0  # it left on {"cmd": "exit"}, not by the kill
+    log = str(tmp_path / "out.log")
+    q = h.ChildProcess([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
+                       os.environ, "logged", stdin=False, log=log)
+    assert q.wait(30) == 0
+    assert "out" in q.output() and "err" in q.stderr_tail()
+    assert q.drain(1.0) == []
+    q.kill()
+
+
+def test_child_process_dies_with_its_parent():
+    # A parent that starts a ChildProcess (its own session: a kill of the parent's group does
+    # not reach it) and is then SIGKILLed: the kernel must kill the child too.
+    parent = textwrap.dedent("""
+        import sys, time
+        from rdmaflow.bench.harness import ChildProcess
+        c = ChildProcess([sys.executable, "-c", "import time; time.sleep(120)"], {}, "sleeper", stdin=False)
+        print(c.pid, flush=True)
+        time.sleep(120)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        child = int(p.stdout.readline())
+        assert _alive(child)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the child outlived its parent"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+        if "child" in locals() and _alive(child):
+            os.kill(child, signal.SIGKILL)  # only when the test failed
+
+
+def test_free_port_and_process_env():
+    port = h.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    env = h.process_env("tcp", base={"PATH": "/bin"}, secret="s3", threads=2)
+    assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "lo"
+    assert env["RDMAFLOW_JOB_SECRET"] == "s3" and env["OMP_NUM_THREADS"] == "2" and env["PATH"] == "/bin"
+    plain = h.process_env(base={"PATH": "/bin"})
+    assert "UCX_TLS" not in plain and plain["PYTHONUNBUFFERED"] == "1"
+    assert len({h.new_secret() for _ in range(4)}) == 4
+
+
+def test_parse_sizes_and_ratios():
+    assert h.parse_sizes("64K, 1M,,") == [64 << 10, 1 << 20]
+    assert h.median_ratio([4, 6, 5], [2, 3, 1]) == 2.5
+    assert h.median_ratio([], [1]) is None and h.median_ratio([1], [0]) is None
+    assert h.paired_ratio([4, 9, 6], [2, 3, 1]) == 3.0  # per-repeat 2, 3, 6
+    assert h.spread([3.0, 1.0, 2.0]) == "2 [1-3]"
+    assert [h.verdict(x, 1.5) for x in (1.5, 1.49, None)] == ["PASS", "MISS", "n/a"]
+
+
+def test_measurements_table_csv_and_plot(tmp_path):
+    m = h.Measurements("GB/s")
+    for rdma, grpc in ((4.0, 1.0), (6.0, 2.0), (5.0, 1.5)):
+        m.add("rdmaflow", 1 << 20, rdma)
+        m.add("grpc", 1 << 20, grpc)
+    m.add("rdmaflow", 16 << 20, 8.0)
+    assert m.systems == ["rdmaflow", "grpc"] and m.points == [1 << 20, 16 << 20]
+    assert m.ratio("rdmaflow", "grpc", 1 << 20) == pytest.approx(5.0 / 1.5)
+    assert m.ratio("rdmaflow", "grpc", 16 << 20) is None
+    table = h.ratio_table(m, "rdmaflow", point_label=h.format_size)
+    lines = table.splitlines()
+    assert lines[1].split() == ["point", "rdmaflow", "grpc", "rdmaflow/grpc"]
+    assert lines[3].split() == ["1M", "5", "[4-6]", "1.5", "[1-2]", "3.33"]
+    assert lines[4].split() == ["16M", "8", "[8-8]", "-", "-"]
+    bars = h.check_bars(m, [("rdmaflow", "grpc", 3.0), ("rdmaflow", "grpc", 4.0)], m.points)
+    assert [(b["point"], b["verdict"]) for b in bars] == [(1 << 20, "PASS"), (16 << 20, "n/a"),
+                                                          (1 << 20, "MISS"), (16 << 20, "n/a")]
+    path = str(tmp_path / "sub" / "m.csv")
+    h.write_csv(path, h.MEASUREMENT_COLUMNS, m.rows())
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["system"] for r in rows] == ["rdmaflow", "grpc", "rdmaflow"]
+    assert rows[0]["median"] == "5.0" and rows[0]["repeats"] == "3" and rows[0]["values"] == "4 6 5"
+    assert not os.path.exists(path + ".tmp")
+    h.write_csv(path, ("a", "b"), [{"a": None, "b": 0.1, "c": "ignored"}])
+    with open(path) as f:
+        assert f.read().splitlines() == ["a,b", ",0.1"]
+    h.write_json(str(tmp_path / "d.json"), {"x": 3, "path": tmp_path})  # not JSON: written as str
+    with open(tmp_path / "d.json") as f:
+        assert json.load(f) == {"x": 3, "path": str(tmp_path)}
+    png = str(tmp_path / "m.png")
+    h.line_plot(png, m, xlabel="size", ylabel="GB/s", sizes=True, logy=True, title="a title")
+    assert os.path.getsize(png) > 0
+
+
+def test_styles_and_background_meter():
+    assert h.style("rdmaflow") == h.style("rdmaflow-zerocopy")
+    assert h.style("no-such-system")[0] is None
+    meter = h.BackgroundMeter()
+    sum(range(10 ** 5))
+    bg = meter.report()
+    assert bg["wall_s"] > 0 and bg["other_cpus"] >= 0 and bg["cpus"] >= 1
+    assert "background:" in h.format_background(bg)
