@@ -5,7 +5,8 @@ import time
 
 import torch
 
-import rdmaflow.ps as ps
+from rdmaflow import ps
+
 ctx = ps.init()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))

@@ -1,7 +1,7 @@
 """A parameter-server job: run with `rdmaflow launch --nproc-per-node 2 examples/ps_mlp.py`."""
 import torch
 
-import rdmaflow.ps as ps
+from rdmaflow import ps
 
 ctx = ps.init()                  # shards serve inside init() and exit when the job ends
 torch.manual_seed(0)

@@ -11,10 +11,10 @@ from rdmaflow import _ucx
 
 _ucx.load()
 
-from rdmaflow._core import Direction, ucx_version, wait_u64_at_least  # noqa: E402
-from rdmaflow.arena import Arena  # noqa: E402
-from rdmaflow.device import Channel, Device, Future, MemRegion, RemoteRegion, SameHost, wait_all  # noqa: E402
-from rdmaflow.errors import (  # noqa: E402
+from rdmaflow._core import Direction, ucx_version, wait_u64_at_least
+from rdmaflow.arena import Arena
+from rdmaflow.device import Channel, Device, Future, MemRegion, RemoteRegion, SameHost, wait_all
+from rdmaflow.errors import (
     ArenaFullError,
     AuthError,
     DeviceClosedError,
@@ -32,6 +32,8 @@ READ = Direction.READ
 __version__ = "0.1.0"
 
 __all__ = [
+    "READ",
+    "WRITE",
     "Arena",
     "ArenaFullError",
     "AuthError",
@@ -44,13 +46,11 @@ __all__ = [
     "MemRegion",
     "OutOfBoundsError",
     "PeerError",
-    "READ",
     "RdmaflowError",
     "RegionError",
     "RemoteRegion",
     "SameHost",
     "TimeoutError",
-    "WRITE",
     "ucx_version",
     "wait_all",
     "wait_u64_at_least",

@@ -1,7 +1,7 @@
 """Tensor views of registered memory: what ``MemRegion.tensor`` returns."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -10,7 +10,8 @@ The arena belongs to the device layer (``device.empty``, ``device.create_arena``
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 

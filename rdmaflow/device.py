@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import os
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -1,5 +1,9 @@
 # copy 16/64 MiB into alternating slots in one thread while another reduces: the sm stream's two jobs
-import threading, time, torch
+import threading
+import time
+
+import torch
+
 torch.set_num_threads(1)
 for mb in (16, 64):
     n = mb << 18

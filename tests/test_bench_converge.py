@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("sklearn")
 torch = pytest.importorskip("torch")
 
-from rdmaflow.bench import converge  # noqa: E402
+from rdmaflow.bench import converge
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = {"workers": 2, "shards": 1, "epochs": 3, "batch": 64, "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0,

@@ -215,8 +215,7 @@ def test_two_hosts_cleanup_after_exit_and_exception():
         th.a.popen(["sleep", "30"])
     assert not set(names) & set(netns.list_netns())
 
-    with pytest.raises(ZeroDivisionError):
-        with netns.TwoHosts(rate="1gbit") as th:
-            names = th.namespaces
-            1 / 0
+    with pytest.raises(ZeroDivisionError), netns.TwoHosts(rate="1gbit") as th:
+        names = th.namespaces
+        1 / 0
     assert not set(names) & set(netns.list_netns())

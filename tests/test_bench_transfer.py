@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import processes_with_env as _processes_with_env
 
 from rdmaflow.bench import transfer

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import processes_with_env as _processes_with_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,11 +30,11 @@ def test_info_text():
 
     out = run_cli("info", timeout=30).stdout
     assert f"UCX {rdmaflow.ucx_version()}" in out
-    assert re.search(r"^RDMA verbs: (yes \(.+\)|no — .+)$", out, re.M), out
-    assert re.search(r"^CUDA: (yes \(.+\)|no — .+)$", out, re.M), out
+    assert re.search(r"^RDMA verbs: (yes \(.+\)|no — .+)$", out, re.MULTILINE), out
+    assert re.search(r"^CUDA: (yes \(.+\)|no — .+)$", out, re.MULTILINE), out
     assert "Transports and devices UCX found" in out
     # Every build this project supports has tcp; it is listed as a found transport.
-    assert re.search(r"^\s+tcp\s+\S", out, re.M), out
+    assert re.search(r"^\s+tcp\s+\S", out, re.MULTILINE), out
     assert "A temporary rdmaflow Device (" in out
 
 

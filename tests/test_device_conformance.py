@@ -10,9 +10,9 @@ import threading
 
 import pytest
 import torch
+from conftest import local_device
 
 import rdmaflow
-from conftest import local_device
 
 MiB = 1 << 20
 REGION = 256 * MiB + 8192

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
+from conftest import local_device
 
 import rdmaflow
-from conftest import local_device
 
 MiB = 1 << 20
 

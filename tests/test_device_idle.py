@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 import time
 
-import rdmaflow
 from conftest import local_device
+
+import rdmaflow
 
 TICK = os.sysconf("SC_CLK_TCK")
 

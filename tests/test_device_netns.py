@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import HERE, PeerProcess
+
 from rdmaflow.bench.perftest import ucx_env
 from rdmaflow.testing.netns import TwoHosts, netns_unavailable_reason
 

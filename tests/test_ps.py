@@ -31,8 +31,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import HERE
+
 from rdmaflow.bench.perftest import ucx_env
 from rdmaflow.testing.netns import TwoHosts, netns_unavailable_reason
 
@@ -144,14 +144,15 @@ class Job:
         return proc
 
     def start_local(self, workers: int, shards: int, port: int | None = None, ranks=None,
-                    extra: dict | None = None, agent_store: bool = False) -> "Job":
+                    extra: dict | None = None, agent_store: bool = False) -> Job:
         """One node: ranks 0..S-1 are shards, the others workers. Rank 0 serves the job's store,
         or with ``agent_store`` this test process does, as torchrun's agent would (so the store
         outlives the job's processes)."""
         extra = dict(extra or {})
         if agent_store:
-            import torch.distributed as dist
             from datetime import timedelta
+
+            import torch.distributed as dist
 
             self.store = dist.TCPStore("127.0.0.1", 0, workers + shards + 1, True,
                                        timeout=timedelta(seconds=30), wait_for_workers=False)
@@ -207,7 +208,7 @@ class Job:
     def shard_stats(self, s: int) -> dict:
         return json.loads((self.dir / f"shard{s}.json").read_text())
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> Job:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,9 +17,9 @@ import os
 import re
 
 import torch
+from test_ps import DETECT_TIMEOUT, Job, assert_matches_reference, async_cfg, eval_loss, job, sync_cfg
 
 from rdmaflow.ps import checkpoint
-from test_ps import DETECT_TIMEOUT, Job, assert_matches_reference, async_cfg, eval_loss, job, sync_cfg
 
 # Chunks of 256 bytes: the tiny test model's weights arrive in many chunks (MAX_CHUNKS).
 CHUNKS = {"RDMAFLOW_PS_CHUNK_BYTES": "256"}

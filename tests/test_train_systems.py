@@ -79,7 +79,7 @@ class Job:
         self.world = world_of(cfg["system"], cfg["workers"], cfg.get("shards", 0)) if world is None else world
         self.procs: list[tuple[subprocess.Popen, str]] = []
 
-    def start(self, ranks=None, env_extra: dict | None = None) -> "Job":
+    def start(self, ranks=None, env_extra: dict | None = None) -> Job:
         port, secret = free_port(), secrets.token_hex(16)
         base = ucx_env("tcp")
         for k in list(base):
@@ -115,7 +115,7 @@ class Job:
     def logs(self) -> str:
         return "\n".join(f"--- rank {r} (exit {p.poll()}):\n{self.stderr(int(r))[-3000:]}" for p, r in self.procs)
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> Job:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,11 +18,6 @@ import time
 
 import pytest
 import torch
-
-import rdmaflow
-from rdmaflow.arena import ALIGNMENT
-from rdmaflow.transfer import Arena, DynamicReceiver, DynamicSender, StaticReceiver, StaticSender, wait_any
-
 from conftest import HERE, PeerProcess, local_device
 from test_device_idle import cpu_seconds
 from transfer_peer import (
@@ -33,6 +28,10 @@ from transfer_peer import (
     planned_tensor,
     static_tensor,
 )
+
+import rdmaflow
+from rdmaflow.arena import ALIGNMENT
+from rdmaflow.transfer import Arena, DynamicReceiver, DynamicSender, StaticReceiver, StaticSender, wait_any
 
 KiB, MiB = 1 << 10, 1 << 20
 ArenaFullError = rdmaflow.ArenaFullError

@@ -117,7 +117,7 @@ class RdmaflowWorker:
 
     def __init__(self, system: str, role: str, arena_bytes: int, busy_poll: bool) -> None:
         import rdmaflow
-        import rdmaflow.transfer  # noqa: F401  (adds Device.empty)
+        import rdmaflow.transfer
 
         self.system = system
         self.role = role

@@ -194,7 +194,7 @@ def _proc_main() -> int:
     torch.set_num_threads(1)
     system = cfg["system"]
     if system == "rdmaflow":
-        import rdmaflow.ps as ps
+        from rdmaflow import ps
 
         ctx = ps.init()  # a shard serves here and exits the process when the job ends
         rank, nw = ctx.role.index, ctx.role.num_workers

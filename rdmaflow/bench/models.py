@@ -68,12 +68,19 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 __all__ = [
-    "TABLE2_MB", "TABLE2_TENSORS", "MODELS", "TEST_MODELS",
-    "build", "param_bytes", "synthetic_batch", "loss_fn", "describe",
+    "MODELS",
+    "TABLE2_MB",
+    "TABLE2_TENSORS",
+    "TEST_MODELS",
+    "build",
+    "describe",
+    "loss_fn",
+    "param_bytes",
+    "synthetic_batch",
 ]
 
 MiB = 1 << 20
@@ -439,7 +446,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return model.train()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _meta_stats(name: str) -> tuple[int, int, int]:
     """(bytes, elements, tensors) of the parameters, from a model built on the meta device."""
     with torch.device("meta"):

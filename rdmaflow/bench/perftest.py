@@ -43,7 +43,7 @@ from typing import Any
 from rdmaflow._ucx import find_bin, ucx_env
 from rdmaflow.bench.harness import BenchError, ChildProcess, format_size, free_port, parse_size, parse_sizes, summarize
 
-__all__ = ["TRANSPORTS", "OPS", "MEMORY_ALLOC", "ucx_env", "run_perftest", "perftest_series", "auto_iters"]
+__all__ = ["MEMORY_ALLOC", "OPS", "TRANSPORTS", "auto_iters", "perftest_series", "run_perftest", "ucx_env"]
 
 TRANSPORTS = ("tcp", "sm")
 

@@ -30,7 +30,7 @@ PENDING_METHODS = ("wait_weights", "synchronize")  # the first that DistributedO
 def run_rdmaflow(cfg: dict, me: ProcessRole, wd: Watchdog) -> dict | None:
     os.environ.update(RDMAFLOW_ROLE=me.role, RDMAFLOW_ROLE_INDEX=str(me.index),
                       RDMAFLOW_NUM_SHARDS=str(cfg["shards"]), RDMAFLOW_NUM_WORKERS=str(cfg["workers"]))
-    import rdmaflow.ps as ps
+    from rdmaflow import ps
 
     timeout = cfg["timeout"]
     if me.role == "shard":

@@ -88,7 +88,7 @@ from rdmaflow.bench.harness import (
 )
 from rdmaflow.bench.transfer_systems import System, arena_bytes, make_system, window_of
 
-__all__ = ["BenchError", "System", "arena_bytes", "make_system", "window_of", "add_arguments", "run", "main"]
+__all__ = ["BenchError", "System", "add_arguments", "arena_bytes", "main", "make_system", "run", "window_of"]
 
 SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic", "grpc-protobuf",
            "tensorpipe", "gloo", "ucx-perftest-put", "memcpy")

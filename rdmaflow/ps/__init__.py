@@ -30,7 +30,7 @@ from rdmaflow.ps.kv import KVHandle, KVStore
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
 from rdmaflow.ps.worker import MODES, Worker
 
-__all__ = ["DistributedOptimizer", "KVHandle", "KVStore", "PSContext", "init", "MODES", "POLICIES"]
+__all__ = ["MODES", "POLICIES", "DistributedOptimizer", "KVHandle", "KVStore", "PSContext", "init"]
 
 
 @dataclass

@@ -324,7 +324,7 @@ def job_kind(ctx) -> str:
 class KVHandle:
     """What ``push`` and ``pull`` return; pass it to ``KVStore.wait``."""
 
-    __slots__ = ("kind", "keys", "single", "_futs", "_items", "_keep", "done", "_result")
+    __slots__ = ("_futs", "_items", "_keep", "_result", "done", "keys", "kind", "single")
 
     def __init__(self, kind: str, keys: list[int], single: bool = False):
         self.kind, self.keys, self.single = kind, keys, single
@@ -339,7 +339,7 @@ class KVHandle:
 
 
 class _Pull:
-    __slots__ = ("j", "seq", "out", "result", "done")
+    __slots__ = ("done", "j", "out", "result", "seq")
 
     def __init__(self, j: int, seq: int, out):
         self.j, self.seq, self.out = j, seq, out
@@ -847,7 +847,7 @@ class KVShard:
         stored = self.stored[i]
         try:
             ret = self.handler(key, stored, self.slots[w][i])
-        except Exception as e:  # noqa: BLE001 - the user's code
+        except Exception as e:
             raise ShardFailure(f"the kv handler raised on key {key} (push from worker {w}): {e!r}") from e
         if ret is not None and ret is not stored:
             if not isinstance(ret, torch.Tensor):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from rdmaflow import InvalidArgumentError
 from rdmaflow.transfer import FLOAT_DTYPES, dtype_name

@@ -99,7 +99,7 @@ class ShardLayout:
         return {"numel": self.numel, "itemsize": self.itemsize, "workers": self.num_workers, "slots": self.slots}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ShardLayout":
+    def from_dict(cls, d: dict) -> ShardLayout:
         return cls(int(d["numel"]), int(d["itemsize"]), int(d["workers"]), int(d.get("slots", 1)))
 
 
@@ -126,5 +126,5 @@ class WorkerLayout:
                 "param_buffers": self.param_buffers}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "WorkerLayout":
+    def from_dict(cls, d: dict) -> WorkerLayout:
         return cls(int(d["numel"]), int(d["itemsize"]), int(d["shards"]), int(d.get("param_buffers", 1)))

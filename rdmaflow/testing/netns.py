@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Host", "TwoHosts", "Hosts", "netns_unavailable_reason", "cleanup_stale"]
+__all__ = ["Host", "Hosts", "TwoHosts", "cleanup_stale", "netns_unavailable_reason"]
 
 _DEFAULT_TIMEOUT = 10.0
 _IFNAMSIZ = 15  # Linux interface names are at most 15 characters

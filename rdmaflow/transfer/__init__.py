@@ -22,11 +22,11 @@ from rdmaflow.transfer.flag import Word, wait_any, wait_flag
 from rdmaflow.transfer.static import StaticReceiver, StaticSender
 
 __all__ = [
+    "FLOAT_DTYPES",
+    "MAX_RANK",
     "Arena",
     "DynamicReceiver",
     "DynamicSender",
-    "FLOAT_DTYPES",
-    "MAX_RANK",
     "StaticReceiver",
     "StaticSender",
     "Word",

@@ -2,7 +2,7 @@
 and the names the parameter server and the key-value store write in their specs."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

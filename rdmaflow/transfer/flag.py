@@ -9,7 +9,8 @@ one place. ``wait_any`` waits for the first of several receivers.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 import torch
 
@@ -25,7 +26,7 @@ MIN_NAP = 10e-6
 MAX_NAP = 1e-3
 
 # A peer to watch while waiting: a channel, or a callable giving one (None while there is none).
-Peer = Union[Channel, Callable[[], Union[Channel, None]], None]
+Peer = Union[Channel, Callable[[], Channel | None], None]
 
 
 class Word:

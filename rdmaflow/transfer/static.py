@@ -13,7 +13,7 @@ set/cleared byte, so the receiver never has to clear one.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

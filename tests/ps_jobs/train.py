@@ -117,7 +117,7 @@ def main() -> None:
     cfg = json.loads(os.environ["PS_TEST_CONFIG"])
     out = cfg["out"]
     trace("started")
-    import rdmaflow.ps as ps
+    from rdmaflow import ps
 
     # With init_exit_shards a shard serves inside ps.init() and exits the process there (the
     # library's own path); otherwise ps.init() returns the shard's statistics.

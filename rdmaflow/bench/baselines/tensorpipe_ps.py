@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed.rpc as rpc
+from torch.distributed import rpc
 
 from rdmaflow.bench.baselines import TENSORPIPE_OPTIONS
 from rdmaflow.bench.baselines.sync_shard import SyncShard, copy_weights, grads_of, ps_setup

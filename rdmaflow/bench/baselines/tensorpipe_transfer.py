@@ -17,7 +17,7 @@ def consume(t):
 
 class TensorPipeWorker:
     def __init__(self, system: str, role: str, transport: str, port: int, timeout: float) -> None:
-        import torch.distributed.rpc as rpc
+        from torch.distributed import rpc
 
         self.rpc = rpc
         transports, channels = TENSORPIPE_OPTIONS[transport]
