@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 import torch
+from typing_extensions import Self
 
 from rdmaflow import _core
 from rdmaflow._core import Channel, Future, MemRegion, RemoteRegion
@@ -129,10 +130,10 @@ class Device(_core.Device):
         same_host: bool | SameHost | None = None,
         copy_threads: int | None = None,
     ):
-        options = dict(num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
-                       busy_poll=bool(busy_poll), spin_us=int(spin_us), connect_timeout=float(connect_timeout),
-                       rpc_timeout=float(rpc_timeout), data_error_handling=bool(data_error_handling),
-                       same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads))
+        options = {"num_cqs": int(num_cqs), "qps_per_peer": int(qps_per_peer), "secret": _job_secret(secret),
+                   "busy_poll": bool(busy_poll), "spin_us": int(spin_us), "connect_timeout": float(connect_timeout),
+                   "rpc_timeout": float(rpc_timeout), "data_error_handling": bool(data_error_handling),
+                   "same_host": _same_host(same_host), "copy_threads": _copy_threads(copy_threads)}
         _start_callback_thread()
         if _CORE_TAKES_KEYWORDS:
             super().__init__(endpoint, **options)
@@ -140,7 +141,7 @@ class Device(_core.Device):
             options["same_host"] = int(options["same_host"])
             super().__init__(endpoint, *options.values())
 
-    def __enter__(self) -> Device:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

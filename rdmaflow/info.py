@@ -89,7 +89,7 @@ def _run_tool(argv: list[str], env: dict[str, str]) -> tuple[str | None, str | N
     """(stdout, error)."""
     try:
         p = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                           text=True, timeout=_TOOL_TIMEOUT)
+                           text=True, timeout=_TOOL_TIMEOUT, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"{' '.join(argv)}: {e}"
     if p.returncode != 0:
@@ -147,7 +147,7 @@ def _masked(name: str, value: str) -> str:
 def settings(environ: dict[str, str] | None = None) -> dict[str, str]:
     env = os.environ if environ is None else environ
     return {k: _masked(k, v) for k, v in sorted(env.items())
-            if k.startswith("UCX_") or k.startswith("RDMAFLOW_")}
+            if k.startswith(("UCX_", "RDMAFLOW_"))}
 
 
 def _temporary_device() -> dict[str, Any]:
@@ -258,8 +258,7 @@ def _group(resources: list[dict[str, str]]) -> list[tuple[str, list[str]]]:
 
 
 def format_text(info: dict[str, Any]) -> str:
-    lines = [f"rdmaflow {info['rdmaflow_version']} ({info['rdmaflow_path']}), "
-             f"Python {info['python']}"]
+    lines = [f"rdmaflow {info['rdmaflow_version']} ({info['rdmaflow_path']}), Python {info['python']}"]
     lines.append(f"UCX {info['ucx_version']}: {info['libucp_path'] or 'libucp not found in /proc/self/maps'}"
                  f" ({info['ucx_source']}; rdmaflow built against: {info['ucx_built_against']})")
     if info["ucx_configure"]:

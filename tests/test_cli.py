@@ -20,7 +20,7 @@ def run_cli(*args: str, timeout: float = 60.0, env_extra: dict | None = None) ->
     env.update(env_extra or {})
     p = subprocess.run([sys.executable, "-m", "rdmaflow", *args], cwd=ROOT, env=env,
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
-                       start_new_session=True)
+                       start_new_session=True, check=False)
     assert p.returncode == 0, f"rdmaflow {' '.join(args)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
     return p
 
@@ -97,7 +97,7 @@ def test_bench_device_quick_tcp_csv(tmp_path):
 
 def test_bench_device_rejects_bad_sizes():
     p = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "device", "--sizes", "0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 2 and "positive" in p.stderr
 
 

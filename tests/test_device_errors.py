@@ -82,7 +82,7 @@ def test_descriptor_from_another_job(spawn_peer, transport):
 
 
 def test_forged_and_malformed_descriptors(pair):
-    peer, dev, local, remote, ch = pair
+    peer, _, local, _, ch = pair
     desc = bytearray(local.descriptor())
     good = bytes.fromhex(peer.call("alloc", name="z", nbytes=4096)["descriptor"])
     forged = bytearray(good)

@@ -32,6 +32,7 @@ import time
 import pytest
 import torch
 from conftest import HERE
+from typing_extensions import Self
 
 from rdmaflow.bench.perftest import ucx_env
 from rdmaflow.testing.netns import TwoHosts, netns_unavailable_reason
@@ -208,7 +209,7 @@ class Job:
     def shard_stats(self, s: int) -> dict:
         return json.loads((self.dir / f"shard{s}.json").read_text())
 
-    def __enter__(self) -> Job:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -393,9 +394,9 @@ def test_two_host_job(tmp_path):
             for local in range(2):
                 rank = 2 * node + local
                 name = f"shard{node}" if local == 0 else f"worker{node}"
-                env = j.env(dict(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2",
-                                 GROUP_RANK=str(node), MASTER_ADDR=a.addr, MASTER_PORT="29800",
-                                 RDMAFLOW_SHARDS_PER_NODE="1"),
+                env = j.env({"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(local),
+                             "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node), "MASTER_ADDR": a.addr,
+                             "MASTER_PORT": "29800", "RDMAFLOW_SHARDS_PER_NODE": "1"},
                             transport_env=ucx_env("tcp", net_device=host.ifname))
                 j.spawn(name, host.argv([sys.executable, TRAIN]), env)
         j.check_ok(j.wait())

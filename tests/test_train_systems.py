@@ -31,6 +31,7 @@ import time
 
 import pytest
 import torch
+from typing_extensions import Self
 
 from rdmaflow._ucx import ucx_env
 from rdmaflow.bench import models
@@ -91,8 +92,7 @@ class Job:
                        WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank), RDMAFLOW_JOB_SECRET=secret,
                        RDMAFLOW_TRAIN_CFG=json.dumps(self.cfg), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                        **(env_extra or {}))
-            out, err = open(self.dir / f"out.{rank}", "w"), open(self.dir / f"err.{rank}", "w")
-            with out, err:
+            with open(self.dir / f"out.{rank}", "w") as out, open(self.dir / f"err.{rank}", "w") as err:
                 p = subprocess.Popen([sys.executable, "-m", "rdmaflow.bench._train_proc"], env=env, cwd=ROOT,
                                      stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
             self.procs.append((p, str(rank)))
@@ -115,7 +115,7 @@ class Job:
     def logs(self) -> str:
         return "\n".join(f"--- rank {r} (exit {p.poll()}):\n{self.stderr(int(r))[-3000:]}" for p, r in self.procs)
 
-    def __enter__(self) -> Job:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,6 +7,7 @@ whichever process receives checks every tensor it gets, element by element, dtyp
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import random
@@ -160,7 +161,7 @@ def test_arena_alignment_and_accounting(job_secret):
         assert a.used == want and a.num_allocations == 7
         # Blocks never overlap.
         spans = sorted((b.offset, b.offset + max(b.nbytes, 1)) for b in blocks)
-        assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+        assert all(e <= s for (_, e), (s, _) in itertools.pairwise(spans))
         del blocks, b
         gc.collect()
         assert a.used == 0 and a.num_allocations == 0 and a.num_free_blocks == 1 and a.largest_free == 4 * MiB
@@ -358,7 +359,7 @@ def test_static_random_shapes_every_dtype_both_directions(tpeer, dev):
         peer.post("static_sender", remote=dev.endpoint, name=f"from_{name}")
         peer.answer()
         peer.post("send", name=f"from_{name}", n=n, seed=100 + k)
-        recv_check(r, n, lambda i: static_tensor(100 + k, i, shape, DTYPES[name]))
+        recv_check(r, n, lambda i, k=k, shape=shape, name=name: static_tensor(100 + k, i, shape, DTYPES[name]))
         r.release()
         assert peer.answer()["sent"] == n
 
@@ -687,7 +688,7 @@ def test_malformed_metadata_records(tpeer, dev):
         gc.collect()
         used = dev.arena.used
         got = []
-        e = raises_within(rdmaflow.InvalidArgumentError, 20, lambda: got.append(r.recv(timeout=15)))
+        e = raises_within(rdmaflow.InvalidArgumentError, 20, lambda got=got, r=r: got.append(r.recv(timeout=15)))
         assert not got, f"{what}: a tensor was returned"
         assert "malformed metadata record" in str(e) and msg in str(e), f"{what}: {e}"
         assert dev.arena.used == used, f"{what}: the receiver allocated memory for a bad record"

@@ -225,8 +225,8 @@ def main() -> None:
         off = arena.offset_of(src)
         k = s.seq + 1
         slot = (k - 1) % s.depth
-        f = dict(seq=k, code=dyn.dtype_code(torch.float32), rank=2, dims=[3, 4], nbytes=48,
-                 src_off=off, src_region=arena.region.id)
+        f = {"seq": k, "code": dyn.dtype_code(torch.float32), "rank": 2, "dims": [3, 4], "nbytes": 48,
+             "src_off": off, "src_region": arena.region.id}
         for key, v in cmd.get("set", {}).items():
             if key == "src_off" and v == "past_end":
                 v = arena.nbytes + 256

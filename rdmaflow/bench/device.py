@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from typing_extensions import Self
+
 from rdmaflow._ucx import ucx_env, with_tcp
 from rdmaflow.bench.harness import (
     ChildProcess,
@@ -285,7 +287,7 @@ class RdmaflowStream:
             self.receiver.close(grace=10.0)
             self.receiver = None
 
-    def __enter__(self) -> RdmaflowStream:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -379,9 +381,9 @@ def format_table(results: Mapping[Key, dict[str, Any]], transport: str, sizes: S
         desc += f" (rdmaflow: UCX_TLS={renv['UCX_TLS']})"
     lines = [
         f"# transport {transport}: {desc}",
-        f"# GB/s (1 GB = 1e9 B), median [min-max] of {repeats} interleaved repeats; "
-        f"rdmaflow window {window} (refill {max(1, min(window, refill or window // 2))}), "
-        f"memory {memory}; WRITE/put, READ/get: ratio of the medians",
+        (f"# GB/s (1 GB = 1e9 B), median [min-max] of {repeats} interleaved repeats; "
+         f"rdmaflow window {window} (refill {max(1, min(window, refill or window // 2))}), "
+         f"memory {memory}; WRITE/put, READ/get: ratio of the medians"),
     ]
     if memory != "zero":
         lines.append("# note: ucx_perftest never writes its buffers, so it copies from the kernel's "

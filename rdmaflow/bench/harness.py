@@ -292,9 +292,9 @@ class ChildProcess:
         self.lines: queue.Queue = queue.Queue()
         self._err: list[str] = []
         popen = popen or subprocess.Popen
-        kw: dict[str, Any] = dict(env=dict(env), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                  text=True, errors="replace", start_new_session=True,
-                                  preexec_fn=die_with_parent)
+        kw: dict[str, Any] = {"env": dict(env), "stdin": subprocess.PIPE if stdin else subprocess.DEVNULL,
+                              "text": True, "errors": "replace", "start_new_session": True,
+                              "preexec_fn": die_with_parent}
         if log is not None:
             with open(log, "w") as f:
                 self.proc = popen(list(argv), stdout=f, stderr=subprocess.STDOUT, **kw)

@@ -65,6 +65,7 @@ is an extra model for harness tests, accepted everywhere but not in MODELS.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -399,7 +400,7 @@ class MLP(nn.Module):
 
     def __init__(self, dims: tuple[int, ...], act: type[nn.Module] = nn.ReLU):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
         self.act = act()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

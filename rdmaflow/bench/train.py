@@ -264,8 +264,8 @@ def format_tables(cells: Mapping[Key, dict[str, Any]], configs: Sequence[Config]
                   systems: Sequence[str]) -> str:
     width = 22
     head = f"{'model':<12} {'batch':>5} {'W':>2} {'S':>2} " + " ".join(f"{s:>{width}}" for s in systems)
-    lines = ["mini-batches/s per worker: median over workers of 1/median(iteration time) "
-             "[p25-p75 of all iterations' rates]", head, "-" * len(head)]
+    lines = [("mini-batches/s per worker: median over workers of 1/median(iteration time) "
+              "[p25-p75 of all iterations' rates]"), head, "-" * len(head)]
     notes: dict[Key, str] = {}
     for cfg in configs:
         row = [f"{cfg[0]:<12} {cfg[1]:>5} {cfg[2]:>2} {cfg[3]:>2}"]
@@ -307,8 +307,8 @@ def format_ratios(rows: Sequence[Mapping[str, Any]], systems: Sequence[str]) -> 
         return ""
     cols = [f"/{s}" for s in others] + (["speedup/local"] if "local" in systems else [])
     head = f"{'model':<12} {'batch':>5} {'W':>2} {'S':>2} " + " ".join(f"{c:>14}" for c in cols)
-    lines = ["rdmaflow over each system: batches/s per worker (speedup/local: samples/s of the "
-             "job over one local process)", head, "-" * len(head)]
+    lines = [("rdmaflow over each system: batches/s per worker (speedup/local: samples/s of the "
+              "job over one local process)"), head, "-" * len(head)]
     for r in rows:
         vals = [r.get(s) for s in others] + ([r.get("speedup_vs_local")] if "local" in systems else [])
         lines.append(f"{r['model']:<12} {r['batch']:>5} {r['workers']:>2} {r['shards']:>2} "
@@ -320,8 +320,8 @@ def format_acceptance(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
         return ""
     c = ACCEPT_CONFIG
-    lines = [f"acceptance (batch {c['batch']}, {c['workers']} workers, {c['shards']} shards; "
-             f"median batches/s per worker over median):"]
+    lines = [(f"acceptance (batch {c['batch']}, {c['workers']} workers, {c['shards']} shards; "
+              f"median batches/s per worker over median):")]
     for r in rows:
         lines.append(f"  {r['model']:<8} rdmaflow / {r['den']:<10} = {_fmt(r['ratio'], '.2f'):>6}"
                      f"  (bar >= {r['bar']:g})  {r['verdict']}")

@@ -135,7 +135,7 @@ def parse_results(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 
 def check_result(r: Any, key: Key, index: int) -> None:
-    system, model, batch, _, _ = key
+    _, model, batch, _, _ = key
     if not isinstance(r, dict) or any(k not in r for k in RESULT_KEYS):
         raise CellError(f"worker {index}: result lacks {[k for k in RESULT_KEYS if k not in (r or {})]}")
     if r["worker"] != index:

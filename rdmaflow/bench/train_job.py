@@ -20,6 +20,7 @@ that made no progress for longer than that (plus a margin), so no process ever h
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import importlib
 import json
@@ -239,15 +240,11 @@ def exit_process(code: int, watchdog: Watchdog | None = None) -> None:
     without the interpreter's slow teardown of torch."""
     if watchdog is not None:
         watchdog.final(30.0, "exiting")
-    try:
+    with contextlib.suppress(OSError, ValueError):  # a closed pipe or stream: nothing to flush to
         sys.stdout.flush()
         sys.stderr.flush()
-    except Exception:  # noqa: BLE001
-        pass
-    try:
+    with contextlib.suppress(Exception):  # the handlers are anyone's code; the process exits regardless
         atexit._run_exitfuncs()
-    except Exception:  # noqa: BLE001
-        pass
     os._exit(code)
 
 

@@ -133,12 +133,12 @@ def plot_fig11(path: str, cells: Mapping[Key, dict[str, Any]], configs: Sequence
                             linestyle=ls, color=color, label=s, ms=4)
             loc = lookup(cells, "local", (model, batch, 1, 0))
             if loc is not None:
-                xs = sorted(set([1, *workers]))
+                xs = sorted({1, *workers})
                 ax.plot(xs, [loc["samples_per_s"] * w for w in xs], linestyle=":", color="black",
                         label="ideal (local x workers)")
                 ax.plot([1], [loc["samples_per_s"]], marker="*", ms=9, color="grey",
                         linestyle="none", label="local (1 process)")
-            ax.set_xticks(sorted(set([1, *workers])) if loc is not None else workers)
+            ax.set_xticks(sorted({1, *workers}) if loc is not None else workers)
             ax.set_xlabel("workers" + (" (= shards = hosts)" if netns else ""))
             ax.set_ylabel("samples/s (whole job)")
             ax.set_title(f"{model}: batch {batch}" + ("" if sh is None else f", {sh} shards"), fontsize=10)

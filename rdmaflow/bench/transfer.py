@@ -278,11 +278,11 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
     env = ucx_env(transport)
     paths = PATHS[transport]
     lines = [
-        f"## transport {transport}: rdmaflow and ucx_perftest with UCX_TLS={env['UCX_TLS']} "
-        f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES', '')}; gRPC: {paths['grpc-protobuf']}; "
-        f"TensorPipe: {paths['tensorpipe']}; gloo: {paths['gloo']}",
-        f"GB/s (1 GB = 1e9 B) at the receiver, after reduce_max; median [min-max] of {repeats} "
-        f"interleaved repeats",
+        (f"## transport {transport}: rdmaflow and ucx_perftest with UCX_TLS={env['UCX_TLS']} "
+         f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES', '')}; gRPC: {paths['grpc-protobuf']}; "
+         f"TensorPipe: {paths['tensorpipe']}; gloo: {paths['gloo']}"),
+        (f"GB/s (1 GB = 1e9 B) at the receiver, after reduce_max; median [min-max] of {repeats} "
+         f"interleaved repeats"),
     ]
     width = 17
     short = False
@@ -309,8 +309,8 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
                     short = True
             row.append(f"{txt:>{width}}")
         lines.append(" ".join(row))
-    lines += ["", "p50 per-transfer time, us (median over repeats of the median receiver "
-                  "inter-arrival time)", head, "-" * len(head)]
+    lines += ["", ("p50 per-transfer time, us (median over repeats of the median receiver "
+                   "inter-arrival time)"), head, "-" * len(head)]
     for size in sizes:
         row = [f"{format_size(size):>6}"]
         for s in systems:

@@ -11,6 +11,7 @@ Each is a :class:`System` with ``measure(size, count, warmup, window, timeout, t
 """
 from __future__ import annotations
 
+import itertools
 import signal
 import statistics
 import sys
@@ -89,7 +90,7 @@ def _stream_metrics(times: Sequence[float], size: int, count: int) -> dict[str, 
     elapsed = times[-1] - times[0]
     if elapsed <= 0:
         raise BenchError("non-positive elapsed time")
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     return {"gb_per_s": count * size / elapsed / 1e9, "p50_us": statistics.median(gaps) * 1e6}
 
 

@@ -65,8 +65,8 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     global _CTX
     if kv_handler is not None and not callable(kv_handler):
         raise InvalidArgumentError(f"kv_handler must be callable, got {type(kv_handler).__name__}")
-    timeout = float(os.environ.get("RDMAFLOW_PS_TIMEOUT", 60.0)) if timeout is None else timeout
-    step_timeout = float(os.environ.get("RDMAFLOW_PS_STEP_TIMEOUT", 300.0)) if step_timeout is None else step_timeout
+    timeout = float(os.environ.get("RDMAFLOW_PS_TIMEOUT", "60")) if timeout is None else timeout
+    step_timeout = float(os.environ.get("RDMAFLOW_PS_STEP_TIMEOUT", "300")) if step_timeout is None else step_timeout
     role = resolve_role()
     secret = job_secret()
     store = Store(role, timeout)

@@ -14,6 +14,7 @@ go through the devices' authenticated side RPC, never through the store.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -116,17 +117,22 @@ class Store:
         # The process serving the store outlives the others (bounded), so that a process that
         # fails late can still read why the job was aborted.
         ref = weakref.ref(self)
-        atexit.register(lambda: (lambda st: st and st._leave())(ref()))
+
+        def leave() -> None:
+            store = ref()
+            if store is not None:
+                store._leave()
+
+        atexit.register(leave)
 
     def _leave(self) -> None:
-        try:
+        # Leaving is best effort; torch's store errors (DistError and plain) are RuntimeErrors.
+        with contextlib.suppress(RuntimeError):
             self.store.add(PREFIX + "left", 1)
             if self.is_master:
                 deadline = time.monotonic() + min(self.timeout, 15.0)
                 while time.monotonic() < deadline and self._gone() < self.world_size:
                     time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - leaving is best effort
-            pass
 
     def _gone(self) -> int:
         """Processes that left, plus workers the shards declared dead (they never leave)."""
@@ -150,19 +156,15 @@ class Store:
         return self._call("check", self.store.check, [PREFIX + key])
 
     def abort(self, reason: str) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the store may be gone already
             if not self.store.check([PREFIX + "abort"]):
                 self.store.set(PREFIX + "abort", reason)
-        except Exception:  # noqa: BLE001 - the store may be gone already
-            pass
 
     def abort_reason(self) -> str | None:
         """The reason some process recorded for aborting the job; None if none or unreadable."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the store may be gone already
             if self.store.check([PREFIX + "abort"]):
                 return self.store.get(PREFIX + "abort").decode()
-        except Exception:  # noqa: BLE001
-            pass
         return None
 
     def aborted(self) -> str | None:

@@ -160,11 +160,9 @@ def make_plan(spec: list[dict], num_shards: int, policy: str = "block",
         if block_bytes < itemsize or block_bytes % itemsize:
             raise InvalidArgumentError(f"block size {block_bytes} is not a multiple of the element size {itemsize}")
         per = block_bytes // itemsize
-        k = 0
-        for start in range(0, total, per):
+        for k, start in enumerate(range(0, total, per)):
             n = min(per, total - start)
             s = k % num_shards
             units.append(Unit(k, s, start, n, shard_fill[s], f"block {k}"))
             shard_fill[s] += n
-            k += 1
     return Plan(params, units, num_shards, policy, block_bytes, dtype, total)

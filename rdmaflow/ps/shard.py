@@ -2,6 +2,7 @@
 workers' gradients and runs the optimizer itself, then returns weights one-sidedly."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -384,12 +385,11 @@ class Shard:
         for w, info in enumerate(getattr(self, "workers", [])):
             if info["channel"].failed:
                 continue
-            try:
+            # Best effort while failing (setup may have stopped half-way): nothing may hide the failure.
+            with contextlib.suppress(Exception):
                 self.reply_src[w].fill_(ABORT)
                 info["channel"].memcpy(self.region, self.base + self.layout.reply_src_at(w, 0), info["remote"],
                                        info["base"] + info["layout"].reply + FLAG * self.id, 8, WRITE).wait(1.0)
-            except Exception:  # noqa: BLE001 - best effort while failing
-                pass
 
 
 def shard_threads() -> int:

@@ -250,8 +250,9 @@ class Worker:
                 for u in self.units_of_param[i]:
                     s = self.units[u].shard
                     need[s] = max(need.get(s, 0), self.chunk_of[u])
+            waits = sorted(need.items())
             self._hooks.append(module.register_forward_pre_hook(
-                lambda m, args, need=sorted(need.items()), own=own: self._before_forward(need, own)))
+                lambda m, args, need=waits, own=own: self._before_forward(need, own)))
 
     # -- waiting ------------------------------------------------------------------------------
     def _wait_word(self, s: int, target: int, what: str) -> None:

@@ -27,6 +27,7 @@ cannot clean up; :func:`cleanup_stale` removes namespaces left by dead pids.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import ipaddress
 import itertools
@@ -57,7 +58,7 @@ def _run(argv: Sequence[str], timeout: float = _DEFAULT_TIMEOUT,
          check: bool = True) -> subprocess.CompletedProcess[str]:
     try:
         cp = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True,
-                            text=True, timeout=timeout)
+                            text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         raise NetnsError(f"`{' '.join(argv)}` timed out after {timeout:.0f}s") from None
     except OSError as e:
@@ -127,7 +128,7 @@ class Host:
             **kw: Any) -> subprocess.CompletedProcess:
         """subprocess.run inside this namespace (bounded by ``timeout``)."""
         kw.setdefault("stdin", subprocess.DEVNULL)
-        return subprocess.run(self.argv(argv), timeout=timeout, **kw)
+        return subprocess.run(self.argv(argv), timeout=timeout, check=kw.pop("check", False), **kw)
 
     def _kill_all(self, timeout: float) -> None:
         for p in self._procs:
@@ -328,7 +329,7 @@ class Hosts(_Namespaces):
             raise ValueError(f"n must be a positive number of hosts, got {n!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix):
             raise ValueError(f"invalid prefix {prefix!r}: use letters, digits, '_', '.', '-'")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,%d}" % _IFNAMSIZ, ifname):
+        if not re.fullmatch(rf"[A-Za-z0-9_.-]{{1,{_IFNAMSIZ}}}", ifname):
             raise ValueError(f"invalid interface name {ifname!r}")
         net = ipaddress.ip_network(subnet)
         if net.version != 4 or not net.is_private or net.num_addresses < n + 2:
@@ -419,9 +420,9 @@ def cleanup_stale(prefix: str = "rfl", timeout: float = _DEFAULT_TIMEOUT) -> lis
     removed = []
     for ns in list_netns(timeout):
         m = pat.match(ns)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            if _run(["ip", "netns", "del", ns], timeout=timeout, check=False).returncode == 0:
-                removed.append(ns)
+        if (m and not os.path.exists(f"/proc/{m.group(1)}")
+                and _run(["ip", "netns", "del", ns], timeout=timeout, check=False).returncode == 0):
+            removed.append(ns)
     return removed
 
 
@@ -430,7 +431,5 @@ def _cleanup_at_exit() -> None:
     with _live_lock:
         pending = list(_live.values())
     for th in pending:
-        try:
+        with contextlib.suppress(NetnsError):  # at exit: delete what can be deleted
             th.close()
-        except Exception:
-            pass

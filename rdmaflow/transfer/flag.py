@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch
 
@@ -26,7 +25,7 @@ MIN_NAP = 10e-6
 MAX_NAP = 1e-3
 
 # A peer to watch while waiting: a channel, or a callable giving one (None while there is none).
-Peer = Union[Channel, Callable[[], Channel | None], None]
+Peer = Channel | Callable[[], Channel | None] | None
 
 
 class Word:
