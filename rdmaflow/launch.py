@@ -1,7 +1,7 @@
 """``rdmaflow launch``: starts a parameter-server job with torchrun (torch.distributed.run).
 
 Each node runs ``--nproc-per-node`` workers plus ``--shards-per-node`` shards (default one of
-each, as in seed 000 §5.2); torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+each, as in Xue et al. §5.2); torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT, and rdmaflow.ps.init() derives each process's role from them. The job secret
 that devices prove to each other is generated here for a one-node job; a multi-node job needs
 the same RDMAFLOW_JOB_SECRET exported on every node.

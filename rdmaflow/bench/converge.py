@@ -1,5 +1,5 @@
 """``rdmaflow bench converge``: training to convergence on a real data set, rdmaflow's parameter
-server next to DistributedDataParallel over gloo, loss against wall-clock time (seed 000 §5.2,
+server next to DistributedDataParallel over gloo, loss against wall-clock time (Xue et al. §5.2,
 Figure 10).
 
 The task: scikit-learn's handwritten digits (``sklearn.datasets.load_digits``: 1797 8x8 images,

@@ -1,4 +1,4 @@
-"""The six benchmark models of seed 000 §5.2, Table 2, in plain PyTorch (no torchvision).
+"""The six benchmark models of Xue et al. §5.2, Table 2, in plain PyTorch (no torchvision).
 
 Table 2 lists each benchmark's "model size (MB)", the sum of the sizes of its variable tensors,
 and its number of variable tensors. The sizes are float32 bytes / 2**20 (MiB), not / 1e6: with

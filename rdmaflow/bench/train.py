@@ -1,5 +1,5 @@
 """``rdmaflow bench train``: training throughput of parameter-server and all-reduce systems
-(seed 000 §5.2, Figures 9, 11 and 12).
+(Xue et al. §5.2, Figures 9, 11 and 12).
 
 Each *cell* is one short training job: ``(system, model, batch, workers, shards)``
 (:mod:`rdmaflow.bench.train_cells` runs one). The job's processes are
@@ -375,7 +375,7 @@ def _describe_models(models: Sequence[str]) -> list[str]:
     for m in models:
         try:
             d = mdl.describe(m)
-            t2 = f" (seed 000 Table 2: {d['table2_mb']:g} MB)" if d.get("table2_mb") else ""
+            t2 = f" (Xue et al. Table 2: {d['table2_mb']:g} MB)" if d.get("table2_mb") else ""
             out.append(f"  {m}: {d['params']:,} parameters in {d['tensors']} tensors, "
                        f"{d['mb']:.3g} MiB{t2}")
         except Exception as e:  # noqa: BLE001 - the cell reports the real error
@@ -591,7 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="rdmaflow bench train",
         description="Training throughput (mini-batches/s) of rdmaflow's parameter server next "
-                    "to TensorPipe, gRPC, DDP-gloo and one local process (seed 000 Figures 9, 11, 12).")
+                    "to TensorPipe, gRPC, DDP-gloo and one local process (Xue et al. Figures 9, 11, 12).")
     add_arguments(ap)
     return run(ap.parse_args(list(sys.argv[1:] if argv is None else argv)))
 

@@ -1,4 +1,4 @@
-"""The plots of ``rdmaflow bench train``: throughput bars, and Figures 9, 11 and 12 of seed 000
+"""The plots of ``rdmaflow bench train``: throughput bars, and Figures 9, 11 and 12 of Xue et al.
 when the run has their axes (:func:`make_plots`)."""
 from __future__ import annotations
 

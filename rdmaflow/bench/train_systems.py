@@ -1,4 +1,4 @@
-"""The five systems of ``rdmaflow bench train`` (seed 000 §5.2, Figures 9, 11, 12): which
+"""The five systems of ``rdmaflow bench train`` (Xue et al. §5.2, Figures 9, 11, 12): which
 function runs one process of each.
 
 One process of one benchmark cell runs :func:`run` (through ``python -m

@@ -1,4 +1,4 @@
-"""``rdmaflow bench transfer``: one-way tensor transfer, side by side with the peers (seed 000
+"""``rdmaflow bench transfer``: one-way tensor transfer, side by side with the peers (Xue et al.
 §5.1, Figure 8).
 
 A sender process streams float32 tensors of one size to a receiver process, which consumes
@@ -573,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="rdmaflow bench transfer",
         description="One-way tensor transfer with reduce_max at the receiver: rdmaflow next to "
-                    "gRPC, TensorPipe, gloo, ucx_perftest and memcpy (seed 000 Figure 8).")
+                    "gRPC, TensorPipe, gloo, ucx_perftest and memcpy (Xue et al. Figure 8).")
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -101,13 +101,13 @@ class DistributedOptimizer:
     applies each gradient on arrival), ``"bounded"`` (async, but no worker runs more than
     ``staleness`` steps ahead of the slowest). ``policy``: ``"block"`` (blocks of
     ``block_bytes`` spread over the shards, iRDMA) or ``"variable"`` (whole variables
-    round-robin, seed 000). The optimizer's algorithm and hyperparameters run on the shards.
+    round-robin, Xue et al.). The optimizer's algorithm and hyperparameters run on the shards.
 
     ``overlap`` (default on) pushes each gradient block as backward produces it and lets the
     next forward start on the layers whose weights have arrived (sync), or computes on one
     parameter buffer while the next weights fill the other (async: one step staler, never
     waiting). ``zero_copy=False`` keeps parameters and gradients in ordinary memory and copies
-    them on every push and pull (to measure what zero copy saves, seed 000 Figure 12).
+    them on every push and pull (to measure what zero copy saves, Xue et al. Figure 12).
 
     ``min_workers``: the job goes on without dead workers while at least this many remain
     (default: all, so any worker failure ends the job). ``checkpoint_dir`` and

@@ -4,7 +4,7 @@ Roles follow the launcher's environment, the way torchrun sets it: ``RANK``, ``W
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node), ``MASTER_ADDR``,
 ``MASTER_PORT``. On every node the first ``RDMAFLOW_SHARDS_PER_NODE`` local ranks (default 1)
 are parameter-server shards and the others are workers, so by default each host runs one
-shard and one worker (seed 000 §5.2). ``RDMAFLOW_ROLE=shard|worker`` with
+shard and one worker (Xue et al. §5.2). ``RDMAFLOW_ROLE=shard|worker`` with
 ``RDMAFLOW_ROLE_INDEX``, ``RDMAFLOW_NUM_SHARDS`` and ``RDMAFLOW_NUM_WORKERS`` overrides that for
 launchers that place roles themselves.
 

@@ -2,7 +2,7 @@
 
 Two placement policies:
 
-- ``"variable"``: whole variables round-robin over the shards (seed 000 §5.2).
+- ``"variable"``: whole variables round-robin over the shards (Xue et al. §5.2).
 - ``"block"``: the flat parameter space cut into fixed-size blocks spread evenly over the
   shards (iRDMA §IV-C); a block may span variables.
 

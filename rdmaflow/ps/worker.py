@@ -1,6 +1,6 @@
 """The worker side: parameters and gradients in registered memory, push and pull per step.
 
-With ``overlap`` (the default) communication runs under computation (seed 000 §5.2, iRDMA
+With ``overlap`` (the default) communication runs under computation (Xue et al. §5.2, iRDMA
 §IV-B):
 
 - a gradient unit is WRITten to its shard the moment backward has accumulated every gradient
@@ -133,10 +133,10 @@ class Worker:
             g.zero_()
         self.pbuf = 0  # the parameter buffer in use
         self.gbuf = 0  # the gradient buffer backward writes into
-        # The allocation-site decision of seed 000 §3.4, in PyTorch: parameters and gradients
+        # The allocation-site decision of Xue et al. §3.4, in PyTorch: parameters and gradients
         # live in registered memory, so backward writes straight into the send buffers and
         # new weights land straight in the parameters. Without zero_copy they live in ordinary
-        # memory and every push and pull copies (the baseline of seed 000 Figure 12).
+        # memory and every push and pull copies (the baseline of Xue et al. Figure 12).
         self._params = []
         with torch.no_grad():
             for (name, p), info in zip(named, plan.params):

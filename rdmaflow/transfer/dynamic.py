@@ -1,4 +1,4 @@
-"""Transfer with dynamic allocation (seed 000 §3.3).
+"""Transfer with dynamic allocation (Xue et al. §3.3).
 
 For tensors whose shape changes from call to call. The receiver preallocates only a
 fixed-size metadata record per slot. The sender writes the record (rank, dims, dtype, size,

@@ -1,4 +1,4 @@
-"""Transfer with static placement (seed 000 §3.2).
+"""Transfer with static placement (Xue et al. §3.2).
 
 The receiver preallocates the destination tensor (shape and dtype known in advance) in its
 registered arena and publishes where it is, once. The sender then writes the tensor straight
