@@ -1,0 +1,178 @@
+// The core's internal types, shared by its .cpp files and never seen by the bindings.
+//
+// Threading rule: every UCX call on a worker happens on that worker's ProgressThread; other
+// threads hand it closures through post() and wake it with ucp_worker_signal. No UCX lock is
+// taken on the data path. Fields marked "progress thread" are touched by that thread only.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "rdmaflow.hpp"
+
+#include <sys/socket.h>
+
+namespace rdmaflow {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+void random_bytes(void* out, size_t n);
+std::pair<std::string, std::string> split_endpoint(const std::string& ep);
+sockaddr_storage resolve(const std::string& ep, socklen_t* len, bool passive);
+// Force-closes ep; a request UCX returns is appended to reqs, or freed when reqs is null.
+void close_ep_now(ucp_ep_h ep, std::vector<ucs_status_ptr_t>* reqs);
+
+// Memory backing a region; outlives the region's registration while tensors view it.
+struct RegionMemory {
+  void* addr = nullptr;
+  size_t length = 0;
+  bool owned = false;  // mmap'ed by us
+  int fd = -1;         // memfd of a shared region, reachable by same-host peers
+  uint64_t st_dev = 0, st_ino = 0;
+  ~RegionMemory();
+};
+
+// A same-host peer's shared region mapped into this process.
+struct Mapping {
+  void* base = nullptr;
+  size_t length = 0;
+  ~Mapping();
+};
+
+// Makes same-host copies: streamed or cached by size, large ones split over helper threads
+// (none when copy_threads is 1).
+class CopyPool {
+ public:
+  explicit CopyPool(int helpers);
+  ~CopyPool();
+  // Copies n bytes and returns when every part is done and visible to other threads.
+  void copy(void* dst, const void* src, size_t n);
+
+ private:
+  struct Batch;
+  struct Part {
+    char* dst;
+    const char* src;
+    size_t n;
+    bool stream;  // non-temporal stores (decided on the whole copy's size)
+    Batch* batch;
+  };
+  void loop();
+  std::vector<std::thread> threads_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<Part> q_;
+  bool stop_ = false;
+};
+
+// A connected (or connecting) peer device, shared by its channels.
+struct Peer {
+  std::string endpoint;
+  uint64_t uuid = 0;
+  int num_workers = 0;
+  std::vector<std::string> worker_addrs;
+  Link* link = nullptr;  // progress thread 0 only
+  enum State { Connecting, Ready, Failed } state = Connecting;
+  std::string error;
+  bool auth_failed = false;
+  uint8_t nc[16] = {0};
+  std::mutex m;
+  std::condition_variable cv;
+  std::map<int, std::shared_ptr<Channel>> channels;
+  std::set<uint64_t> validated;  // region ids validated with the owner
+};
+
+// One posted memcpy or flush, from posting until UCX calls back for the last time.
+struct Op {
+  Future fut;
+  int pending = 1;
+  bool finished = false;  // future completed
+  ucs_status_t status = UCS_OK;
+  bool rma = false;  // went through UCX (counted in ch->rma_pending_)
+  std::shared_ptr<MemRegion> local;
+  std::shared_ptr<Channel> ch;
+  std::shared_ptr<RemoteRegion> remote;
+};
+
+// One completion queue: a ucp_worker and the thread that progresses it.
+class ProgressThread {
+ public:
+  ProgressThread(Device* dev, int idx, ucp_context_h ctx);
+  ~ProgressThread();
+  void start();
+  void stop();  // closes endpoints, fails what is left, joins the thread
+  bool post(std::function<void()> fn);  // false once the thread has stopped
+  ucp_worker_h handle() const { return w_; }
+  const std::string& address() const { return addr_; }
+  int index() const { return idx_; }
+  Device* device() const { return dev_; }
+
+  // Progress-thread only.
+  void track(Op* op) { inflight_.insert(op); }
+  // Notes one of op's completions; the last one completes the future and deletes op.
+  void op_note(Op* op, ucs_status_t st);
+  void mark_dirty(Channel* ch);
+  void add_channel(const std::shared_ptr<Channel>& ch) { channels_.push_back(ch); }
+  std::vector<std::shared_ptr<Channel>>& channels() { return channels_; }
+
+ private:
+  void loop();
+  bool run_commands();
+  void flush_dirty();
+  void op_done(Op* op);
+  void close_all();
+  Device* dev_;
+  int idx_;
+  ucp_worker_h w_ = nullptr;
+  int efd_ = -1;
+  std::string addr_;
+  std::thread thr_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> sleeping_{false};
+  std::mutex qm_;
+  bool accepting_ = true;
+  std::vector<std::function<void()>> q_;
+  std::atomic<size_t> qsize_{0};
+  std::vector<Channel*> dirty_;
+  std::unordered_set<Op*> inflight_;
+  std::vector<std::shared_ptr<Channel>> channels_;
+};
+
+// A control connection (side RPC) to or from a peer device; progress thread 0 only.
+struct Link {
+  Device* dev = nullptr;
+  ucp_ep_h ep = nullptr;
+  bool client = false;           // we connected (peer set) or accepted
+  std::shared_ptr<Peer> peer;    // client side
+  bool authed = false;
+  bool dead = false;
+  uint8_t nc[16] = {0}, ns[16] = {0};
+  uint64_t remote_uuid = 0;
+  std::string remote_endpoint;
+};
+
+// One outstanding side-RPC request, completed by the reply, the link's failure or a timeout.
+struct Rpc {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  bool ok = false;
+  ErrorKind kind = ErrorKind::Generic;
+  std::string reply;
+};
+
+}  // namespace rdmaflow

@@ -1,0 +1,367 @@
+// rdmaflow: the paper's RDMA "device" (seed 000, Table 1) over UCX's UCP API. The public C++
+// surface; the Python bindings see only this header.
+//
+// Contract:
+//   Device       one ucp_context; num_cqs progress threads ("completion queues"), each with its
+//                own ucp_worker; a listener on thread 0 for the side RPC (publish/lookup).
+//   MemRegion    local memory registered with UCX; its descriptor carries address, length,
+//                packed remote key and owner, with a MAC made with the job secret.
+//   RemoteRegion a peer's region parsed from its descriptor; authenticated on first use.
+//   Channel      (peer, qp_idx): operations posted on it run in order on the progress thread
+//                qp_idx % num_cqs, against the peer's thread qp_idx % peer_num_cqs.
+//   Future       completes exactly once, on a progress thread:
+//                  WRITE  when the data is visible at the destination (put + endpoint flush,
+//                         or the same-host copy followed by a full fence);
+//                  READ   when the data is in the local region;
+//                  flush  when every WRITE posted on the channel before it is visible.
+//                A failed future carries an ErrorKind and a message; close() fails every
+//                pending future with Closed.
+//   Errors       every call validates its arguments first and throws Error (kind + message)
+//                before anything is sent; every wait is bounded by a timeout of DeviceConfig.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace rdmaflow {
+
+enum class ErrorKind { Generic, OutOfBounds, Peer, Region, Closed, Timeout, Auth, Invalid, Full };
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind k, const std::string& m) : std::runtime_error(m), kind(k) {}
+  ErrorKind kind;
+};
+
+enum class Direction : int { Write = 0, Read = 1 };
+
+// The same-host fast path: regions live in shared memory that a peer on the same host maps,
+// so a memcpy to them is one CPU copy instead of a transport operation. Auto: on unless
+// UCX_TLS rules out shared-memory transports.
+enum class SameHost : int { Off = 0, On = 1, Auto = 2 };
+
+struct DeviceConfig {
+  std::string endpoint = "127.0.0.1:0";
+  int num_cqs = 1;
+  int qps_per_peer = 1;
+  std::string secret;
+  bool busy_poll = false;
+  int spin_us = 50;               // progress this long before sleeping on the wakeup fd
+  double connect_timeout = 10.0;  // seconds
+  double rpc_timeout = 10.0;      // seconds, side RPC and revocation
+  bool data_error_handling = false;  // UCP_ERR_HANDLING_MODE_PEER on data endpoints too
+  SameHost same_host = SameHost::Auto;
+  // Threads that share one large mapped copy (the progress thread and copy_threads - 1
+  // helpers, which sleep when idle): a single core cannot reach the memory bandwidth.
+  int copy_threads = 1;
+};
+
+// Completion state shared by the issuer and the progress thread.
+class FutureState : public std::enable_shared_from_this<FutureState> {
+ public:
+  bool done() const { return state_.load(std::memory_order_acquire) != 0; }
+  bool ok() const { return state_.load(std::memory_order_acquire) == 1; }
+  // Waits up to timeout seconds (negative: forever); returns done().
+  bool wait(double timeout_s);
+  void complete_ok();
+  void complete_error(ErrorKind k, const std::string& msg);
+  ErrorKind error_kind() const { return kind_; }
+  const std::string& error() const { return msg_; }
+  // Runs once on the completing thread; must not block.
+  std::function<void(const std::shared_ptr<FutureState>&)> on_complete;
+
+ private:
+  void finish(int s);
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::atomic<int> state_{0};
+  ErrorKind kind_ = ErrorKind::Generic;
+  std::string msg_;
+};
+using Future = std::shared_ptr<FutureState>;
+using Callback = std::function<void(const Future&)>;
+
+// Internal types (internal.hpp); the public classes hold them only by pointer.
+class Device;
+class ProgressThread;
+class CopyPool;
+struct Link;
+struct Mapping;
+struct Op;
+struct Peer;
+struct RegionMemory;
+struct Rpc;
+
+// Local memory registered with UCX. Made by Device::alloc_region or register_memory.
+class MemRegion {
+ public:
+  uint64_t id() const { return id_; }
+  uintptr_t address() const { return addr_; }
+  size_t length() const { return length_; }
+  bool freed() const { return freed_.load(); }
+  // Throws Region once freed.
+  std::vector<uint8_t> descriptor() const;
+  // Idempotent. Revokes remote access (every peer that validated the region acknowledges, or
+  // rpc_timeout passes), waits for local in-flight operations, then deregisters. Memory a
+  // silent peer may still write stays mapped until the device closes.
+  void free();
+
+ private:
+  friend class Device;
+  friend class Channel;
+  friend class ProgressThread;
+  std::weak_ptr<Device> dev_;
+  std::shared_ptr<RegionMemory> mem_;
+  uintptr_t addr_ = 0;
+  size_t length_ = 0;
+  ucp_mem_h memh_ = nullptr;
+  uint64_t id_ = 0;
+  std::vector<uint8_t> rkey_;
+  std::vector<uint8_t> descriptor_;
+  std::atomic<bool> freed_{false};
+  std::atomic<int64_t> inflight_{0};
+  std::mutex m_;
+  std::set<Link*> holders_;  // peers that validated this region; told on free()
+};
+
+// A peer's region, parsed from its descriptor. Authenticated against the job secret on use.
+class RemoteRegion {
+ public:
+  // Bounds-checked: a malformed descriptor throws Invalid, never reads out of bounds.
+  static std::shared_ptr<RemoteRegion> parse(const std::string& bytes);
+  uint64_t job_tag = 0, owner_uuid = 0, region_id = 0, addr = 0, length = 0;
+  std::string owner_endpoint;
+  std::vector<uint8_t> rkey;
+  // Set when the owner's region is shared memory: where a same-host peer finds it.
+  bool shared = false;
+  std::string boot_id;
+  uint32_t pid = 0, fd = 0;
+  uint64_t st_dev = 0, st_ino = 0;
+  std::string body;  // the MAC'd prefix
+  uint8_t mac[16] = {0};
+  std::atomic<int> verified{0};  // 0 unknown, 1 ok (for verified_for device)
+  uint64_t verified_for = 0;
+};
+
+// A queue pair to one peer (seed 000 §3.1). Made by Device::channel.
+class Channel : public std::enable_shared_from_this<Channel> {
+ public:
+  // Copies n bytes between local[local_off..] and remote[remote_off..]. Throws (nothing
+  // posted) on a bad range, a foreign or forged descriptor, a freed or revoked region, a
+  // failed channel or a closed device. The future completes as stated at the top; cb runs
+  // once on the completing thread.
+  Future memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off,
+                const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
+                Direction dir, Callback cb);
+  // Orders operations posted after it behind those posted before (ucp_worker_fence; mapped
+  // copies are ordered too, as they run in posting order).
+  void fence();
+  // Completes when every WRITE posted before it is visible at the peer.
+  Future flush(Callback cb);
+  int qp_idx() const { return qp_; }
+  std::string remote_endpoint() const;
+  bool failed() const { return failed_.load(); }
+  std::string error() const;
+
+ private:
+  friend class Device;
+  friend class ProgressThread;
+  struct Path;  // the same-host and UCX paths of one posted memcpy (channel.cpp)
+
+  // Progress-thread only.
+  bool ensure_ep();
+  ucp_rkey_h rkey_for(const RemoteRegion& r);
+  // The same-host mapping of r, or null; cached like the rkey and dropped with it.
+  Mapping* mapping_for(const RemoteRegion& r);
+  void drop_rkey(uint64_t region_id);
+  std::vector<ucs_status_ptr_t> close_ep(bool force);
+  void fail(const std::string& why);
+  static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t st);
+
+  std::weak_ptr<Device> dev_;
+  std::shared_ptr<Peer> peer_;
+  int qp_ = 0;
+  ProgressThread* thread_ = nullptr;
+  int remote_thread_ = 0;
+  // Progress-thread-only state.
+  ucp_ep_h ep_ = nullptr;
+  std::unordered_map<uint64_t, ucp_rkey_h> rkeys_;
+  std::unordered_map<uint64_t, std::shared_ptr<Mapping>> mappings_;
+  std::vector<Op*> unflushed_;
+  int rma_pending_ = 0;  // UCX puts/gets not yet complete; mapped copies wait for them
+  bool dirty_ = false;
+  // Shared state.
+  std::atomic<bool> failed_{false};
+  mutable std::mutex m_;
+  std::string error_;
+};
+
+// The RDMA device (seed 000 §3.1). Every method may be called from any thread.
+class Device : public std::enable_shared_from_this<Device> {
+ public:
+  // Validates cfg (Invalid), listens on cfg.endpoint, starts the progress threads.
+  static std::shared_ptr<Device> create(const DeviceConfig& cfg);
+  ~Device();
+  // Idempotent. Stops the progress threads (pending futures fail with Closed), then
+  // deregisters every region.
+  void close();
+  bool closed() const { return closing_.load(); }
+
+  // Page-aligned, populated memory; shared memory when the same-host path is on.
+  std::shared_ptr<MemRegion> alloc_region(size_t nbytes);
+  // Memory the caller owns and keeps alive while the region lives.
+  std::shared_ptr<MemRegion> register_memory(uintptr_t addr, size_t nbytes);
+  // Connects (and authenticates) on first use, bounded by connect_timeout; throws
+  // OutOfBounds for a qp_idx outside [0, qps_per_peer), Auth for a peer of another job.
+  std::shared_ptr<Channel> channel(const std::string& remote_endpoint, int qp_idx);
+
+  // Side RPC: named byte strings handed out to authenticated peers.
+  void publish(const std::string& name, const std::string& value);
+  void unpublish(const std::string& name);
+  // timeout < 0: rpc_timeout. Throws Invalid when the peer published nothing under name.
+  std::string lookup(const std::string& remote_endpoint, const std::string& name, double timeout);
+
+  const std::string& endpoint() const { return endpoint_; }
+  uint64_t uuid() const { return uuid_; }
+  const DeviceConfig& config() const { return cfg_; }
+  int num_cqs() const { return int(threads_.size()); }
+  std::string ucx_info() const;  // ucp_context_print_info
+  bool same_host_mapping() const { return map_enabled_; }
+  // memcpys done by a CPU copy through a same-host mapping, and through UCX.
+  uint64_t mapped_ops() const { return mapped_ops_.load(); }
+  uint64_t ucx_ops() const { return ucx_ops_.load(); }
+
+ private:
+  friend class Channel;
+  friend class MemRegion;
+  friend class ProgressThread;
+  Device();
+  void init(const DeviceConfig& cfg);
+  void check_open() const;
+  std::string op_error_message(Op* op, ucs_status_t st, ErrorKind* kind);
+
+  // region.cpp
+  std::shared_ptr<MemRegion> register_region(uintptr_t addr, size_t nbytes,
+                                             const std::shared_ptr<RegionMemory>& mem);
+  void verify_remote(RemoteRegion& r);
+  bool revoked(uint64_t owner, uint64_t id);
+  void free_region(MemRegion& r);
+
+  // same_host.cpp
+  std::shared_ptr<Mapping> map_remote(const RemoteRegion& r);
+  void unmap_remote(uint64_t owner, uint64_t region_id);
+  void copy_mapped(void* dst, const void* src, size_t n);
+
+  // wireup.cpp: handshake, control messages, side RPC.
+  std::shared_ptr<Peer> connect(const std::string& endpoint);
+  void ensure_validated(const std::shared_ptr<Peer>& peer, RemoteRegion& r);
+  std::shared_ptr<Rpc> post_request(Link* l, uint32_t type, const std::string& payload,
+                                    bool ok_if_dead, const char* if_dead, uint64_t* id);
+  std::string call(Link* l, uint32_t type, const std::string& payload, double timeout,
+                   const std::string& what, ErrorKind refused_kind,
+                   const std::function<std::string(const std::string&)>& refused);
+  std::string wait_rpc(uint64_t id, const std::shared_ptr<Rpc>& r, double timeout,
+                       const std::string& what);
+  void finish_rpc(uint64_t id, bool ok, ErrorKind k, const std::string& reply);
+  void fail_rpcs_for(Link* l, const std::string& why);
+  void fail_all_rpcs(const std::string& why);
+  void send_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
+  void handle_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
+  void handle_as_server(Link* l, uint32_t type, uint64_t req, const std::string& payload);
+  void handle_as_client(Link* l, uint32_t type, uint64_t req, const std::string& payload);
+  void answer_revoke(Link* l, uint64_t req, uint64_t region_id);
+  void on_link_error(Link* l, ucs_status_t st);
+  void on_data_ep_error(Channel* ch, ucs_status_t st);
+  std::vector<ucs_status_ptr_t> close_links();  // progress thread 0, at close
+  static ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data,
+                            size_t length, const ucp_am_recv_param_t* param);
+  static void conn_cb(ucp_conn_request_h req, void* arg);
+  static void link_err_cb(void* arg, ucp_ep_h, ucs_status_t st);
+
+  DeviceConfig cfg_;
+  std::string endpoint_;
+  uint64_t uuid_ = 0;
+  uint64_t job_tag_ = 0;
+  ucp_context_h ctx_ = nullptr;
+  std::vector<std::unique_ptr<ProgressThread>> threads_;
+  ucp_listener_h listener_ = nullptr;
+  std::atomic<bool> closing_{false};
+  std::atomic<uint64_t> next_region_{1};
+  std::atomic<uint64_t> next_rpc_{1};
+  std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0};
+  bool map_enabled_ = false;
+  std::unique_ptr<CopyPool> copier_;
+  std::string boot_id_;
+  std::mutex maps_m_;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<Mapping>> maps_;  // null: unmappable
+
+  mutable std::mutex m_;
+  std::map<std::string, std::shared_ptr<Peer>> peers_;
+  std::map<uint64_t, std::weak_ptr<MemRegion>> regions_;
+  std::map<std::string, std::string> published_;
+  std::map<uint64_t, std::pair<Link*, std::shared_ptr<Rpc>>> rpcs_;  // id -> (link, rpc)
+  std::set<std::pair<uint64_t, uint64_t>> revoked_;                 // (owner uuid, region)
+  std::vector<std::shared_ptr<RegionMemory>> quarantine_;  // memory a silent peer may still write
+  // Progress thread 0 only.
+  std::unordered_map<ucp_ep_h, Link*> links_;
+  std::vector<Link*> dead_links_;  // kept until close: queued commands may still name them
+};
+
+// A thread-safe allocator over one registered region (seed 000 §3.4: one region registered
+// once, sized up front, carved up by an allocator). Best fit with coalescing of free neighbours.
+class Arena : public std::enable_shared_from_this<Arena> {
+ public:
+  Arena(std::shared_ptr<MemRegion> region, size_t alignment);
+  size_t alloc(size_t nbytes);  // offset into the region; throws Error(Full)
+  void free(size_t offset);
+  const std::shared_ptr<MemRegion>& region() const { return region_; }
+  size_t capacity() const { return capacity_; }
+  size_t alignment() const { return align_; }
+  size_t used() const;
+  size_t largest_free() const;
+  size_t num_allocations() const;
+  size_t num_free_blocks() const;
+
+ private:
+  void insert_free(size_t off, size_t len);
+  void erase_free(std::map<size_t, size_t>::iterator it);
+  std::shared_ptr<MemRegion> region_;
+  size_t capacity_ = 0, align_ = 256, used_ = 0;
+  mutable std::mutex m_;
+  std::map<size_t, size_t> free_by_off_;        // offset -> length
+  std::multimap<size_t, size_t> free_by_len_;   // length -> offset
+  std::unordered_map<size_t, size_t> live_;     // offset -> length
+};
+
+// One allocation; returns itself to the arena when the last reference (e.g. a tensor) goes.
+struct ArenaBlock {
+  std::shared_ptr<Arena> arena;
+  size_t offset = 0, length = 0;
+  ~ArenaBlock() {
+    if (arena) arena->free(offset);
+  }
+};
+
+// Waits until the 8-byte word at addr is >= value (acquire). Spins briefly, then yields and
+// sleeps with backoff. Returns false on timeout (negative: none).
+bool wait_u64_at_least(uintptr_t addr, uint64_t value, double timeout_s);
+
+std::string ucx_version();
+std::string ucs_error(ucs_status_t st);
+
+// HMAC-SHA256 of msg under key (32 bytes); exposed for its known-answer tests.
+std::string hmac_sha256_bytes(const std::string& key, const std::string& msg);
+
+}  // namespace rdmaflow

@@ -1,0 +1,120 @@
+// Wire formats: the control messages between devices and the region descriptor. Little-endian
+// host order (both ends run this code); every read is bounds-checked and throws Invalid.
+//
+// Control message: one UCP active message (id kAmId), header CtrlHeader, payload by type:
+//   HELLO(version u32, nonce_c[16], uuid u64, endpoint str)      client -> server
+//   CHALLENGE(nonce_s[16], uuid u64, mac[32])                    server -> client
+//   AUTH(mac[32]) / WELCOME(n u32, n x worker address str)       client -> server -> client
+//   REJECT(reason, raw bytes)                                    either way
+//   LOOKUP(name str) / LOOKUP_REPLY(ok u32, value str)
+//   VALIDATE(region u64, addr u64, len u64) / VALIDATE_REPLY(ok u32, reason str)
+//   REVOKE(region u64) / REVOKE_ACK()                            owner -> holder -> owner
+// Descriptor: see docs/architecture.md ("Descriptors"); the MAC covers everything before it.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "hmac_sha256.hpp"
+#include "rdmaflow.hpp"
+
+namespace rdmaflow {
+
+constexpr uint16_t kAmId = 0x5246;  // "RF"
+constexpr uint32_t kCtrlMagic = 0x52464331;  // "RFC1"
+constexpr uint32_t kProtoVersion = 1;
+constexpr char kDescMagic[4] = {'R', 'F', 'D', '1'};
+constexpr size_t kMacLen = 16;
+constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block follows the rkey
+constexpr size_t kMaxCtrlPayload = 1 << 20;
+
+enum CtrlType : uint32_t {
+  HELLO = 1,
+  CHALLENGE,
+  AUTH,
+  WELCOME,
+  REJECT,
+  LOOKUP,
+  LOOKUP_REPLY,
+  VALIDATE,
+  VALIDATE_REPLY,
+  REVOKE,
+  REVOKE_ACK,
+};
+
+struct CtrlHeader {
+  uint32_t magic;
+  uint32_t type;
+  uint64_t req;
+};
+
+struct Writer {
+  std::string s;
+  void u16(uint16_t v) { s.append(reinterpret_cast<const char*>(&v), 2); }
+  void u32(uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
+  void u64(uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
+  void raw(const void* p, size_t n) { s.append(static_cast<const char*>(p), n); }
+  void str(const std::string& v) {
+    u32(uint32_t(v.size()));
+    s += v;
+  }
+};
+
+struct Reader {
+  const std::string& s;
+  size_t pos = 0;
+  const char* what;
+  Reader(const std::string& str, const char* w) : s(str), what(w) {}
+  void need(size_t n) {
+    if (n > s.size() - pos)
+      throw Error(ErrorKind::Invalid, std::string("malformed ") + what + ": truncated at byte " +
+                                          std::to_string(pos) + " of " + std::to_string(s.size()));
+  }
+  template <class T>
+  T num() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, s.data() + pos, sizeof(T));
+    pos += sizeof(T);
+    return v;
+  }
+  void raw(void* out, size_t n) {
+    need(n);
+    std::memcpy(out, s.data() + pos, n);
+    pos += n;
+  }
+  std::string str(size_t max_len = kMaxCtrlPayload) {
+    uint32_t n = num<uint32_t>();
+    if (n > max_len)
+      throw Error(ErrorKind::Invalid, std::string("malformed ") + what + ": field of " +
+                                          std::to_string(n) + " bytes is too long");
+    need(n);
+    std::string v = s.substr(pos, n);
+    pos += n;
+    return v;
+  }
+  void end() {
+    if (pos != s.size())
+      throw Error(ErrorKind::Invalid, std::string("malformed ") + what + ": " +
+                                          std::to_string(s.size() - pos) + " trailing bytes");
+  }
+};
+
+// The descriptor MAC: the first kMacLen bytes of HMAC-SHA256(secret, body).
+inline std::string mac16(const std::string& key, const std::string& body) {
+  auto d = hmac_sha256(key, body.data(), body.size());
+  return std::string(reinterpret_cast<const char*>(d.data()), kMacLen);
+}
+
+// HMAC-SHA256(secret, label || nonce_c || nonce_s): each side's proof in the handshake.
+inline std::string handshake_mac(const std::string& key, const char* label, const uint8_t* nc,
+                                 const uint8_t* ns) {
+  std::string m(label);
+  m.append(reinterpret_cast<const char*>(nc), 16);
+  m.append(reinterpret_cast<const char*>(ns), 16);
+  auto d = hmac_sha256(key, m.data(), m.size());
+  return std::string(reinterpret_cast<const char*>(d.data()), 32);
+}
+
+}  // namespace rdmaflow
