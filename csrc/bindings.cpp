@@ -1,5 +1,6 @@
-// Python bindings of the core. Blocking calls release the GIL; completion callbacks never run
-// on a progress thread: they are queued and run by one Python thread (run_callbacks).
+// Python bindings of the core (rdmaflow.hpp): they only bind. Blocking calls release the GIL;
+// completion callbacks never run on a progress thread: they are queued and run by one Python
+// thread (run_callbacks). Options are keyword arguments.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -7,7 +8,7 @@
 #include <condition_variable>
 #include <deque>
 
-#include "core.hpp"
+#include "rdmaflow.hpp"
 
 namespace py = pybind11;
 using namespace rdmaflow;
@@ -138,7 +139,7 @@ py::object future_exception(const Future& f) {
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "rdmaflow core: the RDMA device (seed 000, Table 1) over UCX";
+  m.doc() = "rdmaflow core: the RDMA device (Xue et al., EuroSys '19, Table 1) over UCX";
 
   exc_base = new_exc(m, "RdmaflowError", {PyExc_RuntimeError}, "Base of every rdmaflow error.");
   exc_bounds = new_exc(m, "OutOfBoundsError", {exc_base, PyExc_IndexError},
@@ -169,7 +170,21 @@ PYBIND11_MODULE(_core, m) {
       .value("READ", Direction::Read)
       .export_values();
 
+  py::enum_<SameHost>(m, "SameHost",
+                      "The same-host fast path: OFF, ON, or AUTO (on unless UCX_TLS rules out "
+                      "shared-memory transports).")
+      .value("OFF", SameHost::Off)
+      .value("ON", SameHost::On)
+      .value("AUTO", SameHost::Auto);
+
   m.def("ucx_version", &ucx_version, "Version of the UCX library in use.");
+  m.def(
+      "_hmac_sha256",
+      [](py::bytes key, py::bytes msg) {
+        return py::bytes(hmac_sha256_bytes(std::string(key), std::string(msg)));
+      },
+      py::arg("key"), py::arg("msg"),
+      "HMAC-SHA256 of msg under key, as the handshake and descriptors compute it (for tests).");
   m.def("run_callbacks", &run_callbacks,
         "Runs completion callbacks forever; called by one daemon thread.");
 
@@ -218,6 +233,16 @@ PYBIND11_MODULE(_core, m) {
           },
           "Revokes peers' access, waits for in-flight use and deregisters the memory. "
           "Tensors viewing the region keep its memory alive.")
+      .def(
+          "tensor",
+          [](py::object self, py::object dtype, py::object shape, py::object offset) {
+            // Views need torch, which the core does not link: the device layer makes them.
+            return py::module_::import("rdmaflow._views").attr("region_tensor")(self, dtype, shape,
+                                                                                offset);
+          },
+          py::arg("dtype"), py::arg("shape"), py::arg("offset") = 0,
+          "A tensor of dtype and shape viewing the region at byte offset, with no copy; it "
+          "keeps the region's memory alive.")
       .def_buffer([](MemRegion& r) {
         return py::buffer_info(reinterpret_cast<void*>(r.address()), 1,
                                py::format_descriptor<uint8_t>::format(), 1,
@@ -240,7 +265,7 @@ PYBIND11_MODULE(_core, m) {
       });
 
   py::class_<Channel, std::shared_ptr<Channel>>(m, "Channel",
-                                                "A queue pair to one peer (seed 000 §3.1).")
+                                                "A queue pair to one peer (Xue et al. §3.1).")
       .def(
           "memcpy",
           [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t local_offset,
@@ -345,12 +370,13 @@ PYBIND11_MODULE(_core, m) {
       py::arg("address"), py::arg("value"), py::arg("timeout") = py::none(),
       "Waits until the 8-byte word at address is >= value; False on timeout.");
 
-  py::class_<DeviceImpl, std::shared_ptr<DeviceImpl>>(m, "Device", py::dynamic_attr(),
-                                                      "The RDMA device of seed 000 §3.1.")
+  const DeviceConfig defaults;
+  py::class_<Device, std::shared_ptr<Device>>(m, "Device", py::dynamic_attr(),
+                                              "The RDMA device of Xue et al. §3.1.")
       .def(py::init([](const std::string& endpoint, int num_cqs, int qps_per_peer,
                        const std::string& secret, bool busy_poll, int spin_us,
                        double connect_timeout, double rpc_timeout, bool data_error_handling,
-                       int same_host, int copy_threads) {
+                       SameHost same_host, int copy_threads) {
              DeviceConfig c;
              c.endpoint = endpoint;
              c.num_cqs = num_cqs;
@@ -364,58 +390,63 @@ PYBIND11_MODULE(_core, m) {
              c.same_host = same_host;
              c.copy_threads = copy_threads;
              py::gil_scoped_release nogil;
-             return DeviceImpl::create(c);
+             return Device::create(c);
            }),
-           py::arg("endpoint"), py::arg("num_cqs"), py::arg("qps_per_peer"), py::arg("secret"),
-           py::arg("busy_poll"), py::arg("spin_us"), py::arg("connect_timeout"),
-           py::arg("rpc_timeout"), py::arg("data_error_handling") = false, py::arg("same_host") = 2,
-           py::arg("copy_threads") = 1)
-      .def_property_readonly("endpoint", &DeviceImpl::endpoint)
-      .def_property_readonly("uuid", &DeviceImpl::uuid)
-      .def_property_readonly("num_cqs", &DeviceImpl::num_cqs)
+           py::arg("endpoint") = defaults.endpoint, py::kw_only(),
+           py::arg("num_cqs") = defaults.num_cqs, py::arg("qps_per_peer") = defaults.qps_per_peer,
+           py::arg("secret") = defaults.secret, py::arg("busy_poll") = defaults.busy_poll,
+           py::arg("spin_us") = defaults.spin_us,
+           py::arg("connect_timeout") = defaults.connect_timeout,
+           py::arg("rpc_timeout") = defaults.rpc_timeout,
+           py::arg("data_error_handling") = defaults.data_error_handling,
+           py::arg("same_host") = defaults.same_host,
+           py::arg("copy_threads") = defaults.copy_threads)
+      .def_property_readonly("endpoint", &Device::endpoint)
+      .def_property_readonly("uuid", &Device::uuid)
+      .def_property_readonly("num_cqs", &Device::num_cqs)
       .def_property_readonly("qps_per_peer",
-                             [](const DeviceImpl& d) { return d.config().qps_per_peer; })
-      .def_property_readonly("busy_poll", [](const DeviceImpl& d) { return d.config().busy_poll; })
+                             [](const Device& d) { return d.config().qps_per_peer; })
+      .def_property_readonly("busy_poll", [](const Device& d) { return d.config().busy_poll; })
       .def(
           "transfer_counts",
-          [](const DeviceImpl& d) {
+          [](const Device& d) {
             py::dict r;
-            r["mapped"] = d.mapped_ops.load();
-            r["ucx"] = d.ucx_ops.load();
+            r["mapped"] = d.mapped_ops();
+            r["ucx"] = d.ucx_ops();
             return r;
           },
           "How many memcpys went through a same-host mapping and how many through UCX.")
       .def_property_readonly("copy_threads",
-                             [](const DeviceImpl& d) { return d.config().copy_threads; })
-      .def_property_readonly("same_host_mapping", &DeviceImpl::same_host_mapping,
+                             [](const Device& d) { return d.config().copy_threads; })
+      .def_property_readonly("same_host_mapping", &Device::same_host_mapping,
                              "Whether regions from alloc_region() are shared memory that "
                              "same-host peers map (the same-host fast path).")
-      .def_property_readonly("closed", &DeviceImpl::closed)
+      .def_property_readonly("closed", &Device::closed)
       .def("close",
-           [](DeviceImpl& d) {
+           [](Device& d) {
              py::gil_scoped_release nogil;
              d.close();
            })
-      .def("alloc_region", &DeviceImpl::alloc_region, py::arg("nbytes"),
+      .def("alloc_region", &Device::alloc_region, py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>())
       .def(
           "register_memory",
-          [](DeviceImpl& d, uintptr_t address, size_t nbytes) {
+          [](Device& d, uintptr_t address, size_t nbytes) {
             return d.register_memory(address, nbytes);
           },
           py::arg("address"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
-      .def("channel", &DeviceImpl::channel, py::arg("remote_endpoint"), py::arg("qp_idx") = 0,
+      .def("channel", &Device::channel, py::arg("remote_endpoint"), py::arg("qp_idx") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def(
           "publish",
-          [](DeviceImpl& d, const std::string& name, py::bytes value) {
+          [](Device& d, const std::string& name, py::bytes value) {
             d.publish(name, std::string(value));
           },
           py::arg("name"), py::arg("value"))
-      .def("unpublish", &DeviceImpl::unpublish, py::arg("name"))
+      .def("unpublish", &Device::unpublish, py::arg("name"))
       .def(
           "lookup",
-          [](DeviceImpl& d, const std::string& ep, const std::string& name, double timeout) {
+          [](Device& d, const std::string& ep, const std::string& name, double timeout) {
             std::string v;
             {
               py::gil_scoped_release nogil;
@@ -424,5 +455,5 @@ PYBIND11_MODULE(_core, m) {
             return py::bytes(v);
           },
           py::arg("remote_endpoint"), py::arg("name"), py::arg("timeout") = -1.0)
-      .def("ucx_info", &DeviceImpl::ucx_info);
+      .def("ucx_info", &Device::ucx_info);
 }

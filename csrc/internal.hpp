@@ -30,11 +30,24 @@ inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// support.cpp
 void random_bytes(void* out, size_t n);
+// Closes ep (forcibly when force); a request UCX returns is appended to reqs, or freed when
+// reqs is null.
+void close_endpoint(ucp_ep_h ep, bool force, std::vector<ucs_status_ptr_t>* reqs);
+
+// address.cpp
 std::pair<std::string, std::string> split_endpoint(const std::string& ep);
 sockaddr_storage resolve(const std::string& ep, socklen_t* len, bool passive);
-// Force-closes ep; a request UCX returns is appended to reqs, or freed when reqs is null.
-void close_ep_now(ucp_ep_h ep, std::vector<ucs_status_ptr_t>* reqs);
+// The endpoint peers reach a listener at: the configured host (the hostname when it is a
+// wildcard) and the port the listener was given.
+std::string listening_endpoint(const std::string& configured, const sockaddr_storage& bound);
+
+// same_host.cpp
+// Whether UCX_TLS leaves shared-memory transports on.
+bool tls_allow_shared_memory();
+// This boot's id (empty when unknown): same-host peers are those with the same one.
+std::string read_boot_id();
 
 // Memory backing a region; outlives the region's registration while tensors view it.
 struct RegionMemory {
@@ -173,6 +186,12 @@ struct Rpc {
   bool ok = false;
   ErrorKind kind = ErrorKind::Generic;
   std::string reply;
+};
+
+// A request handed to progress thread 0, with the id its reply will carry.
+struct Device::Request {
+  uint64_t id = 0;
+  std::shared_ptr<Rpc> rpc;
 };
 
 }  // namespace rdmaflow

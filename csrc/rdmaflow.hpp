@@ -1,5 +1,6 @@
-// rdmaflow: the paper's RDMA "device" (seed 000, Table 1) over UCX's UCP API. The public C++
-// surface; the Python bindings see only this header.
+// rdmaflow: the RDMA "device" of Xue et al., "Fast Distributed Deep Learning over RDMA"
+// (EuroSys '19, Table 1) over UCX's UCP API. The public C++ surface; the Python bindings see
+// only this header (and the core's files are listed in docs/architecture.md).
 //
 // Contract:
 //   Device       one ucp_context; num_cqs progress threads ("completion queues"), each with its
@@ -20,6 +21,7 @@
 //                before anything is sent; every wait is bounded by a timeout of DeviceConfig.
 #pragma once
 
+#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
 #include <atomic>
@@ -155,7 +157,7 @@ class RemoteRegion {
   uint64_t verified_for = 0;
 };
 
-// A queue pair to one peer (seed 000 §3.1). Made by Device::channel.
+// A queue pair to one peer (Xue et al. §3.1). Made by Device::channel.
 class Channel : public std::enable_shared_from_this<Channel> {
  public:
   // Copies n bytes between local[local_off..] and remote[remote_off..]. Throws (nothing
@@ -179,6 +181,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   friend class Device;
   friend class ProgressThread;
   struct Path;  // the same-host and UCX paths of one posted memcpy (channel.cpp)
+  // The device, or Closed.
+  std::shared_ptr<Device> open_device() const;
 
   // Progress-thread only.
   bool ensure_ep();
@@ -208,7 +212,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::string error_;
 };
 
-// The RDMA device (seed 000 §3.1). Every method may be called from any thread.
+// The RDMA device (Xue et al. §3.1). Every method may be called from any thread.
 class Device : public std::enable_shared_from_this<Device> {
  public:
   // Validates cfg (Invalid), listens on cfg.endpoint, starts the progress threads.
@@ -248,47 +252,57 @@ class Device : public std::enable_shared_from_this<Device> {
   friend class MemRegion;
   friend class ProgressThread;
   Device();
+  // device.cpp
   void init(const DeviceConfig& cfg);
+  void start_listening(const sockaddr_storage& ss, socklen_t slen);
   void check_open() const;
   std::string op_error_message(Op* op, ucs_status_t st, ErrorKind* kind);
 
   // region.cpp
   std::shared_ptr<MemRegion> register_region(uintptr_t addr, size_t nbytes,
                                              const std::shared_ptr<RegionMemory>& mem);
+  std::string encode_descriptor(const MemRegion& r, const RegionMemory& mem) const;
   void verify_remote(RemoteRegion& r);
   bool revoked(uint64_t owner, uint64_t id);
   void free_region(MemRegion& r);
+  bool revoke_at(const std::vector<Link*>& holders, uint64_t region_id);
 
   // same_host.cpp
   std::shared_ptr<Mapping> map_remote(const RemoteRegion& r);
   void unmap_remote(uint64_t owner, uint64_t region_id);
   void copy_mapped(void* dst, const void* src, size_t n);
 
-  // wireup.cpp: handshake, control messages, side RPC.
+  // wireup.cpp: connecting, the handshake, control messages and link failures.
   std::shared_ptr<Peer> connect(const std::string& endpoint);
-  void ensure_validated(const std::shared_ptr<Peer>& peer, RemoteRegion& r);
-  std::shared_ptr<Rpc> post_request(Link* l, uint32_t type, const std::string& payload,
-                                    bool ok_if_dead, const char* if_dead, uint64_t* id);
-  std::string call(Link* l, uint32_t type, const std::string& payload, double timeout,
-                   const std::string& what, ErrorKind refused_kind,
-                   const std::function<std::string(const std::string&)>& refused);
-  std::string wait_rpc(uint64_t id, const std::shared_ptr<Rpc>& r, double timeout,
-                       const std::string& what);
-  void finish_rpc(uint64_t id, bool ok, ErrorKind k, const std::string& reply);
-  void fail_rpcs_for(Link* l, const std::string& why);
-  void fail_all_rpcs(const std::string& why);
+  void open_link(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen);
+  std::shared_ptr<Peer> wait_connected(const std::shared_ptr<Peer>& p);
   void send_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
   void handle_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
   void handle_as_server(Link* l, uint32_t type, uint64_t req, const std::string& payload);
   void handle_as_client(Link* l, uint32_t type, uint64_t req, const std::string& payload);
-  void answer_revoke(Link* l, uint64_t req, uint64_t region_id);
   void on_link_error(Link* l, ucs_status_t st);
   void on_data_ep_error(Channel* ch, ucs_status_t st);
   std::vector<ucs_status_ptr_t> close_links();  // progress thread 0, at close
   static ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
   static void conn_cb(ucp_conn_request_h req, void* arg);
-  static void link_err_cb(void* arg, ucp_ep_h, ucs_status_t st);
+
+  // rpc.cpp: the side RPC's requests (LOOKUP, VALIDATE, REVOKE) and their answers.
+  struct Request;
+  bool post_request(Link* l, uint32_t type, const std::string& payload, bool ok_if_dead,
+                    const char* if_dead, Request* out);
+  std::string call(Link* l, uint32_t type, const std::string& payload, const char* if_dead,
+                   double timeout, const std::string& what, ErrorKind refused_kind,
+                   const std::function<std::string(const std::string&)>& refused);
+  std::string wait_rpc(uint64_t id, const std::shared_ptr<Rpc>& r, double timeout,
+                       const std::string& what);
+  void finish_rpc(uint64_t id, bool ok, ErrorKind k, const std::string& reply);
+  void fail_rpcs_for(Link* l, const std::string& why);
+  void fail_all_rpcs(const std::string& why);
+  void ensure_validated(const std::shared_ptr<Peer>& peer, RemoteRegion& r);
+  void answer_lookup(Link* l, uint64_t req, const std::string& name);
+  void answer_validate(Link* l, uint64_t req, uint64_t id, uint64_t addr, uint64_t len);
+  void answer_revoke(Link* l, uint64_t req, uint64_t region_id);
 
   DeviceConfig cfg_;
   std::string endpoint_;
@@ -319,7 +333,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::vector<Link*> dead_links_;  // kept until close: queued commands may still name them
 };
 
-// A thread-safe allocator over one registered region (seed 000 §3.4: one region registered
+// A thread-safe allocator over one registered region (Xue et al. §3.4: one region registered
 // once, sized up front, carved up by an allocator). Best fit with coalescing of free neighbours.
 class Arena : public std::enable_shared_from_this<Arena> {
  public:

@@ -1,0 +1,300 @@
+// Channels (queue pairs): making one, and the operations posted on it. memcpy checks its
+// arguments on the caller's thread, then runs on the channel's progress thread through one of
+// two paths: the same-host mapping (one CPU copy) or UCX (a put or get, plus an endpoint flush
+// for a WRITE). Ordering follows UCX's documented semantics: operations on one endpoint are
+// ordered only by ucp_worker_fence, and a put is visible at the target once a flush covering
+// it completes (ucp_put_nbx, ucp_ep_flush_nbx).
+#include "internal.hpp"
+
+namespace rdmaflow {
+
+namespace {
+// Completes op with st now: no other completion of it is pending.
+void finish_now(ProgressThread* t, Op* op, ucs_status_t st) {
+  op->pending = 1;
+  t->op_note(op, st);
+}
+}  // namespace
+
+// One memcpy as the progress thread runs it.
+struct Channel::Path {
+  size_t local_off, remote_off, n;
+  bool write;
+  // The same-host path: true when it took op (copied, or cancelled by close()).
+  bool same_host(ProgressThread* t, Op* op) const;
+  // The UCX path: a put (which also waits for its flush) or a get.
+  void ucx(ProgressThread* t, Op* op) const;
+  static void sent(void* req, ucs_status_t st, void* user);
+};
+
+void Channel::Path::sent(void* req, ucs_status_t st, void* user) {
+  Op* op = static_cast<Op*>(user);
+  op->ch->thread_->op_note(op, st);
+  ucp_request_free(req);
+}
+
+bool Channel::Path::same_host(ProgressThread* t, Op* op) const {
+  Channel* ch = op->ch.get();
+  // Only when no UCX operation of this channel is outstanding, so that fences keep ordering
+  // mapped and UCX operations.
+  if (ch->rma_pending_ != 0 || ch->failed()) return false;
+  Device* dev = t->device();
+  if (dev->closed()) {  // close() cancels what has not started
+    finish_now(t, op, UCS_ERR_CANCELED);
+    return true;
+  }
+  Mapping* m = ch->mapping_for(*op->remote);
+  if (!m) return false;
+  char* l = reinterpret_cast<char*>(op->local->addr_) + local_off;
+  char* r = static_cast<char*>(m->base) + remote_off;
+  if (write)
+    dev->copy_mapped(r, l, n);
+  else
+    dev->copy_mapped(l, r, n);
+  dev->mapped_ops_.fetch_add(1, std::memory_order_relaxed);
+  finish_now(t, op, UCS_OK);
+  return true;
+}
+
+void Channel::Path::ucx(ProgressThread* t, Op* op) const {
+  Channel* ch = op->ch.get();
+  op->pending = write ? 2 : 1;  // a WRITE also waits for its flush
+  if (!ch->ensure_ep()) {
+    finish_now(t, op, UCS_ERR_CONNECTION_RESET);
+    return;
+  }
+  ucp_rkey_h rk = ch->rkey_for(*op->remote);
+  if (!rk) {
+    finish_now(t, op, UCS_ERR_INVALID_PARAM);
+    return;
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = sent;
+  p.user_data = op;
+  if (op->local->memh_) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = op->local->memh_;
+  }
+  void* laddr = reinterpret_cast<char*>(op->local->addr_) + local_off;
+  uint64_t raddr = op->remote->addr + remote_off;
+  op->rma = true;
+  ++ch->rma_pending_;
+  t->device()->ucx_ops_.fetch_add(1, std::memory_order_relaxed);
+  ucs_status_ptr_t sp = write ? ucp_put_nbx(ch->ep_, laddr, n, raddr, rk, &p)
+                              : ucp_get_nbx(ch->ep_, laddr, n, raddr, rk, &p);
+  if (UCS_PTR_IS_ERR(sp)) {
+    finish_now(t, op, UCS_PTR_STATUS(sp));
+    return;
+  }
+  if (write) {
+    ch->unflushed_.push_back(op);
+    t->mark_dirty(ch);
+  }
+  if (sp == nullptr) t->op_note(op, UCS_OK);
+}
+
+// ---------------------------------------------------------------------------------------------
+std::shared_ptr<Channel> Device::channel(const std::string& remote_endpoint, int qp_idx) {
+  check_open();
+  if (qp_idx < 0 || qp_idx >= cfg_.qps_per_peer)
+    throw Error(ErrorKind::OutOfBounds, "qp_idx " + std::to_string(qp_idx) +
+                                            " is outside [0, " +
+                                            std::to_string(cfg_.qps_per_peer) + ")");
+  auto p = connect(remote_endpoint);
+  std::lock_guard<std::mutex> lk(p->m);
+  auto it = p->channels.find(qp_idx);
+  if (it != p->channels.end()) return it->second;
+  auto ch = std::make_shared<Channel>();
+  ch->dev_ = weak_from_this();
+  ch->peer_ = p;
+  ch->qp_ = qp_idx;
+  // Figure 4 of Xue et al.: a peer's queue pairs are spread round-robin over the CQs.
+  ch->thread_ = threads_[size_t(qp_idx) % threads_.size()].get();
+  ch->remote_thread_ = qp_idx % p->num_workers;
+  p->channels[qp_idx] = ch;
+  return ch;
+}
+
+std::string Channel::remote_endpoint() const { return peer_->endpoint; }
+
+std::string Channel::error() const {
+  std::lock_guard<std::mutex> lk(m_);
+  return error_;
+}
+
+void Channel::fail(const std::string& why) {
+  std::lock_guard<std::mutex> lk(m_);
+  if (!failed_.load()) {
+    error_ = why;
+    failed_.store(true);
+  }
+}
+
+std::shared_ptr<Device> Channel::open_device() const {
+  auto dev = dev_.lock();
+  if (!dev) throw Error(ErrorKind::Closed, "device is closed");
+  dev->check_open();
+  return dev;
+}
+
+Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off,
+                       const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
+                       Direction dir, Callback cb) {
+  auto dev = open_device();
+  if (!local) throw Error(ErrorKind::Invalid, "local region is None");
+  if (!remote) throw Error(ErrorKind::Invalid, "remote region is None");
+  if (local->dev_.lock() != dev)
+    throw Error(ErrorKind::Invalid, "local region " + std::to_string(local->id()) +
+                                        " belongs to another device");
+  if (local->freed())
+    throw Error(ErrorKind::Region, "local region " + std::to_string(local->id()) + " was freed");
+  if (local_off > local->length() || n > local->length() - local_off)
+    throw Error(ErrorKind::OutOfBounds,
+                "local range [" + std::to_string(local_off) + ", " +
+                    std::to_string(local_off + n) + ") is outside the local region of " +
+                    std::to_string(local->length()) + " bytes");
+  dev->verify_remote(*remote);
+  if (remote->owner_uuid != peer_->uuid)
+    throw Error(ErrorKind::Invalid, "remote region is owned by the device at " +
+                                        remote->owner_endpoint +
+                                        ", but this channel connects to " + peer_->endpoint);
+  if (remote_off > remote->length || n > remote->length - remote_off)
+    throw Error(ErrorKind::OutOfBounds,
+                "remote range [" + std::to_string(remote_off) + ", " +
+                    std::to_string(remote_off + n) + ") is outside the remote region of " +
+                    std::to_string(remote->length) + " bytes");
+  if (dev->revoked(remote->owner_uuid, remote->region_id))
+    throw Error(ErrorKind::Region, "remote region " + std::to_string(remote->region_id) +
+                                       " was freed by its owner at " + remote->owner_endpoint);
+  if (failed_.load()) throw Error(ErrorKind::Peer, error());
+  dev->ensure_validated(peer_, *remote);
+
+  auto fut = std::make_shared<FutureState>();
+  fut->on_complete = std::move(cb);
+  if (n == 0) {
+    fut->complete_ok();
+    return fut;
+  }
+  Op* op = new Op;
+  op->fut = fut;
+  op->local = local;
+  op->remote = remote;
+  op->ch = shared_from_this();
+  local->inflight_.fetch_add(1);
+  ProgressThread* t = thread_;
+  Path path{local_off, remote_off, n, dir == Direction::Write};
+  auto task = [op, t, path]() {
+    t->track(op);
+    if (!path.same_host(t, op)) path.ucx(t, op);
+  };
+  if (!t->post(std::move(task))) {
+    local->inflight_.fetch_sub(1);
+    delete op;
+    throw Error(ErrorKind::Closed, "device is closed");
+  }
+  return fut;
+}
+
+void Channel::fence() {
+  open_device();
+  ProgressThread* t = thread_;
+  if (!t->post([t] { ucp_worker_fence(t->handle()); }))
+    throw Error(ErrorKind::Closed, "device is closed");
+}
+
+Future Channel::flush(Callback cb) {
+  open_device();
+  if (failed_.load()) throw Error(ErrorKind::Peer, error());
+  auto fut = std::make_shared<FutureState>();
+  fut->on_complete = std::move(cb);
+  Op* op = new Op;
+  op->fut = fut;
+  op->ch = shared_from_this();
+  ProgressThread* t = thread_;
+  if (!t->post([op, t] {
+        Channel* ch = op->ch.get();
+        t->track(op);
+        op->pending = 1;
+        if (!ch->ensure_ep()) {
+          t->op_note(op, UCS_ERR_CONNECTION_RESET);
+          return;
+        }
+        ch->unflushed_.push_back(op);
+        t->mark_dirty(ch);
+      })) {
+    delete op;
+    throw Error(ErrorKind::Closed, "device is closed");
+  }
+  return fut;
+}
+
+void Channel::on_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
+  Channel* ch = static_cast<Channel*>(arg);
+  if (auto d = ch->dev_.lock()) d->on_data_ep_error(ch, st);
+}
+
+bool Channel::ensure_ep() {
+  if (ep_) return true;
+  if (failed_.load()) return false;
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(peer_->worker_addrs[remote_thread_].data());
+  // UCX's peer-failure mode costs TCP puts much of their bandwidth (docs/benchmarks.md), so
+  // data endpoints run without it by default: a dead peer still fails their requests with a
+  // connection error, and the control link (which has it) marks the channels failed.
+  auto dev = dev_.lock();
+  ep.err_mode = dev && dev->config().data_error_handling ? UCP_ERR_HANDLING_MODE_PEER
+                                                          : UCP_ERR_HANDLING_MODE_NONE;
+  ep.err_handler.cb = on_ep_error;
+  ep.err_handler.arg = this;
+  ucs_status_t st = ucp_ep_create(thread_->handle(), &ep, &ep_);
+  if (st != UCS_OK) {
+    ep_ = nullptr;
+    fail("cannot create a UCX endpoint to " + peer_->endpoint + ": " + ucs_error(st));
+    return false;
+  }
+  thread_->add_channel(shared_from_this());
+  return true;
+}
+
+ucp_rkey_h Channel::rkey_for(const RemoteRegion& r) {
+  auto it = rkeys_.find(r.region_id);
+  if (it != rkeys_.end()) return it->second;
+  ucp_rkey_h rk = nullptr;
+  ucs_status_t st = ucp_ep_rkey_unpack(ep_, r.rkey.data(), &rk);
+  if (st != UCS_OK) return nullptr;
+  rkeys_[r.region_id] = rk;
+  return rk;
+}
+
+Mapping* Channel::mapping_for(const RemoteRegion& r) {
+  auto it = mappings_.find(r.region_id);
+  if (it != mappings_.end()) return it->second.get();
+  auto dev = dev_.lock();
+  auto m = dev ? dev->map_remote(r) : nullptr;
+  mappings_[r.region_id] = m;
+  return m.get();
+}
+
+void Channel::drop_rkey(uint64_t region_id) {
+  mappings_.erase(region_id);
+  auto it = rkeys_.find(region_id);
+  if (it == rkeys_.end()) return;
+  ucp_rkey_destroy(it->second);
+  rkeys_.erase(it);
+}
+
+std::vector<ucs_status_ptr_t> Channel::close_ep(bool force) {
+  std::vector<ucs_status_ptr_t> reqs;
+  for (auto& kv : rkeys_) ucp_rkey_destroy(kv.second);
+  rkeys_.clear();
+  mappings_.clear();
+  if (!ep_) return reqs;
+  close_endpoint(ep_, force, &reqs);
+  ep_ = nullptr;
+  return reqs;
+}
+
+}  // namespace rdmaflow

@@ -1,0 +1,211 @@
+// Device setup and teardown: validating the configuration, the UCX context, the progress
+// threads and the listener; close(); and how a failed operation's status becomes an error.
+#include <cstdio>
+#include <cstdlib>
+
+#include "internal.hpp"
+#include "wire.hpp"
+
+namespace rdmaflow {
+
+Device::Device() = default;
+
+std::shared_ptr<Device> Device::create(const DeviceConfig& cfg) {
+  std::shared_ptr<Device> d(new Device());
+  d->init(cfg);
+  return d;
+}
+
+void Device::init(const DeviceConfig& cfg) {
+  cfg_ = cfg;
+  if (cfg.secret.empty())
+    throw Error(ErrorKind::Invalid,
+                "a job secret is required: pass secret=... or set RDMAFLOW_JOB_SECRET; devices "
+                "only hand remote keys to peers that prove they know it");
+  if (cfg.num_cqs < 1 || cfg.num_cqs > 64)
+    throw Error(ErrorKind::Invalid, "num_cqs must be between 1 and 64, got " +
+                                        std::to_string(cfg.num_cqs));
+  if (cfg.qps_per_peer < 1 || cfg.qps_per_peer > 256)
+    throw Error(ErrorKind::Invalid, "qps_per_peer must be between 1 and 256, got " +
+                                        std::to_string(cfg.qps_per_peer));
+  socklen_t slen = 0;
+  sockaddr_storage ss = resolve(cfg.endpoint, &slen, true);
+  random_bytes(&uuid_, sizeof uuid_);
+  {
+    auto d = hmac_sha256(cfg.secret, "rdmaflow-job-tag", 16);
+    std::memcpy(&job_tag_, d.data(), 8);
+  }
+  if (cfg.same_host != SameHost::Off && cfg.same_host != SameHost::On &&
+      cfg.same_host != SameHost::Auto)
+    throw Error(ErrorKind::Invalid, "same_host must be SameHost.OFF, ON or AUTO, got " +
+                                        std::to_string(int(cfg.same_host)));
+  boot_id_ = read_boot_id();
+  map_enabled_ = !boot_id_.empty() &&
+                 (cfg.same_host == SameHost::On ||
+                  (cfg.same_host == SameHost::Auto && tls_allow_shared_memory()));
+  if (cfg.copy_threads < 1 || cfg.copy_threads > 64)
+    throw Error(ErrorKind::Invalid, "copy_threads must be between 1 and 64, got " +
+                                        std::to_string(cfg.copy_threads));
+  if (map_enabled_) copier_ = std::make_unique<CopyPool>(cfg.copy_threads - 1);
+
+  ucp_config_t* ucfg = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucfg);
+  if (st != UCS_OK) throw Error(ErrorKind::Generic, "ucp_config_read failed: " + ucs_error(st));
+  ucp_params_t p{};
+  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                 UCP_PARAM_FIELD_NAME;
+  p.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  p.mt_workers_shared = 1;
+  p.name = "rdmaflow";
+  st = ucp_init(&p, ucfg, &ctx_);
+  ucp_config_release(ucfg);
+  if (st != UCS_OK) throw Error(ErrorKind::Generic, "ucp_init failed: " + ucs_error(st));
+
+  try {
+    for (int i = 0; i < cfg.num_cqs; ++i)
+      threads_.emplace_back(std::make_unique<ProgressThread>(this, i, ctx_));
+    start_listening(ss, slen);
+  } catch (...) {
+    if (listener_) ucp_listener_destroy(listener_);
+    listener_ = nullptr;
+    threads_.clear();
+    ucp_cleanup(ctx_);
+    ctx_ = nullptr;
+    throw;
+  }
+  for (auto& t : threads_) t->start();
+}
+
+// Control messages and connection requests arrive on progress thread 0's worker.
+void Device::start_listening(const sockaddr_storage& ss, socklen_t slen) {
+  ucp_am_handler_param_t ap{};
+  ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  ap.id = kAmId;
+  ap.cb = am_cb;
+  ap.arg = this;
+  ap.flags = UCP_AM_FLAG_WHOLE_MSG;
+  ucs_status_t st = ucp_worker_set_am_recv_handler(threads_[0]->handle(), &ap);
+  if (st != UCS_OK)
+    throw Error(ErrorKind::Generic, "ucp_worker_set_am_recv_handler failed: " + ucs_error(st));
+
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
+  lp.sockaddr.addrlen = slen;
+  lp.conn_handler.cb = conn_cb;
+  lp.conn_handler.arg = this;
+  st = ucp_listener_create(threads_[0]->handle(), &lp, &listener_);
+  if (st != UCS_OK)
+    throw Error(ErrorKind::Invalid, "cannot listen on " + cfg_.endpoint + ": " + ucs_error(st));
+  ucp_listener_attr_t la{};
+  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  st = ucp_listener_query(listener_, &la);
+  if (st != UCS_OK)
+    throw Error(ErrorKind::Generic, "ucp_listener_query failed: " + ucs_error(st));
+  endpoint_ = listening_endpoint(cfg_.endpoint, la.sockaddr);
+}
+
+Device::~Device() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+void Device::check_open() const {
+  if (closing_.load()) throw Error(ErrorKind::Closed, "device " + endpoint_ + " is closed");
+}
+
+void Device::close() {
+  if (closing_.exchange(true)) return;
+  for (auto& t : threads_) t->stop();
+  fail_all_rpcs("device " + endpoint_ + " was closed");
+  std::vector<std::shared_ptr<Peer>> peers;
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    for (auto& kv : peers_) peers.push_back(kv.second);
+    peers_.clear();
+  }
+  for (auto& p : peers) {
+    std::lock_guard<std::mutex> lk(p->m);
+    if (p->state == Peer::Connecting) {
+      p->state = Peer::Failed;
+      p->error = "device " + endpoint_ + " was closed";
+    }
+    p->channels.clear();  // breaks the Peer <-> Channel cycle
+    p->cv.notify_all();
+  }
+  // Progress threads go first: destroying their workers may purge requests that still use the
+  // regions.
+  threads_.clear();
+  {
+    std::lock_guard<std::mutex> lk(maps_m_);
+    maps_.clear();
+  }
+  copier_.reset();
+  std::vector<std::shared_ptr<MemRegion>> regions;
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    for (auto& kv : regions_)
+      if (auto r = kv.second.lock()) regions.push_back(r);
+    regions_.clear();
+  }
+  for (auto& r : regions) {
+    std::lock_guard<std::mutex> lk(r->m_);
+    r->freed_.store(true);
+    r->holders_.clear();
+    if (r->memh_) ucp_mem_unmap(ctx_, r->memh_);
+    r->memh_ = nullptr;
+  }
+  for (auto& kv : links_) delete kv.second;
+  links_.clear();
+  for (Link* l : dead_links_) delete l;
+  dead_links_.clear();
+  if (ctx_) ucp_cleanup(ctx_);
+  ctx_ = nullptr;
+}
+
+std::string Device::op_error_message(Op* op, ucs_status_t st, ErrorKind* kind) {
+  if (closing_.load()) {
+    *kind = ErrorKind::Closed;
+    return "device " + endpoint_ + " was closed with the transfer in flight";
+  }
+  if (op->ch && op->ch->failed()) {
+    *kind = ErrorKind::Peer;
+    return op->ch->error();
+  }
+  switch (st) {
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_TIMED_OUT:
+      if (op->ch) {
+        op->ch->fail("peer " + op->ch->remote_endpoint() + " is unreachable: " + ucs_error(st));
+        *kind = ErrorKind::Peer;
+        return op->ch->error();
+      }
+      break;
+    default:
+      break;
+  }
+  *kind = ErrorKind::Generic;
+  return "transfer failed in UCX: " + ucs_error(st);
+}
+
+std::string Device::ucx_info() const {
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* f = open_memstream(&buf, &len);
+  if (!f) return "";
+  if (ctx_) ucp_context_print_info(ctx_, f);
+  for (auto& t : threads_) ucp_worker_print_info(t->handle(), f);
+  fclose(f);
+  std::string s(buf, len);
+  ::free(buf);
+  return s;
+}
+
+}  // namespace rdmaflow

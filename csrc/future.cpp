@@ -1,0 +1,38 @@
+// FutureState: the completion of one memcpy or flush, shared by the issuer and the progress
+// thread that completes it.
+#include "rdmaflow.hpp"
+
+namespace rdmaflow {
+
+bool FutureState::wait(double timeout_s) {
+  if (done()) return true;
+  std::unique_lock<std::mutex> lk(m_);
+  if (timeout_s < 0) {
+    cv_.wait(lk, [&] { return done(); });
+    return true;
+  }
+  return cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done(); });
+}
+
+void FutureState::finish(int s) {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    state_.store(s, std::memory_order_release);
+  }
+  cv_.notify_all();
+  if (on_complete) {
+    auto cb = std::move(on_complete);
+    on_complete = nullptr;
+    cb(shared_from_this());
+  }
+}
+
+void FutureState::complete_ok() { finish(1); }
+
+void FutureState::complete_error(ErrorKind k, const std::string& msg) {
+  kind_ = k;
+  msg_ = msg;
+  finish(2);
+}
+
+}  // namespace rdmaflow

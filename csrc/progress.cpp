@@ -1,0 +1,211 @@
+// ProgressThread: one completion queue, i.e. a ucp_worker and the thread that progresses it.
+// Other threads hand it closures (post); it runs them in order, progresses UCX, flushes the
+// endpoints that took WRITEs, and sleeps on the worker's wakeup fd when idle (unless
+// busy_poll). An Op's future completes here, on this thread, exactly once.
+#include <poll.h>
+
+#include "internal.hpp"
+
+namespace rdmaflow {
+
+ProgressThread::ProgressThread(Device* dev, int idx, ucp_context_h ctx) : dev_(dev), idx_(idx) {
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  ucs_status_t st = ucp_worker_create(ctx, &wp, &w_);
+  if (st != UCS_OK)
+    throw Error(ErrorKind::Generic, "ucp_worker_create failed: " + ucs_error(st));
+  st = ucp_worker_get_efd(w_, &efd_);
+  if (st != UCS_OK) {
+    ucp_worker_destroy(w_);
+    throw Error(ErrorKind::Generic, "ucp_worker_get_efd failed: " + ucs_error(st));
+  }
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+  st = ucp_worker_query(w_, &attr);
+  if (st != UCS_OK) {
+    ucp_worker_destroy(w_);
+    throw Error(ErrorKind::Generic, "ucp_worker_query failed: " + ucs_error(st));
+  }
+  addr_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+  ucp_worker_release_address(w_, attr.address);
+}
+
+ProgressThread::~ProgressThread() {
+  if (thr_.joinable()) stop();
+  if (w_) ucp_worker_destroy(w_);
+}
+
+void ProgressThread::start() {
+  thr_ = std::thread([this] { loop(); });
+}
+
+bool ProgressThread::post(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lk(qm_);
+    if (!accepting_) return false;
+    q_.push_back(std::move(fn));
+    qsize_.fetch_add(1, std::memory_order_seq_cst);
+  }
+  if (sleeping_.load(std::memory_order_seq_cst)) ucp_worker_signal(w_);
+  return true;
+}
+
+bool ProgressThread::run_commands() {
+  if (qsize_.load(std::memory_order_seq_cst) == 0) return false;
+  std::vector<std::function<void()>> batch;
+  {
+    std::lock_guard<std::mutex> lk(qm_);
+    batch.swap(q_);
+    qsize_.store(0, std::memory_order_seq_cst);
+  }
+  for (auto& fn : batch) fn();
+  return !batch.empty();
+}
+
+void ProgressThread::mark_dirty(Channel* ch) {
+  if (!ch->dirty_) {
+    ch->dirty_ = true;
+    dirty_.push_back(ch);
+  }
+}
+
+namespace {
+struct FlushBatch {
+  ProgressThread* thread;
+  std::vector<Op*> ops;
+};
+void flush_cb(void* req, ucs_status_t st, void* user) {
+  auto* b = static_cast<FlushBatch*>(user);
+  for (Op* op : b->ops) b->thread->op_note(op, st);
+  delete b;
+  ucp_request_free(req);
+}
+}  // namespace
+
+void ProgressThread::flush_dirty() {
+  // One flush per endpoint covers every WRITE posted on it since the last one.
+  while (!dirty_.empty()) {
+    std::vector<Channel*> chans;
+    chans.swap(dirty_);
+    for (Channel* ch : chans) {
+      ch->dirty_ = false;
+      auto* b = new FlushBatch{this, {}};
+      b->ops.swap(ch->unflushed_);
+      if (!ch->ep_) {
+        for (Op* op : b->ops) op_note(op, UCS_ERR_CONNECTION_RESET);
+        delete b;
+        continue;
+      }
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      p.cb.send = flush_cb;
+      p.user_data = b;
+      ucs_status_ptr_t sp = ucp_ep_flush_nbx(ch->ep_, &p);
+      if (sp == nullptr || UCS_PTR_IS_ERR(sp)) {
+        ucs_status_t st = sp ? UCS_PTR_STATUS(sp) : UCS_OK;
+        for (Op* op : b->ops) op_note(op, st);
+        delete b;
+      }
+    }
+  }
+}
+
+void ProgressThread::op_note(Op* op, ucs_status_t st) {
+  if (st != UCS_OK && op->status == UCS_OK) op->status = st;
+  if (--op->pending > 0) return;
+  if (!op->finished) op_done(op);
+  delete op;
+}
+
+void ProgressThread::op_done(Op* op) {
+  // Completes the future; the Op itself lives on until UCX has no more callbacks for it.
+  op->finished = true;
+  inflight_.erase(op);
+  if (op->rma && op->ch) --op->ch->rma_pending_;
+  if (op->local) op->local->inflight_.fetch_sub(1);
+  if (op->status == UCS_OK) {
+    op->fut->complete_ok();
+  } else {
+    ErrorKind k;
+    std::string msg = dev_->op_error_message(op, op->status, &k);
+    op->fut->complete_error(k, msg);
+  }
+}
+
+void ProgressThread::loop() {
+  const auto& cfg = dev_->config();
+  auto idle_since = Clock::now();
+  for (;;) {
+    bool did = run_commands();
+    flush_dirty();
+    unsigned n = 0;
+    while (ucp_worker_progress(w_) != 0) ++n;
+    flush_dirty();
+    if (did || n) {
+      idle_since = Clock::now();
+      continue;
+    }
+    if (stop_.load() && qsize_.load() == 0) break;
+    if (cfg.busy_poll) continue;
+    if (seconds_since(idle_since) * 1e6 < cfg.spin_us) continue;
+    // Sleep on the wakeup fd until UCX has an event or another thread posts work.
+    ucs_status_t st = ucp_worker_arm(w_);
+    if (st == UCS_ERR_BUSY) continue;
+    sleeping_.store(true, std::memory_order_seq_cst);
+    if (qsize_.load(std::memory_order_seq_cst) == 0 && !stop_.load()) {
+      pollfd pfd{efd_, POLLIN, 0};
+      poll(&pfd, 1, 100);
+    }
+    sleeping_.store(false, std::memory_order_seq_cst);
+    idle_since = Clock::now();
+  }
+}
+
+void ProgressThread::stop() {
+  if (!thr_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lk(qm_);
+    if (accepting_) {
+      q_.push_back([this] { close_all(); });  // the last command
+      qsize_.fetch_add(1);
+      accepting_ = false;
+    }
+  }
+  stop_.store(true);
+  ucp_worker_signal(w_);
+  thr_.join();
+  // Whatever UCX did not complete fails here, after the thread is gone. The Ops stay allocated:
+  // ucp_worker_destroy may still call back for requests it purges.
+  std::vector<Op*> left(inflight_.begin(), inflight_.end());
+  for (Op* op : left) {
+    if (op->status == UCS_OK) op->status = UCS_ERR_CANCELED;
+    op_done(op);
+  }
+  for (auto& ch : channels_) ch->unflushed_.clear();
+  channels_.clear();
+}
+
+// Closes every endpoint (thread 0: also the control links and the listener) so UCX cancels
+// what is outstanding, and gives the cancellations a bounded time to arrive.
+void ProgressThread::close_all() {
+  std::vector<ucs_status_ptr_t> reqs;
+  for (auto& ch : channels_) {
+    auto r = ch->close_ep(true);
+    reqs.insert(reqs.end(), r.begin(), r.end());
+  }
+  if (idx_ == 0) {
+    auto r = dev_->close_links();
+    reqs.insert(reqs.end(), r.begin(), r.end());
+  }
+  auto t0 = Clock::now();
+  for (auto sp : reqs) {
+    while (ucp_request_check_status(sp) == UCS_INPROGRESS && seconds_since(t0) < 2.0)
+      ucp_worker_progress(w_);
+    ucp_request_free(sp);
+  }
+  flush_dirty();
+  for (int i = 0; i < 100; ++i) ucp_worker_progress(w_);
+}
+
+}  // namespace rdmaflow
