@@ -286,6 +286,7 @@ class Device : public std::enable_shared_from_this<Device> {
   static ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
   static void conn_cb(ucp_conn_request_h req, void* arg);
+  static void link_err_cb(void* arg, ucp_ep_h, ucs_status_t st);
 
   // rpc.cpp: the side RPC's requests (LOOKUP, VALIDATE, REVOKE) and their answers.
   struct Request;

@@ -12,11 +12,12 @@
 
 namespace rdmaflow {
 
-namespace {
-void link_err_cb(void* arg, ucp_ep_h, ucs_status_t st) {
+void Device::link_err_cb(void* arg, ucp_ep_h, ucs_status_t st) {
   Link* l = static_cast<Link*>(arg);
   l->dev->on_link_error(l, st);
 }
+
+namespace {
 void ctrl_sent_cb(void* req, ucs_status_t, void* user) {
   delete static_cast<std::pair<CtrlHeader, std::string>*>(user);
   ucp_request_free(req);

@@ -8,7 +8,6 @@ the thread that runs completion callbacks. ``MemRegion``, ``RemoteRegion``, ``Ch
 """
 from __future__ import annotations
 
-import enum
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -17,8 +16,7 @@ import torch
 from typing_extensions import Self
 
 from rdmaflow import _core
-from rdmaflow._core import Channel, Future, MemRegion, RemoteRegion
-from rdmaflow._views import region_tensor
+from rdmaflow._core import Channel, Future, MemRegion, RemoteRegion, SameHost
 from rdmaflow.arena import Arena, arena_of, create_arena
 from rdmaflow.deadline import Deadline
 from rdmaflow.errors import InvalidArgumentError
@@ -26,21 +24,6 @@ from rdmaflow.errors import InvalidArgumentError
 SECRET_ENV = "RDMAFLOW_JOB_SECRET"
 SAME_HOST_ENV = "RDMAFLOW_SAME_HOST"
 COPY_THREADS_ENV = "RDMAFLOW_COPY_THREADS"
-
-# TODO(integrator): remove once core lands (it binds MemRegion.tensor, SameHost and keyword
-# arguments of _core.Device itself).
-if not hasattr(_core.MemRegion, "tensor"):
-    _core.MemRegion.tensor = region_tensor
-if hasattr(_core, "SameHost"):
-    SameHost = _core.SameHost
-    _CORE_TAKES_KEYWORDS = True
-else:
-    class SameHost(enum.IntEnum):
-        OFF = 0
-        ON = 1
-        AUTO = 2
-
-    _CORE_TAKES_KEYWORDS = False
 
 _callback_thread: threading.Thread | None = None
 _callback_lock = threading.Lock()
@@ -130,16 +113,11 @@ class Device(_core.Device):
         same_host: bool | SameHost | None = None,
         copy_threads: int | None = None,
     ):
-        options = {"num_cqs": int(num_cqs), "qps_per_peer": int(qps_per_peer), "secret": _job_secret(secret),
-                   "busy_poll": bool(busy_poll), "spin_us": int(spin_us), "connect_timeout": float(connect_timeout),
-                   "rpc_timeout": float(rpc_timeout), "data_error_handling": bool(data_error_handling),
-                   "same_host": _same_host(same_host), "copy_threads": _copy_threads(copy_threads)}
+        super().__init__(endpoint, num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
+                         busy_poll=bool(busy_poll), spin_us=int(spin_us), connect_timeout=float(connect_timeout),
+                         rpc_timeout=float(rpc_timeout), data_error_handling=bool(data_error_handling),
+                         same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads))
         _start_callback_thread()
-        if _CORE_TAKES_KEYWORDS:
-            super().__init__(endpoint, **options)
-        else:  # TODO(integrator): remove once core lands (the positional constructor of before)
-            options["same_host"] = int(options["same_host"])
-            super().__init__(endpoint, *options.values())
 
     def __enter__(self) -> Self:
         return self
