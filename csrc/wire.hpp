@@ -117,4 +117,15 @@ inline std::string handshake_mac(const std::string& key, const char* label, cons
   return std::string(reinterpret_cast<const char*>(d.data()), 32);
 }
 
+// Reads the other side's handshake MAC (the rest of the message) and checks it in constant time.
+inline bool check_handshake_mac(Reader& rd, const std::string& key, const char* label,
+                                const uint8_t* nc, const uint8_t* ns) {
+  char mac[32];
+  rd.raw(mac, 32);
+  rd.end();
+  std::string want = handshake_mac(key, label, nc, ns);
+  return equal_ct(reinterpret_cast<const uint8_t*>(want.data()),
+                  reinterpret_cast<const uint8_t*>(mac), 32);
+}
+
 }  // namespace rdmaflow

@@ -231,12 +231,7 @@ void Device::handle_as_server(Link* l, uint32_t type, uint64_t req, const std::s
       return;
     }
     case AUTH: {
-      char mac[32];
-      rd.raw(mac, 32);
-      rd.end();
-      std::string want = handshake_mac(cfg_.secret, "rdmaflow-client", l->nc, l->ns);
-      if (!equal_ct(reinterpret_cast<const uint8_t*>(want.data()),
-                    reinterpret_cast<const uint8_t*>(mac), 32)) {
+      if (!check_handshake_mac(rd, cfg_.secret, "rdmaflow-client", l->nc, l->ns)) {
         send_ctrl(l, REJECT, req,
                   "job secret mismatch: device " + endpoint_ + " does not belong to your job");
         return;
@@ -282,12 +277,7 @@ void Device::handle_as_client(Link* l, uint32_t type, uint64_t req, const std::s
     case CHALLENGE: {
       rd.raw(l->ns, 16);
       l->remote_uuid = rd.num<uint64_t>();
-      char mac[32];
-      rd.raw(mac, 32);
-      rd.end();
-      std::string want = handshake_mac(cfg_.secret, "rdmaflow-server", l->nc, l->ns);
-      if (!equal_ct(reinterpret_cast<const uint8_t*>(want.data()),
-                    reinterpret_cast<const uint8_t*>(mac), 32)) {
+      if (!check_handshake_mac(rd, cfg_.secret, "rdmaflow-server", l->nc, l->ns)) {
         std::lock_guard<std::mutex> lk(peer->m);
         peer->state = Peer::Failed;
         peer->error = "job secret mismatch: the device at " + peer->endpoint +
