@@ -130,6 +130,12 @@ class PipelineStage:
     def __repr__(self) -> str:
         return f"<PipelineStage {self.stage_index} of {self.num_stages}>"
 
+    def __enter__(self) -> "PipelineStage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- setup ----------------------------------------------------------------------------------
     def setup(self, n_microbatches: int, training: bool, schedule: str) -> Plan:
         """Plans, agrees with the other ranks, and connects every edge (once)."""
@@ -368,6 +374,13 @@ class PipelineStage:
         return self.plan.explain(self.send_stats)
 
     def close(self) -> None:
+        """Waits until every stage is done (bounded; a failed job does not wait), then closes
+        the pairs and the device: a stage may still acknowledge its peers' last transfers."""
+        if self.plan is not None and self.device is not None and not self.rdv.aborted():
+            try:
+                self.rdv.barrier("closing")
+            except rdmaflow.RdmaflowError:
+                pass
         for x in list(self.senders.values()) + list(self.receivers.values()):
             try:
                 x.close()
