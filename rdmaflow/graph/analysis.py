@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from rdmaflow.graph.capture import CaptureError, Ref, StageGraph
 from rdmaflow.graph.placement import aliases_input, op_name, out_variant
 from rdmaflow.graph.report import explain_table
-from rdmaflow.transfer.common import CTL_BYTES, FLAG_STRIDE, align
+from rdmaflow.transfer import CTL_BYTES, FLAG_STRIDE
 
 STATIC, BOUNDED, DYNAMIC = "static", "bounded", "dynamic"
 ACTIVATION, GRADIENT, TOKEN = "activation", "gradient", "token"
@@ -73,6 +73,10 @@ class Edge:
     @property
     def name(self) -> str:
         return f"{'f' if self.direction == 'forward' else 'b'}{self.id}"
+
+
+def align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

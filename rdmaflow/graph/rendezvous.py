@@ -6,8 +6,6 @@ The job's c10d store carries only small JSON documents (each rank's plan, its de
 endpoint) and the abort key; transfer addresses go through the devices' authenticated side
 RPC when the pairs connect.
 
-The store helper lives in rdmaflow.ps.context today; it is shared with the parameter server
-(both layers sit on the same level, so it belongs below them both).
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import json
 import os
 
 import rdmaflow
-from rdmaflow.ps.context import Role, Store, job_secret, local_address
+from rdmaflow.graph.store import JobStore, env_int, route_address, shared_secret
 
 PREFIX = "graph/"
 _setups = itertools.count()  # every rank builds its pipelines in the same order
@@ -27,14 +25,7 @@ class PlanMismatchError(rdmaflow.InvalidArgumentError):
 
 
 def env_rank() -> tuple[int, int]:
-    def read(name: str, default: int) -> int:
-        v = os.environ.get(name, "")
-        try:
-            return int(v) if v else default
-        except ValueError:
-            raise rdmaflow.InvalidArgumentError(f"${name}={v!r} is not an integer") from None
-
-    return read("RANK", 0), read("WORLD_SIZE", 1)
+    return env_int("RANK", 0), env_int("WORLD_SIZE", 1)
 
 
 def first_difference(a, b, path: str = "plan") -> tuple[str, object, object] | None:
@@ -61,10 +52,10 @@ class Rendezvous:
 
     def __init__(self, rank: int, world_size: int, timeout: float):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.store = Store(Role("worker", rank, 0, 0, rank, world_size), timeout)
+        self.store = JobStore(rank, world_size, timeout)
         self.prefix = f"{PREFIX}{next(_setups)}/"
-        self.host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        self.secret = job_secret()
+        self.host = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        self.secret = shared_secret(world_size)
 
     def agree(self, plan_json: dict) -> None:
         """Publishes this rank's plan and checks it against every other rank's; raises

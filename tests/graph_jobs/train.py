@@ -9,10 +9,12 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
     trace       record the executor's events
     out         directory for the results: rank{r}.pt (parameters by name, losses, outputs,
                 the send statistics, explain(), the trace)
-    split_differs  {rank: n}: that rank splits the model as if it had n stages' split points
+    split_differs  {rank: "alt"}: that rank cuts the model at other points (same number of stages)
     bad_input      a rank 0 whose batch in step 1 has another shape (dtype with "dtype")
-    die            {"rank": r, "step": t}: rank r SIGKILLs itself during step t
-    gate           stage 0 holds microbatch 1 back until stage 1 has computed microbatch 0
+    die            {"rank": r, "step": t}: rank r SIGKILLs itself in the forward of microbatch 1
+                   of step t (mid-step: its peers have transfers in flight)
+    slow_forward   seconds stage 0 sleeps before each forward after the first (stage 1 computes
+                   microbatch 0 while the receive of microbatch 1 is pending)
     slow_start     seconds stage 0 sleeps before its first step (others wait on receives)
 
 Every rank prints ``rank {r} step {t}`` after each step.
@@ -58,7 +60,7 @@ class CNN(torch.nn.Module):
 
 # split_spec of each model for 2 and 3 stages
 SPLITS = {
-    "mlp": {2: {"layers.2": graph.SplitPoint.BEGINNING},
+    "mlp": {2: {"layers.2": graph.SplitPoint.BEGINNING}, "alt": {"layers.4": graph.SplitPoint.BEGINNING},
             3: {"layers.2": graph.SplitPoint.BEGINNING, "layers.4": graph.SplitPoint.BEGINNING}},
     "cnn": {2: {"conv2": graph.SplitPoint.BEGINNING},
             3: {"conv2": graph.SplitPoint.BEGINNING, "fc": graph.SplitPoint.BEGINNING}},
@@ -86,7 +88,7 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     name, seed, batch, M = cfg["model"], cfg.get("seed", 1), cfg.get("batch", 16), cfg.get("microbatches", 4)
     stages = cfg.get("stages", 2)
-    split = SPLITS[name][int(cfg.get("split_differs", {}).get(str(rank), stages))]
+    split = SPLITS[name][cfg.get("split_differs", {}).get(str(rank), stages)]
     model = make_model(name, seed)
     x0, _ = make_batch(name, seed, 0, batch)
     pipe = graph.pipeline(model, (x0[: batch // M],), split_spec=split)
@@ -95,6 +97,17 @@ def main() -> int:
     inference = cfg.get("inference", False)
     schedule = sched_cls(stage, M, loss_fn=None if inference else loss_fn)
     opt = torch.optim.SGD(stage.submod.parameters(), lr=cfg.get("lr", 0.05))
+    forwards = [0]
+
+    def before_forward(*_):
+        forwards[0] += 1
+        die = cfg.get("die", {})
+        if die.get("rank") == rank and forwards[0] == die["step"] * M + 2:
+            os.kill(os.getpid(), 9)
+        if cfg.get("slow_forward") and stage.is_first and forwards[0] > 1:
+            time.sleep(cfg["slow_forward"])
+
+    stage.submod.register_forward_pre_hook(before_forward)
     if cfg.get("slow_start") and stage.is_first:
         time.sleep(cfg["slow_start"])
     losses, outputs = [], []
@@ -102,8 +115,6 @@ def main() -> int:
         x, y = make_batch(name, seed, t, batch)
         if cfg.get("bad_input") and rank == 0 and t == 1:
             x = x.double() if cfg["bad_input"] == "dtype" else x[:, :-1]
-        if cfg.get("die", {}).get("rank") == rank and cfg["die"]["step"] == t:
-            os.kill(os.getpid(), 9)
         opt.zero_grad()
         out = schedule.step(x, target=y, losses=losses)
         if inference:
