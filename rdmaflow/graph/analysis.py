@@ -23,8 +23,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils._sympy.numbers import int_oo
 
 from rdmaflow.graph.capture import CaptureError, Ref, StageGraph
 from rdmaflow.graph.placement import aliases_input, op_name, out_variant
@@ -100,7 +102,7 @@ def classify(val) -> tuple[str, list, list | None, str]:
             maxima.append(None)
             continue
         upper = d.node.shape_env.bound_sympy(expr).upper
-        if upper.is_finite:
+        if upper not in (int_oo, sympy.oo):  # int_oo calls itself finite
             maxima.append(int(upper))
             why.append(f"dim {i} = {d} <= {int(upper)}")
             if cls == STATIC:
