@@ -10,18 +10,22 @@ same level. A shared one belongs below them both.)
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import secrets
 import socket
 import time
+import weakref
 from datetime import timedelta
 
 import rdmaflow
 
 KEYS = "rdmaflow/graph/"
 ABORT = KEYS + "abort"
+LEFT = KEYS + "left"
 POLL = 0.02  # seconds between looks at keys not yet set
+LINGER = 15.0  # at most this long the serving rank outlives the others at exit
 
 
 def env_int(name: str, default: int) -> int:
@@ -67,13 +71,24 @@ class JobStore:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = env_int("MASTER_PORT", 29500)
         serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        self.address, self.timeout = f"{host}:{port}", timeout
+        self.address, self.timeout, self.world_size, self.serving = f"{host}:{port}", timeout, world_size, serve
         try:
             self.tcp = dist.TCPStore(host, port, world_size, serve, timeout=timedelta(seconds=timeout),
                                      wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - torch raises several types here
             raise rdmaflow.PeerError(f"cannot reach the job's c10d store at {self.address} within "
                                      f"{timeout:.0f} s: {e}") from None
+        atexit.register(_leave_at_exit, weakref.ref(self))
+
+    def leave(self) -> None:
+        """Counts this process out; the serving one then waits (bounded) for the others, so that
+        a rank failing after it can still read why the job was aborted."""
+        with contextlib.suppress(RuntimeError):  # torch's store errors
+            left = self.tcp.add(LEFT, 1)
+            until = time.monotonic() + min(self.timeout, LINGER)
+            while self.serving and left < self.world_size and time.monotonic() < until:
+                time.sleep(POLL)
+                left = self.tcp.add(LEFT, 0)
 
     def _do(self, what: str, fn, *args):
         try:
@@ -114,3 +129,9 @@ class JobStore:
             return self.tcp.get(ABORT).decode() if self.tcp.check([ABORT]) else None
         except Exception:  # noqa: BLE001 - torch's store errors
             return "the job's c10d store is unreachable"
+
+
+def _leave_at_exit(ref: weakref.ref) -> None:
+    store = ref()
+    if store is not None:
+        store.leave()
