@@ -141,7 +141,8 @@ class Placement(TorchDispatchMode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if trace is not None and isinstance(out, torch.Tensor) and not aliases_input(func):
-            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
             ptr = out.untyped_storage().data_ptr() if out.numel() else 0
             if ptr and ptr not in inputs:
                 trace.alloc[ptr] = (index, func, tuple(out.shape), out.dtype, out.is_contiguous())

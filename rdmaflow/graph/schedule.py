@@ -33,7 +33,8 @@ class _Schedule:
 
     def step(self, *args, target=None, losses: list | None = None):
         """One step over a batch. The first stage uses the model's inputs ``args`` (other stages
-        ignore them, so every rank may run the same line), the last stage the target (training); ``losses`` (last stage) gets each microbatch's loss. Gradients
+        ignore them, so every rank may run the same line), the last stage the target (training);
+        ``losses`` (last stage) gets each microbatch's loss. Gradients
         accumulate into ``stage.submod``'s parameters, scaled so that they equal those of the
         whole batch's mean loss; run the stage's optimizer after it. Inference: the last stage
         gets the batch's outputs, the others None."""
