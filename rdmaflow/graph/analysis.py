@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._sympy.numbers import int_oo
 
 from rdmaflow.graph.capture import CaptureError, Ref, StageGraph
-from rdmaflow.graph.placement import aliases_input, op_name, out_variant
+from rdmaflow.graph.placement import aliases_input, decomposes, op_name, out_variant
 from rdmaflow.graph.report import explain_table
 from rdmaflow.transfer import CTL_BYTES, FLAG_STRIDE
 
@@ -190,6 +190,9 @@ def _forward_zero_copy(st: StageGraph | None, ref: Ref, input_refs: dict, zero_c
         return False, f"{node.name} is a stage input from the caller's memory: one copy"
     if node.op != "call_function":
         return False, f"{node.name} is not computed by an op: one copy"
+    if decomposes(node.target):
+        return True, (f"{node.name} ({op_name(node.target)}) is composite: the op it runs as, traced in the first "
+                      f"microbatch, writes into the arena")
     if out_variant(node.target) is None:
         return False, f"{op_name(node.target)} has no out= overload to place its output: one copy"
     return True, f"{node.name}'s allocation site (traced in the first microbatch) writes into the arena"

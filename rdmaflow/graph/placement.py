@@ -31,21 +31,27 @@ from torch.utils._pytree import tree_leaves
 import rdmaflow
 
 
-def out_variant(func) -> tuple[object, str] | None:
-    """The ``out=`` overload of an ATen op that takes the same arguments, and its out
-    argument's name; None if it has none (or several outputs)."""
+def out_variant(func) -> tuple[object, list[str]] | None:
+    """The ``out=`` overload of an ATen op that takes the same arguments, and the names of its
+    out arguments (one per output); None if it has none."""
     packet = getattr(func, "overloadpacket", None)
     schema = getattr(func, "_schema", None)
-    if packet is None or schema is None or len(schema.returns) != 1:
+    if packet is None or schema is None or not schema.returns:
         return None
     want = [(a.name, str(a.type)) for a in schema.arguments]
     for name in packet.overloads():
         cand = getattr(packet, name)
         args = cand._schema.arguments
-        outs = [a for a in args if a.is_out]
-        if len(outs) == 1 and [(a.name, str(a.type)) for a in args if not a.is_out] == want:
-            return cand, outs[0].name
+        outs = [a.name for a in args if a.is_out]
+        if len(outs) == len(schema.returns) and [(a.name, str(a.type)) for a in args if not a.is_out] == want:
+            return cand, outs
     return None
+
+
+def decomposes(func) -> bool:
+    """The op is composite: at run time it dispatches to other ops, whose outputs may be sites."""
+    name = getattr(func, "name", None)
+    return callable(name) and torch._C._dispatch_has_kernel_for_dispatch_key(name(), "CompositeImplicitAutograd")
 
 
 def aliases_input(func) -> bool:
@@ -59,21 +65,31 @@ def op_name(func) -> str:
 
 
 @dataclass
-class Site:
-    """The op of a phase whose output is placed in the arena."""
+class Alloc:
+    """A fresh output recorded in a phase's first call: output ``k`` of op number ``index``."""
 
     index: int
+    k: int
     func: object
+    shapes: list[tuple]      # of every output of the op
+    dtypes: list[torch.dtype]
+    contiguous: bool
+
+
+@dataclass
+class Site:
+    """The op of a phase whose output ``k`` is placed in the arena (its other outputs, if any,
+    in ordinary memory)."""
+
+    alloc: Alloc
     out_op: object
-    out_arg: str
-    shape: tuple
-    dtype: torch.dtype
+    out_args: list[str]
 
 
 @dataclass
 class PhaseTrace:
     recorded: bool = False
-    alloc: dict[int, tuple[int, object, tuple, torch.dtype, bool]] = field(default_factory=dict)
+    alloc: dict[int, Alloc] = field(default_factory=dict)
     sites: dict[int, Site] = field(default_factory=dict)
 
 
@@ -117,13 +133,12 @@ class Placement(TorchDispatchMode):
         hit = trace.alloc.get(tensor.untyped_storage().data_ptr())
         if hit is None:
             return "its storage was not allocated by an op of this stage (a stage input or a model input)"
-        index, func, shape, dtype, contiguous = hit
-        if not contiguous or not tensor.is_contiguous():
-            return f"the sent tensor is a non-contiguous view of the output of {op_name(func)}"
-        out = out_variant(func)
+        if not hit.contiguous or not tensor.is_contiguous():
+            return f"the sent tensor is a non-contiguous view of the output of {op_name(hit.func)}"
+        out = out_variant(hit.func)
         if out is None:
-            return f"{op_name(func)} has no out= overload to place its output"
-        trace.sites[index] = Site(index, func, out[0], out[1], shape, dtype)
+            return f"{op_name(hit.func)} has no out= overload to place its output"
+        trace.sites[hit.index] = Site(hit, out[0], out[1])
         return None
 
     # -- the mode -------------------------------------------------------------------------------
@@ -134,28 +149,40 @@ class Placement(TorchDispatchMode):
         self._count += 1
         if trace is not None and trace.recorded:
             site = trace.sites.get(index)
-            if site is not None and site.func is func:
+            if site is not None and site.alloc.func is func:
                 placed = self._placed(site, args, kwargs)
                 if placed is not None:
                     return placed
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        if trace is not None and isinstance(out, torch.Tensor) and not aliases_input(func):
-            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                      if isinstance(t, torch.Tensor)}
-            ptr = out.untyped_storage().data_ptr() if out.numel() else 0
-            if ptr and ptr not in inputs:
-                trace.alloc[ptr] = (index, func, tuple(out.shape), out.dtype, out.is_contiguous())
+        if trace is not None and not aliases_input(func):
+            self._record(trace, index, func, args, kwargs, out)
         return out
 
+    @staticmethod
+    def _record(trace: PhaseTrace, index: int, func, args, kwargs, out) -> None:
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if not outs or not all(isinstance(t, torch.Tensor) for t in outs):
+            return  # an undefined output (a masked gradient): its out= overload cannot be used
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        shapes, dtypes = [tuple(t.shape) for t in outs], [t.dtype for t in outs]
+        for k, t in enumerate(outs):
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            if ptr and ptr not in inputs:
+                trace.alloc[ptr] = Alloc(index, k, func, shapes, dtypes, t.is_contiguous())
+
     def _placed(self, site: Site, args, kwargs):
+        a = site.alloc
         try:
-            buf = self.arena.empty(site.shape, site.dtype)
+            placed = self.arena.empty(a.shapes[a.k], a.dtypes[a.k])
         except rdmaflow.ArenaFullError:
             self.misses += 1
             return None
-        out = site.out_op(*args, **kwargs, **{site.out_arg: buf})
-        if tuple(out.shape) != site.shape or out.dtype != site.dtype or out.data_ptr() != buf.data_ptr():
+        bufs = [placed if i == a.k else torch.empty(shape, dtype=dtype)
+                for i, (shape, dtype) in enumerate(zip(a.shapes, a.dtypes))]
+        out = site.out_op(*args, **kwargs, **dict(zip(site.out_args, bufs)))
+        sent = out[a.k] if isinstance(out, (tuple, list)) else out
+        if tuple(sent.shape) != a.shapes[a.k] or sent.dtype != a.dtypes[a.k] or sent.data_ptr() != placed.data_ptr():
             self.misses += 1  # the op resized its output: this call's shapes differ from the trace
         else:
             self.placed += 1
