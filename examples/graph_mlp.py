@@ -43,7 +43,15 @@ def loss_fn(output, target):
 
 if args.single:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    step = lambda x, y: (opt.zero_grad(), loss_fn(model(x), y).backward(), opt.step())  # noqa: E731
+    losses: list = []
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+
     last = True
 else:
     # The changed lines: capture and split, build this rank's stage, a schedule, the stage's optimizer.
@@ -61,8 +69,9 @@ for t in range(args.steps):
         t0 = time.perf_counter()
     step(*batch())
 rate = (args.steps - 10) / (time.perf_counter() - t0)
-if last and not args.single:
-    print(f"loss {sum(float(v) for v in losses[-args.microbatches:]) / args.microbatches:.4f}")
+if last:  # the mean of the last step's microbatch losses is the loss of its whole batch
+    final = losses[-1:] if args.single else losses[-args.microbatches:]
+    print(f"loss {sum(float(v) for v in final) / len(final):.4f}")
 print(f"{'single process' if args.single else f'stage {stage.stage_index}'}: {rate:.1f} steps/s", flush=True)
 if not args.single:
     if stage.is_first:  # the plan, with the sends this stage observed
