@@ -61,7 +61,7 @@ else:
     schedule = graph.ScheduleGPipe(stage, args.microbatches, loss_fn=loss_fn)
     opt = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
     losses: list = []
-    step = lambda x, y: (opt.zero_grad(), schedule.step(x, target=y, losses=losses), opt.step())  # noqa: E731
+    step = lambda x, y: (opt.zero_grad(), schedule.step(x, target=y, losses=losses), opt.step())
     last = stage.is_last
 
 for t in range(args.steps):

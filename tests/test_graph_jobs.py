@@ -43,10 +43,10 @@ LIB_ERROR = r"rdmaflow\.(graph\.)?\w*Error: "
 def start(j: Job, stages: int, hosts=None) -> Job:
     port = free_port() if hosts is None else 29810
     for rank in range(stages):
-        extra = dict(GRAPH_TEST_CONFIG=json.dumps(j.cfg), RANK=str(rank), WORLD_SIZE=str(stages),
-                     LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(stages), MASTER_PORT=str(port),
-                     MASTER_ADDR="127.0.0.1" if hosts is None else hosts[0].addr,
-                     RDMAFLOW_GRAPH_TIMEOUT=GRAPH_TIMEOUT)
+        extra = {"GRAPH_TEST_CONFIG": json.dumps(j.cfg), "RANK": str(rank), "WORLD_SIZE": str(stages),
+                     "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(stages), "MASTER_PORT": str(port),
+                     "MASTER_ADDR": "127.0.0.1" if hosts is None else hosts[0].addr,
+                     "RDMAFLOW_GRAPH_TIMEOUT": GRAPH_TIMEOUT}
         if hosts is None:
             j.spawn(f"rank{rank}", [sys.executable, TRAIN], j.env(extra))
         else:
@@ -122,7 +122,7 @@ CASES = [  # model, stages, schedule
 
 @pytest.mark.parametrize("model,stages,schedule", CASES)
 def test_training_equals_single_process(tmp_path, model, stages, schedule):
-    cfg = dict(model=model, stages=stages, schedule=schedule, microbatches=4, batch=16, steps=3)
+    cfg = {"model": model, "stages": stages, "schedule": schedule, "microbatches": 4, "batch": 16, "steps": 3}
     with Job(tmp_path, cfg) as j:
         j.check_ok(start(j, stages).wait())
         res = assert_matches_reference(j, stages)
@@ -132,14 +132,14 @@ def test_training_equals_single_process(tmp_path, model, stages, schedule):
 
 
 def test_inference_returns_the_models_outputs(tmp_path):
-    cfg = dict(model="cnn", stages=3, inference=True, microbatches=2, batch=8, steps=2)
+    cfg = {"model": "cnn", "stages": 3, "inference": True, "microbatches": 2, "batch": 8, "steps": 2}
     with Job(tmp_path, cfg) as j:
         j.check_ok(start(j, 3).wait())
         assert_matches_reference(j, 3)
 
 
 def test_copy_mode_copies_every_send_and_says_why(tmp_path):
-    cfg = dict(model="mlp", stages=2, microbatches=2, batch=8, steps=2, zero_copy=False)
+    cfg = {"model": "mlp", "stages": 2, "microbatches": 2, "batch": 8, "steps": 2, "zero_copy": False}
     with Job(tmp_path, cfg) as j:
         j.check_ok(start(j, 2).wait())
         res = assert_matches_reference(j, 2)
@@ -152,7 +152,7 @@ def test_copy_mode_copies_every_send_and_says_why(tmp_path):
 def test_compute_runs_while_a_receive_is_pending(tmp_path):
     """Stage 0 sleeps before each forward after the first: stage 1 computes microbatch 0 while
     its receive of microbatch 1 is posted and has not landed (polls that missed around it)."""
-    cfg = dict(model="mlp", stages=2, microbatches=3, batch=12, steps=1, trace=True, slow_forward=1.0)
+    cfg = {"model": "mlp", "stages": 2, "microbatches": 3, "batch": 12, "steps": 1, "trace": True, "slow_forward": 1.0}
     with Job(tmp_path, cfg) as j:
         j.check_ok(start(j, 2).wait())
         trace = results(j, 2)[1]["trace"]
@@ -164,7 +164,7 @@ def test_compute_runs_while_a_receive_is_pending(tmp_path):
 
 def test_a_waiting_rank_uses_almost_no_cpu(tmp_path):
     """Stage 0 starts its step 3 s late; stage 1's executor waits on its receives meanwhile."""
-    cfg = dict(model="mlp", stages=2, microbatches=2, batch=8, steps=1, trace=True, slow_start=3.0)
+    cfg = {"model": "mlp", "stages": 2, "microbatches": 2, "batch": 8, "steps": 1, "trace": True, "slow_start": 3.0}
     with Job(tmp_path, cfg) as j:
         j.check_ok(start(j, 2).wait())
         trace = results(j, 2)[1]["trace"]
@@ -186,7 +186,7 @@ def assert_every_rank_fails(j: Job, stages: int, patterns: dict[int, str]) -> No
 
 
 def test_split_points_that_differ_between_ranks(tmp_path):
-    cfg = dict(model="mlp", stages=2, split_differs={"1": "alt"})
+    cfg = {"model": "mlp", "stages": 2, "split_differs": {"1": "alt"}}
     with Job(tmp_path, cfg) as j:
         start(j, 2)
         what = r"PlanMismatchError: rank \d's pipeline plan differs from rank \d's at plan\."
@@ -195,7 +195,7 @@ def test_split_points_that_differ_between_ranks(tmp_path):
 
 @pytest.mark.parametrize("bad", ["shape", "dtype"])
 def test_a_batch_that_differs_from_the_plan(tmp_path, bad):
-    cfg = dict(model="mlp", stages=2, steps=3, bad_input=bad)
+    cfg = {"model": "mlp", "stages": 2, "steps": 3, "bad_input": bad}
     with Job(tmp_path, cfg) as j:
         start(j, 2)
         said = r"float32\[4, 7\]" if bad == "shape" else r"float64\[4, 8\]"
@@ -208,7 +208,7 @@ def test_a_batch_that_differs_from_the_plan(tmp_path, bad):
 def test_a_stage_killed_mid_step(tmp_path):
     """The middle one of three stages SIGKILLs itself in the forward of a microbatch of step 1:
     both neighbours raise (the peer failed, or the job was aborted by the other), none hangs."""
-    cfg = dict(model="mlp", stages=3, steps=3, die={"rank": 1, "step": 1})
+    cfg = {"model": "mlp", "stages": 3, "steps": 3, "die": {"rank": 1, "step": 1}}
     with Job(tmp_path, cfg) as j:
         start(j, 3)
         j.wait_output("rank0", r"rank 0 step 0")
@@ -221,7 +221,7 @@ NETNS = netns_unavailable_reason()
 
 @pytest.mark.skipif(NETNS is not None, reason=f"network namespaces unavailable: {NETNS}")
 def test_two_stages_on_two_hosts(tmp_path):
-    cfg = dict(model="mlp", stages=2, schedule="1f1b", steps=3)
+    cfg = {"model": "mlp", "stages": 2, "schedule": "1f1b", "steps": 3}
     with TwoHosts() as hosts, Job(tmp_path, cfg) as j:
         j.check_ok(start(j, 2, hosts=list(hosts)).wait())
         res = assert_matches_reference(j, 2)

@@ -26,14 +26,14 @@ from rdmaflow.graph.stage import PipelineStage
 
 __all__ = [
     "BOUNDED",
-    "CaptureError",
     "DYNAMIC",
+    "STATIC",
+    "CaptureError",
     "Edge",
     "Pipe",
     "PipelineStage",
     "Plan",
     "PlanMismatchError",
-    "STATIC",
     "Schedule1F1B",
     "ScheduleGPipe",
     "SplitPoint",

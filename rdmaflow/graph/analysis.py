@@ -132,6 +132,7 @@ def _example_numel(val) -> int:
 
 MECHANISM = {STATIC: "static slot", BOUNDED: "max slot + size", DYNAMIC: "dynamic (READ)"}
 TOKEN_MECHANISM = "flag only"
+GRADIENT_SITE = "the op that produces the input's gradient (traced in the first backward) writes into the arena"
 MECHANISM_LEGEND = {
     "static slot": "static placement: WRITE into a slot preallocated per microbatch in flight, fence, flag",
     "max slot + size": "static placement at the maximum, the actual size written beside the flag "
@@ -277,9 +278,10 @@ class Plan:
     def _add_backward(self, f: Edge) -> None:
         if f.requires_grad:
             payload, use = GRADIENT, f"backward of {f.producer_op}"
-            zc, why = (True, "the op that produces the input's gradient (traced in the first backward) writes "
-                             "into the arena") if self.zero_copy else (False, "allocation-site placement is "
-                                                                              "switched off (copy mode)")
+            if self.zero_copy:
+                zc, why = True, GRADIENT_SITE
+            else:
+                zc, why = False, "allocation-site placement is switched off (copy mode)"
             self.edges.append(Edge(
                 len(self.edges), "backward", payload, f.consumer, f.producer, f"gradient of {f.source}",
                 "autograd", use, f.shape, f.max_shape, f.dtype, f.cls, f.cls_why, f.nbytes,

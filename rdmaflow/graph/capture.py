@@ -126,7 +126,7 @@ def export(model: torch.nn.Module, mb_args: tuple, split_spec: dict | None = Non
             return torch.export.export(model, tuple(mb_args), dynamic_shapes=dynamic_shapes)
     except CaptureError:
         raise
-    except Exception as e:  # noqa: BLE001 - torch.export raises many types
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         op = f"op {_op_name(mode.failed)}" if mode.failed is not None else "the model"
         raise CaptureError(

@@ -29,8 +29,9 @@ def explain_table(plan, stats: dict | None = None) -> str:
     from rdmaflow.graph.analysis import MECHANISM_LEGEND
 
     mode = f"training ({plan.schedule})" if plan.training else "inference"
+    placement = "on" if plan.zero_copy else "off (copy mode)"
     lines = [f"plan: {plan.num_stages} stages, {plan.n_microbatches} microbatches in flight, {mode}, "
-             f"allocation-site placement {'on' if plan.zero_copy else 'off (copy mode)'}"]
+             + f"allocation-site placement {placement}"]
     rows = [list(COLUMNS)] + [_row(e, stats) for e in plan.edges]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS) - 1)]
     for r in rows:

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from typing_extensions import Self
 
 import rdmaflow
 from rdmaflow.graph.analysis import DYNAMIC, GRADIENT, STATIC, TOKEN, Edge, Plan
@@ -130,7 +131,7 @@ class PipelineStage:
     def __repr__(self) -> str:
         return f"<PipelineStage {self.stage_index} of {self.num_stages}>"
 
-    def __enter__(self) -> "PipelineStage":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -170,7 +171,7 @@ class PipelineStage:
         self.rdv.barrier("receivers")
         for e in sends:
             cls = StaticSender if e.cls == STATIC else DynamicSender
-            kw = dict(shape=e.shape, dtype=_dtype(e.dtype)) if e.cls == STATIC else {}
+            kw = {"shape": e.shape, "dtype": _dtype(e.dtype)} if e.cls == STATIC else {}
             self.senders[e.id] = cls(self.device, endpoints[e.consumer], tag + e.name, timeout=self.timeout, **kw)
             self.stats[e.id] = EdgeStats(copy_reason=None if e.zero_copy else e.why)
         self.rdv.barrier("senders")  # every pair introduced: nothing is exchanged from here on
