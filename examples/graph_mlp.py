@@ -60,8 +60,13 @@ else:
     stage = pipe.build_stage()
     schedule = graph.ScheduleGPipe(stage, args.microbatches, loss_fn=loss_fn)
     opt = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
-    losses: list = []
-    step = lambda x, y: (opt.zero_grad(), schedule.step(x, target=y, losses=losses), opt.step())
+    losses = []
+
+    def step(x, y):
+        opt.zero_grad()
+        schedule.step(x, target=y, losses=losses)  # stage 0 uses x, the last stage y
+        opt.step()
+
     last = stage.is_last
 
 for t in range(args.steps):
