@@ -185,12 +185,19 @@ def assert_every_rank_fails(j: Job, stages: int, patterns: dict[int, str]) -> No
         assert re.search(pattern, out), f"rank {rank} does not say {pattern!r}:\n{out[-3000:]}"
 
 
-def test_split_points_that_differ_between_ranks(tmp_path):
-    cfg = {"model": "mlp", "stages": 2, "split_differs": {"1": "alt"}}
+@pytest.mark.parametrize("differs", ["alt", 3])
+def test_split_points_that_differ_between_ranks(tmp_path, differs):
+    """Rank 1 cuts the model at another layer (same number of stages), or into three stages."""
+    cfg = {"model": "mlp", "stages": 2, "split_differs": {"1": differs}}
     with Job(tmp_path, cfg) as j:
         start(j, 2)
-        what = r"PlanMismatchError: rank \d's pipeline plan differs from rank \d's at plan\."
-        assert_every_rank_fails(j, 2, {0: what, 1: what})
+        if differs == "alt":
+            what = r"PlanMismatchError: rank \d's pipeline plan differs from rank \d's at plan\."
+            assert_every_rank_fails(j, 2, {0: what, 1: what})
+        else:
+            what = r"rank 1 split the model into 3 stages but the job has WORLD_SIZE=2 processes"
+            assert_every_rank_fails(j, 2, {0: r"PeerError: the job was aborted: " + what,
+                                           1: r"InvalidArgumentError: " + what})
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype"])

@@ -99,18 +99,22 @@ class PipelineStage:
                  timeout: float | None = None, trace: bool = False):
         rank, world = env_rank()
         self.stage_index = rank if stage_index is None else stage_index
+        self.timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)) if timeout is None else timeout
+        self.rdv = Rendezvous(rank, world, self.timeout)
+        problem = None
         if world != pipe.num_stages:
-            raise rdmaflow.InvalidArgumentError(
-                f"the model is split into {pipe.num_stages} stages but the job has WORLD_SIZE={world} "
-                f"processes: start one process per stage")
-        if not 0 <= self.stage_index < pipe.num_stages:
-            raise rdmaflow.InvalidArgumentError(f"stage {self.stage_index} does not exist ({pipe.num_stages} stages)")
+            problem = (f"rank {rank} split the model into {pipe.num_stages} stages but the job has WORLD_SIZE={world} "
+                       f"processes: start one process per stage")
+        elif not 0 <= self.stage_index < pipe.num_stages:
+            problem = f"stage {self.stage_index} does not exist ({pipe.num_stages} stages)"
+        if problem:
+            self.rdv.abort(problem)  # the other ranks raise instead of waiting for this one's plan
+            raise rdmaflow.InvalidArgumentError(problem)
         self.pipe, self.rank = pipe, rank
         self.num_stages = pipe.num_stages
         self.graph = pipe.stages[self.stage_index]
         self.submod = StageModule(self.graph)
         self.zero_copy = zero_copy
-        self.timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)) if timeout is None else timeout
         self.trace: list | None = [] if trace else None
         self.plan: Plan | None = None
         self.device = None
@@ -145,7 +149,6 @@ class PipelineStage:
         if n_microbatches < 1:
             raise rdmaflow.InvalidArgumentError(f"n_microbatches must be at least 1, got {n_microbatches}")
         plan = self.pipe.plan(n_microbatches, training=training, zero_copy=self.zero_copy, schedule=schedule)
-        self.rdv = Rendezvous(self.rank, self.num_stages, self.timeout)
         self.rdv.agree(plan.to_json())
         try:
             self._connect(plan)

@@ -9,7 +9,8 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
     trace       record the executor's events
     out         directory for the results: rank{r}.pt (parameters by name, losses, outputs,
                 the send statistics, explain(), the trace)
-    split_differs  {rank: "alt"}: that rank cuts the model at other points (same number of stages)
+    split_differs  {rank: "alt" | n}: that rank cuts the model at other points (same number of
+                   stages), or into n stages
     bad_input      a rank 0 whose batch in step 1 has another shape (dtype with "dtype")
     die            {"rank": r, "step": t}: rank r SIGKILLs itself in the forward of microbatch 1
                    of step t (mid-step: its peers have transfers in flight)
