@@ -56,7 +56,7 @@ if args.single:
 else:
     # The changed lines: capture and split, build this rank's stage, a schedule, the stage's optimizer.
     mb = args.batch // args.microbatches
-    pipe = graph.pipeline(model, (batch()[0][:mb],), split_spec={"4": graph.SplitPoint.BEGINNING})
+    pipe = graph.pipeline(model, (torch.randn(mb, 64),), split_spec={"4": graph.SplitPoint.BEGINNING})
     stage = pipe.build_stage()
     schedule = graph.ScheduleGPipe(stage, args.microbatches, loss_fn=loss_fn)
     opt = torch.optim.SGD(stage.submod.parameters(), lr=0.01)
