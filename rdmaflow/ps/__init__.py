@@ -1,4 +1,4 @@
-"""Parameter server for PyTorch training over one-sided transfers (seeds 000, 003, 004).
+"""Parameter server for PyTorch training over one-sided transfers (Xue et al.; iRDMA; Li et al.: docs/references.md).
 
 A few lines turn a single-process training loop into a parameter-server job::
 

@@ -15,13 +15,15 @@ registered memory and the one loop that waits on them), ``pack_header`` / ``unpa
 ``dtype_name``, ``dtype_code``).
 """
 from rdmaflow.arena import Arena, arena_of, create_arena
-from rdmaflow.transfer.common import pack_header, unpack_header
+from rdmaflow.transfer.common import CTL_BYTES, FLAG_STRIDE, pack_header, unpack_header
 from rdmaflow.transfer.dtypes import FLOAT_DTYPES, describe, dtype_code, dtype_name
 from rdmaflow.transfer.dynamic import MAX_RANK, DynamicReceiver, DynamicSender
 from rdmaflow.transfer.flag import Word, wait_any, wait_flag
 from rdmaflow.transfer.static import StaticReceiver, StaticSender
 
 __all__ = [
+    "CTL_BYTES",
+    "FLAG_STRIDE",
     "FLOAT_DTYPES",
     "MAX_RANK",
     "Arena",

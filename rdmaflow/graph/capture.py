@@ -1,0 +1,225 @@
+"""Capture a model with torch.export and partition it into pipeline stages (issue 14, point 1).
+
+Split points follow torch.distributed.pipelining: ``pipe_split()`` calls inside ``forward``,
+or a ``split_spec`` of ``{module_fqn: SplitPoint.BEGINNING | SplitPoint.END}``, which wraps
+the named module's forward with a ``pipe_split()`` before or after it while exporting. Every
+node goes to the stage numbered by the split points that precede it in program order;
+``torch.fx.passes.split_module`` cuts the graph there and records what crosses. Parameters
+stay with the one stage that uses them.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.pipelining import SplitPoint, pipe_split
+from torch.fx.passes.split_module import split_module
+from torch.overrides import TorchFunctionMode, resolve_name
+
+import rdmaflow
+
+PIPE_SPLIT = torch.ops.pippy._pipe_split.default
+
+
+class CaptureError(rdmaflow.InvalidArgumentError):
+    """The model cannot be captured or partitioned; the message names the op or the node."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a stage argument or a model output comes from.
+
+    kind ``"input"``: model input ``index`` (held by stage 0); ``"value"``: output ``index``
+    of stage ``stage``; ``"param"``: the parameter or buffer named ``name``."""
+
+    kind: str
+    stage: int = 0
+    index: int = 0
+    name: str = ""
+
+
+@dataclass
+class StageGraph:
+    """One stage: its graph module, where each of its arguments comes from, its outputs."""
+
+    index: int
+    module: torch.fx.GraphModule
+    args: list[Ref]
+    outputs: list[torch.fx.Node]          # the nodes it returns, in order (their meta["val"])
+    tuple_output: bool                    # the module returns a tuple rather than one value
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> Parameter or buffer
+
+
+class _FailedOp(TorchFunctionMode):
+    """Remembers the innermost torch function that raised while the model was traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        try:
+            return func(*args, **(kwargs or {}))
+        except Exception:
+            if self.failed is None:
+                self.failed = func
+            raise
+
+
+def _user_frame(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "site-packages" not in f.filename and "/torch/" not in f.filename
+              and "rdmaflow/graph" not in f.filename and f.filename != "<string>"]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} `{(f.line or '').strip()}`"
+
+
+def _op_name(func) -> str:
+    try:
+        return resolve_name(func) or getattr(func, "__name__", repr(func))
+    except Exception:  # noqa: BLE001 - naming is best effort
+        return getattr(func, "__name__", repr(func))
+
+
+@contextlib.contextmanager
+def _split_points(model: torch.nn.Module, split_spec: dict | None):
+    """Wraps the forward of each module named in ``split_spec`` with a pipe_split() before
+    (BEGINNING) or after (END) it, for the duration of the export."""
+    patched = []
+    try:
+        for fqn, where in (split_spec or {}).items():
+            try:
+                mod = model.get_submodule(fqn)
+            except AttributeError:
+                raise CaptureError(f"split_spec names '{fqn}', which is not a submodule of the model") from None
+            if where not in (SplitPoint.BEGINNING, SplitPoint.END):
+                raise CaptureError(f"split_spec['{fqn}'] must be SplitPoint.BEGINNING or SplitPoint.END, got {where!r}")
+            original = mod.forward
+
+            def wrapped(*a, _orig=original, _where=where, **kw):
+                if _where == SplitPoint.BEGINNING:
+                    pipe_split()
+                out = _orig(*a, **kw)
+                if _where == SplitPoint.END:
+                    pipe_split()
+                return out
+
+            mod.forward = wrapped
+            patched.append(mod)
+        yield
+    finally:
+        for mod in patched:
+            del mod.forward  # back to the class's forward
+
+
+def export(model: torch.nn.Module, mb_args: tuple, split_spec: dict | None = None,
+           dynamic_shapes=None) -> torch.export.ExportedProgram:
+    """torch.export.export with the split points in place; a failure names the op."""
+    mode = _FailedOp()
+    try:
+        with _split_points(model, split_spec), mode:
+            return torch.export.export(model, tuple(mb_args), dynamic_shapes=dynamic_shapes)
+    except CaptureError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        op = f"op {_op_name(mode.failed)}" if mode.failed is not None else "the model"
+        raise CaptureError(
+            f"torch.export cannot capture the model: {op}{_user_frame(e)} failed: {type(e).__name__}: {first}"
+        ) from e
+
+
+def _assign_partitions(gm: torch.fx.GraphModule) -> tuple[dict, int]:
+    part, stage = {}, 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == PIPE_SPLIT:
+            stage += 1
+        part[n] = stage
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            users = sorted({part[u] for u in n.users})
+            if len(users) > 1:
+                raise CaptureError(
+                    f"parameter or buffer '{n.target}' is used by stages {users}: a tensor shared across "
+                    f"stages (tied weights) cannot be trained by each stage's own optimizer"
+                )
+            part[n] = users[0] if users else 0
+    return part, stage + 1
+
+
+def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[Ref], list[torch.fx.Node]]:
+    """Cuts the exported program at its pipe_split nodes.
+
+    Returns the stages, the model's outputs (as Refs) and the model's input placeholders."""
+    gm = ep.module()
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn":  # input guards: checked per microbatch
+            graph.erase_node(n)
+    part, num_stages = _assign_partitions(gm)
+    for n in list(graph.nodes):
+        if n.op == "call_function" and n.target == PIPE_SPLIT:
+            graph.erase_node(n)
+    gm.recompile()
+    for s in range(num_stages):
+        if not any(p == s and n.op == "call_function" for n, p in part.items()):
+            raise CaptureError(f"stage {s} has no computation: two split points are adjacent, or one is "
+                               f"at the very beginning or end of the model")
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    top = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
+    return _read_top_graph(gm, top, inputs, num_stages)
+
+
+def _read_top_graph(gm, top, inputs, num_stages):
+    where: dict[torch.fx.Node, Ref] = {}
+    tuple_calls: dict[torch.fx.Node, int] = {}  # call of a stage that returns a tuple -> stage
+    stages: list[StageGraph] = []
+    input_index = {n.name: i for i, n in enumerate(inputs)}
+    outputs: list[Ref] = []
+    for n in top.graph.nodes:
+        if n.op == "placeholder":
+            where[n] = Ref("input", 0, input_index[n.name])
+        elif n.op == "get_attr":
+            where[n] = Ref("param", name=n.target)
+        elif n.op == "call_module":
+            i = int(n.target.rsplit("_", 1)[1])
+            sub = getattr(top, n.target)
+            out = next(o for o in sub.graph.nodes if o.op == "output").args[0]
+            is_tuple = isinstance(out, (tuple, list))
+            outs = list(out) if is_tuple else [out]
+            args = [where[a] for a in n.args]
+            params = {r.name: _attr(gm, r.name) for r in args if r.kind == "param"}
+            stages.append(StageGraph(i, sub, args, outs, is_tuple, params))
+            if is_tuple:
+                tuple_calls[n] = i
+            else:
+                where[n] = Ref("value", i, 0)
+        elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in tuple_calls:
+            where[n] = Ref("value", tuple_calls[n.args[0]], int(n.args[1]))
+        elif n.op == "output":
+            vals = n.args[0]
+            for v in (vals if isinstance(vals, (tuple, list)) else [vals]):
+                if not isinstance(v, torch.fx.Node) or v not in where:
+                    raise CaptureError(f"model output {v!r} is not a tensor computed by a stage")
+                outputs.append(where[v])
+        else:
+            raise CaptureError(f"unexpected node {n.format_node()} in the partitioned graph")
+    stages.sort(key=lambda s: s.index)
+    if [s.index for s in stages] != list(range(num_stages)):
+        raise CaptureError(f"partitioning produced stages {[s.index for s in stages]}, expected {num_stages}")
+    return stages, outputs, inputs
+
+
+def _attr(gm: torch.nn.Module, fqn: str) -> torch.Tensor:
+    obj = gm
+    for part in fqn.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+__all__ = ["CaptureError", "Ref", "SplitPoint", "StageGraph", "export", "partition", "pipe_split"]

@@ -1,0 +1,189 @@
+"""Allocation sites: tensors that will be sent are born in registered memory (seed 000 §3.4).
+
+The paper instruments the allocator during the first iteration: it records buffer address ->
+(graph node, i-th allocation in it), looks up each sent tensor's address, and from then on
+allocates those nodes' outputs from the RDMA arena. On CPU PyTorch has no Python hook into the
+allocator, so ``Placement`` is a ``TorchDispatchMode`` around each compute call of a stage (the
+forward of a microbatch, or its backward). It numbers the ATen ops the call runs:
+
+1. recording (the first call of each phase): for every op whose output has a storage none of
+   its inputs had (a fresh allocation, not a view or an in-place update), it records storage
+   address -> (op number, output number), later entries overwriting earlier ones at the same
+   address, as in the paper;
+2. ``learn(phase, tensor)`` (right after that call, for each tensor about to be sent) looks the
+   tensor's storage up and marks that op as a site; or says why it cannot (a view of a stage
+   input, an op with no ``out=`` overload, several outputs);
+3. every later call of the phase runs a site's op through its ``out=`` overload into a tensor
+   from the arena, under autograd (the mode sits below it), so the send needs no copy.
+
+A site whose op, shape or dtype no longer matches what was recorded runs normally (the send
+then copies and ``stats`` counts it). Ops are identified by their position in the call, which
+is the same for every microbatch of a static graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import rdmaflow
+
+
+def out_variant(func) -> tuple[object, list[str]] | None:
+    """The ``out=`` overload of an ATen op that takes the same arguments, and the names of its
+    out arguments (one per output); None if it has none."""
+    packet = getattr(func, "overloadpacket", None)
+    schema = getattr(func, "_schema", None)
+    if packet is None or schema is None or not schema.returns:
+        return None
+    want = [(a.name, str(a.type)) for a in schema.arguments]
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        args = cand._schema.arguments
+        outs = [a.name for a in args if a.is_out]
+        if len(outs) == len(schema.returns) and [(a.name, str(a.type)) for a in args if not a.is_out] == want:
+            return cand, outs
+    return None
+
+
+def decomposes(func) -> bool:
+    """The op is composite: at run time it dispatches to other ops, whose outputs may be sites."""
+    name = getattr(func, "name", None)
+    return callable(name) and torch._C._dispatch_has_kernel_for_dispatch_key(name(), "CompositeImplicitAutograd")
+
+
+def aliases_input(func) -> bool:
+    """The op returns a view of an input or updates one in place (schema alias annotations)."""
+    schema = getattr(func, "_schema", None)
+    return bool(schema and any(r.alias_info is not None for r in schema.returns))
+
+
+def op_name(func) -> str:
+    return str(func)  # e.g. aten.addmm.default
+
+
+@dataclass
+class Alloc:
+    """A fresh output recorded in a phase's first call: output ``k`` of op number ``index``."""
+
+    index: int
+    k: int
+    func: object
+    shapes: list[tuple]      # of every output of the op
+    dtypes: list[torch.dtype]
+    contiguous: bool
+
+
+@dataclass
+class Site:
+    """The op of a phase whose output ``k`` is placed in the arena (its other outputs, if any,
+    in ordinary memory)."""
+
+    alloc: Alloc
+    out_op: object
+    out_args: list[str]
+
+
+@dataclass
+class PhaseTrace:
+    recorded: bool = False
+    alloc: dict[int, Alloc] = field(default_factory=dict)
+    sites: dict[int, Site] = field(default_factory=dict)
+
+
+class Placement(TorchDispatchMode):
+    """Records allocation sites in each phase's first call and redirects them afterwards."""
+
+    def __init__(self, arena, enabled: bool = True):
+        super().__init__()
+        self.arena = arena
+        self.enabled = enabled
+        self.phases: dict[str, PhaseTrace] = {}
+        self._trace: PhaseTrace | None = None
+        self._count = 0
+        self.placed = 0        # outputs written into the arena
+        self.misses = 0        # sites that ran normally (mismatch or arena full)
+
+    # -- scope ----------------------------------------------------------------------------------
+    def run(self, phase: str, fn, *args, **kwargs):
+        """Runs ``fn`` as one call of ``phase`` under the mode."""
+        if not self.enabled:
+            return fn(*args, **kwargs)
+        trace = self.phases.setdefault(phase, PhaseTrace())
+        self._trace, self._count = trace, 0
+        try:
+            with self:
+                return fn(*args, **kwargs)
+        finally:
+            self._trace = None
+            trace.recorded = True
+
+    def learn(self, phase: str, tensor: torch.Tensor) -> str | None:
+        """After the first call of ``phase``: makes the op that allocated ``tensor``'s storage a
+        site. Returns None when it will be placed (or already lives in the arena), else why not."""
+        if not self.enabled:
+            return "allocation-site placement is switched off (copy mode)"
+        if self.arena.offset_of(tensor) is not None:
+            return None
+        trace = self.phases.get(phase)
+        if trace is None:
+            return "no call of this phase was traced"
+        hit = trace.alloc.get(tensor.untyped_storage().data_ptr())
+        if hit is None:
+            return "its storage was not allocated by an op of this stage (a stage input or a model input)"
+        if not hit.contiguous or not tensor.is_contiguous():
+            return f"the sent tensor is a non-contiguous view of the output of {op_name(hit.func)}"
+        out = out_variant(hit.func)
+        if out is None:
+            return f"{op_name(hit.func)} has no out= overload to place its output"
+        trace.sites[hit.index] = Site(hit, out[0], out[1])
+        return None
+
+    # -- the mode -------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        trace = self._trace
+        index = self._count
+        self._count += 1
+        if trace is not None and trace.recorded:
+            site = trace.sites.get(index)
+            if site is not None and site.alloc.func is func:
+                placed = self._placed(site, args, kwargs)
+                if placed is not None:
+                    return placed
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if trace is not None and not aliases_input(func):
+            self._record(trace, index, func, args, kwargs, out)
+        return out
+
+    @staticmethod
+    def _record(trace: PhaseTrace, index: int, func, args, kwargs, out) -> None:
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if not outs or not all(isinstance(t, torch.Tensor) for t in outs):
+            return  # an undefined output (a masked gradient): its out= overload cannot be used
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        shapes, dtypes = [tuple(t.shape) for t in outs], [t.dtype for t in outs]
+        for k, t in enumerate(outs):
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            if ptr and ptr not in inputs:
+                trace.alloc[ptr] = Alloc(index, k, func, shapes, dtypes, t.is_contiguous())
+
+    def _placed(self, site: Site, args, kwargs):
+        a = site.alloc
+        try:
+            placed = self.arena.empty(a.shapes[a.k], a.dtypes[a.k])
+        except rdmaflow.ArenaFullError:
+            self.misses += 1
+            return None
+        bufs = [placed if i == a.k else torch.empty(shape, dtype=dtype)
+                for i, (shape, dtype) in enumerate(zip(a.shapes, a.dtypes))]
+        out = site.out_op(*args, **kwargs, **dict(zip(site.out_args, bufs)))
+        sent = out[a.k] if isinstance(out, (tuple, list)) else out
+        if tuple(sent.shape) != a.shapes[a.k] or sent.dtype != a.dtypes[a.k] or sent.data_ptr() != placed.data_ptr():
+            self.misses += 1  # the op resized its output: this call's shapes differ from the trace
+        else:
+            self.placed += 1
+        return out

@@ -1,0 +1,68 @@
+"""Microbatch schedules (issue 14, point 5), named as in torch.distributed.pipelining.
+
+A schedule is the order in which a stage runs its microbatches' forwards (F) and backwards (B)
+within a step; the executor runs them in that order and interleaves the sends and receives.
+
+- ``ScheduleGPipe`` (fill-drain): every forward, then every backward.
+- ``Schedule1F1B``: stage s runs S-1-s forwards to fill the pipeline, then alternates one
+  forward and one backward, then drains the remaining backwards, which bounds the activations
+  a stage holds by the number of stages instead of the number of microbatches.
+
+Without a ``loss_fn`` a schedule runs inference: forwards only, and the last stage's
+``step()`` returns the outputs of the whole batch.
+"""
+from __future__ import annotations
+
+import rdmaflow
+
+
+class _Schedule:
+    name = ""
+
+    def __init__(self, stage, n_microbatches: int, loss_fn=None):
+        if loss_fn is not None and not callable(loss_fn):
+            raise rdmaflow.InvalidArgumentError("loss_fn must be callable: loss_fn(output, target) -> scalar tensor")
+        self.stage = stage
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.training = loss_fn is not None
+        stage.setup(n_microbatches, training=self.training, schedule=self.name if self.training else "forward")
+
+    def order(self) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+    def step(self, *args, target=None, losses: list | None = None):
+        """One step over a batch. The first stage uses the model's inputs ``args`` (other stages
+        ignore them, so every rank may run the same line), the last stage the target (training);
+        ``losses`` (last stage) gets each microbatch's loss. Gradients
+        accumulate into ``stage.submod``'s parameters, scaled so that they equal those of the
+        whole batch's mean loss; run the stage's optimizer after it. Inference: the last stage
+        gets the batch's outputs, the others None."""
+        st = self.stage
+        if st.is_first and not args:
+            raise rdmaflow.InvalidArgumentError("the first stage's step() takes the model's inputs")
+        if self.training and st.is_last and target is None:
+            raise rdmaflow.InvalidArgumentError("the last stage's step() takes target= for its loss_fn")
+        order = self.order() if self.training else [("F", m) for m in range(self.n_microbatches)]
+        return st.run_step(order, args if st.is_first else (), target, losses, self.loss_fn)
+
+
+class ScheduleGPipe(_Schedule):
+    name = "gpipe"
+
+    def order(self) -> list[tuple[str, int]]:
+        M = self.n_microbatches
+        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
+
+
+class Schedule1F1B(_Schedule):
+    name = "1f1b"
+
+    def order(self) -> list[tuple[str, int]]:
+        M, S, s = self.n_microbatches, self.stage.num_stages, self.stage.stage_index
+        warmup = min(S - 1 - s, M)
+        out = [("F", m) for m in range(warmup)]
+        for i in range(M - warmup):
+            out += [("F", warmup + i), ("B", i)]
+        out += [("B", m) for m in range(M - warmup, M)]
+        return out

@@ -1,0 +1,412 @@
+"""One pipeline stage at run time: its module, its transfer pairs, its microbatch computes.
+
+``pipe.build_stage()`` makes the stage of this rank; a schedule (schedule.py) sets it up, once,
+for its number of microbatches: every rank computes the plan and checks it against the
+others', registers one arena of the size the plan gives, creates a receiver per incoming edge
+(slots for every microbatch in flight), and only then a sender per outgoing edge, so that every
+address is handed out once, before execution. A step then runs the schedule's computes on the
+polling-async executor.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from typing_extensions import Self
+
+import rdmaflow
+from rdmaflow.graph.analysis import DYNAMIC, GRADIENT, STATIC, TOKEN, Edge, Plan
+from rdmaflow.graph.capture import StageGraph
+from rdmaflow.graph.executor import ComputeOp, Executor, RecvOp, SendOp
+from rdmaflow.graph.placement import Placement
+from rdmaflow.graph.rendezvous import Rendezvous, env_rank
+from rdmaflow.transfer import DynamicReceiver, DynamicSender, StaticReceiver, StaticSender
+
+TIMEOUT_ENV = "RDMAFLOW_GRAPH_TIMEOUT"
+DEFAULT_TIMEOUT = 60.0
+
+
+class StageModule(torch.nn.Module):
+    """The parameters and buffers of one stage under the model's own names, and its graph."""
+
+    def __init__(self, graph: StageGraph):
+        super().__init__()
+        self.__dict__["_graph"] = graph.module  # not a child: it owns no parameters
+        self._refs = graph.args
+        for fqn, t in graph.params.items():
+            owner = self
+            *path, leaf = fqn.split(".")
+            for p in path:
+                if not hasattr(owner, p):
+                    owner.add_module(p, torch.nn.Module())
+                owner = getattr(owner, p)
+            if isinstance(t, torch.nn.Parameter):
+                owner.register_parameter(leaf, t)
+            else:
+                owner.register_buffer(leaf, t)
+
+    def forward(self, *values):
+        it = iter(values)
+        args = [self.get_parameter(r.name) if r.kind == "param" and _is_param(self, r.name)
+                else self.get_buffer(r.name) if r.kind == "param" else next(it) for r in self._refs]
+        return self._graph(*args)
+
+
+def _is_param(mod: torch.nn.Module, fqn: str) -> bool:
+    try:
+        mod.get_parameter(fqn)
+        return True
+    except AttributeError:
+        return False
+
+
+@dataclass
+class EdgeStats:
+    sends: int = 0
+    zero_copy: int = 0
+    steady_sends: int = 0        # from the second step on
+    steady_zero_copy: int = 0
+    copy_reason: str | None = None
+
+
+@dataclass
+class Microbatch:
+    leaves: dict = field(default_factory=dict)   # forward edge id -> the leaf tensor fed to the graph
+    received: dict = field(default_factory=dict)  # edge id -> the tensor its receive returned
+    sent: dict = field(default_factory=dict)     # forward edge id -> the tensor sent on it
+    loss: torch.Tensor | None = None
+
+
+def _check_tensor(t, what: str, shape: list, max_shape: list | None, dtype: str, cls: str) -> None:
+    got = f"{str(t.dtype).replace('torch.', '')}[{', '.join(str(s) for s in t.shape)}]"
+    want = f"{dtype}[{', '.join(str(s) for s in shape)}]"
+    bad = str(t.dtype).replace("torch.", "") != dtype or t.dim() != len(shape)
+    if not bad and cls != DYNAMIC:
+        for d, s, mx in zip(t.shape, shape, max_shape or shape):
+            if isinstance(s, int) and d != s or mx is not None and d > mx:
+                bad = True
+    if bad:
+        bound = f" (at most {max_shape})" if cls != STATIC and max_shape else ""
+        raise rdmaflow.InvalidArgumentError(f"{what} is {got}; the plan says {want}{bound}")
+
+
+class PipelineStage:
+    """The stage this rank runs (rank r runs stage r). Its ``submod`` holds the stage's
+    parameters under the model's names: give ``submod.parameters()`` to the stage's optimizer."""
+
+    def __init__(self, pipe, stage_index: int | None = None, *, zero_copy: bool = True,
+                 timeout: float | None = None, trace: bool = False):
+        rank, world = env_rank()
+        self.stage_index = rank if stage_index is None else stage_index
+        self.timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)) if timeout is None else timeout
+        self.rdv = Rendezvous(rank, world, self.timeout)
+        problem = None
+        if world != pipe.num_stages:
+            problem = (f"rank {rank} split the model into {pipe.num_stages} stages but the job has WORLD_SIZE={world} "
+                       f"processes: start one process per stage")
+        elif not 0 <= self.stage_index < pipe.num_stages:
+            problem = f"stage {self.stage_index} does not exist ({pipe.num_stages} stages)"
+        if problem:
+            self.rdv.abort(problem)  # the other ranks raise instead of waiting for this one's plan
+            raise rdmaflow.InvalidArgumentError(problem)
+        self.pipe, self.rank = pipe, rank
+        self.num_stages = pipe.num_stages
+        self.graph = pipe.stages[self.stage_index]
+        self.submod = StageModule(self.graph)
+        self.zero_copy = zero_copy
+        self.trace: list | None = [] if trace else None
+        self.plan: Plan | None = None
+        self.device = None
+        self.senders: dict[int, object] = {}
+        self.receivers: dict[int, object] = {}
+        self.stats: dict[int, EdgeStats] = {}
+        self.steps = 0
+        self._learned: set[str] = set()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def __repr__(self) -> str:
+        return f"<PipelineStage {self.stage_index} of {self.num_stages}>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- setup ----------------------------------------------------------------------------------
+    def setup(self, n_microbatches: int, training: bool, schedule: str) -> Plan:
+        """Plans, agrees with the other ranks, and connects every edge (once)."""
+        if self.plan is not None:
+            raise rdmaflow.InvalidArgumentError("this stage is already set up for a schedule; build a new stage")
+        if n_microbatches < 1:
+            raise rdmaflow.InvalidArgumentError(f"n_microbatches must be at least 1, got {n_microbatches}")
+        plan = self.pipe.plan(n_microbatches, training=training, zero_copy=self.zero_copy, schedule=schedule)
+        self.rdv.agree(plan.to_json())
+        try:
+            self._connect(plan)
+        except BaseException as e:
+            self.rdv.abort(f"stage {self.stage_index} (rank {self.rank}) failed to set up: {e}")
+            raise
+        self.plan = plan
+        return plan
+
+    def _connect(self, plan: Plan) -> None:
+        me = self.stage_index
+        self.device = rdmaflow.Device(f"{self.rdv.host}:0", secret=self.rdv.secret)
+        self.device.create_arena(plan.arena_bytes(me))
+        endpoints = self.rdv.exchange(self.device.endpoint)
+        sends, recvs = plan.edges_of(me)
+        tag = f"rdmaflow/{self.rdv.prefix}"
+        for e in recvs:
+            if e.cls == STATIC:
+                self.receivers[e.id] = StaticReceiver(self.device, tag + e.name, e.shape, _dtype(e.dtype),
+                                                      depth=e.depth, timeout=self.timeout)
+            else:
+                self.receivers[e.id] = DynamicReceiver(self.device, tag + e.name, depth=e.depth, timeout=self.timeout)
+        self.rdv.barrier("receivers")
+        for e in sends:
+            cls = StaticSender if e.cls == STATIC else DynamicSender
+            kw = {"shape": e.shape, "dtype": _dtype(e.dtype)} if e.cls == STATIC else {}
+            self.senders[e.id] = cls(self.device, endpoints[e.consumer], tag + e.name, timeout=self.timeout, **kw)
+            self.stats[e.id] = EdgeStats(copy_reason=None if e.zero_copy else e.why)
+        self.rdv.barrier("senders")  # every pair introduced: nothing is exchanged from here on
+        self.placement = Placement(self.device.arena, enabled=self.zero_copy)
+        self._edges = plan.edges
+        self._fwd_in = {e.source: e for e in recvs if e.direction == "forward"}
+        self._fwd_out = [e for e in sends if e.direction == "forward"]
+        self._bwd_in = [e for e in recvs if e.direction == "backward"]
+        self._bwd_out = {e.forward_id: e for e in sends if e.direction == "backward"}
+
+    # -- one step -------------------------------------------------------------------------------
+    def run_step(self, order: list[tuple[str, int]], args: tuple, target, losses: list | None, loss_fn):
+        """Runs one step of the schedule ``order`` ([("F"|"B", microbatch), ...])."""
+        if self.plan is None:
+            raise rdmaflow.InvalidArgumentError("the stage is not set up: create a schedule for it first")
+        try:
+            return self._run_step(order, args, target, losses, loss_fn)
+        except BaseException as e:
+            self.rdv.abort(f"stage {self.stage_index} (rank {self.rank}): {type(e).__name__}: {e}")
+            raise
+
+    def _run_step(self, order, args, target, losses, loss_fn):
+        plan, M = self.plan, self.plan.n_microbatches
+        self._chunks = self._split_inputs(args) if self.is_first else None
+        self._targets = self._split(target, "target") if self.is_last and plan.training else None
+        self._mbs = [Microbatch() for _ in range(M)]
+        self._outputs: list = [None] * M
+        self._loss_fn = loss_fn
+        recv_ops = {e.id: RecvOp(e, self.receivers[e.id], M) for e in self.plan.edges if e.id in self.receivers}
+        self._recv_ops = recv_ops
+        fwd_needs = [recv_ops[e.id] for e in self._fwd_in.values()]
+        bwd_needs = [recv_ops[e.id] for e in self._bwd_in]
+        computes = []
+        for kind, m in order:
+            needs = [(r, m) for r in (fwd_needs if kind == "F" else bwd_needs)]
+            fn = (lambda inputs, m=m: self._forward(m, inputs)) if kind == "F" else (
+                lambda inputs, m=m: self._backward(m, inputs))
+            computes.append(ComputeOp(f"{kind}{m}", needs, fn))
+        ex = Executor(f"stage {self.stage_index}", self.timeout, self._check_abort, self.trace)
+        ex.run(computes, list(recv_ops.values()))
+        ex.finish()
+        self.steps += 1
+        if losses is not None and self.is_last and plan.training:
+            losses.extend(mb.loss.detach() for mb in self._mbs)
+        self._mbs = []
+        if self.is_last and not plan.training:
+            return _concat(self._outputs)
+        return None
+
+    def _check_abort(self) -> None:
+        reason = self.rdv.aborted()
+        if reason:
+            raise rdmaflow.PeerError(f"stage {self.stage_index}: the job was aborted: {reason}")
+
+    def _split(self, x, what: str) -> list:
+        M = self.plan.n_microbatches
+        if not isinstance(x, torch.Tensor):
+            raise rdmaflow.InvalidArgumentError(f"the {what} of stage {self.stage_index} must be a tensor, got "
+                                                f"{type(x).__name__}")
+        if x.dim() == 0 or x.shape[0] < M:
+            raise rdmaflow.InvalidArgumentError(f"the {what} has shape {list(x.shape)}: its first dimension cannot "
+                                                f"be split into {M} microbatches")
+        return list(torch.tensor_split(x, M, dim=0))
+
+    def _split_inputs(self, args: tuple) -> list[list[torch.Tensor]]:
+        plan = self.plan
+        if len(args) != len(plan.inputs):
+            raise rdmaflow.InvalidArgumentError(f"stage 0 takes the model's {len(plan.inputs)} inputs, got {len(args)}")
+        per_input = [self._split(a, f"input {i}") for i, a in enumerate(args)]
+        for i, chunks in enumerate(per_input):
+            shape, dtype = plan.inputs[i]
+            for m, c in enumerate(chunks):
+                cls = STATIC if all(isinstance(s, int) for s in shape) else DYNAMIC
+                _check_tensor(c, f"microbatch {m} of input {i}", shape, None, dtype, cls)
+        return [[chunks[m] for chunks in per_input] for m in range(plan.n_microbatches)]
+
+    # -- computes -------------------------------------------------------------------------------
+    def _forward(self, m: int, inputs: dict) -> list[SendOp]:
+        mb, training = self._mbs[m], self.plan.training
+        vals = []
+        for ref in self.graph.args:
+            if ref.kind == "param":
+                continue
+            if ref.kind == "input" and self.is_first:
+                vals.append(self._chunks[m][ref.index])
+                continue
+            vals.append(self._leaf(mb, self._fwd_in[_key(ref)], inputs))
+        with torch.set_grad_enabled(training):
+            out = self.placement.run("forward", self.submod, *vals)
+            outs = list(out) if self.graph.tuple_output else [out]
+            if self.is_last:
+                self._finish_forward(m, mb, outs, inputs)
+        sends = []
+        for e in self._fwd_out:
+            t = self._chunks[m][int(e.source.split()[1])] if e.source.startswith("input") else outs[
+                int(e.source.rsplit(" ", 1)[1])]
+            mb.sent[e.id] = t
+            sends.append(self._send(e, t, m, "forward"))
+        self._learned.add("forward")
+        return sends
+
+    def _leaf(self, mb: Microbatch, e: Edge, inputs: dict) -> torch.Tensor:
+        leaf = mb.leaves.get(e.id)
+        if leaf is None:
+            t = mb.received[e.id] = inputs[e.id]
+            _check_tensor(t, f"edge {e.name} ({e.source} from stage {e.producer})", e.shape, e.max_shape, e.dtype,
+                          e.cls)
+            leaf = t.detach().requires_grad_(self.plan.training and e.requires_grad)
+            mb.leaves[e.id] = leaf
+        return leaf
+
+    def _finish_forward(self, m: int, mb: Microbatch, outs: list, inputs: dict) -> None:
+        values = []
+        for ref in self.pipe.outputs:
+            if ref.kind == "value" and ref.stage == self.stage_index:
+                values.append(outs[ref.index])
+            else:
+                values.append(self._leaf(mb, self._fwd_in[_key(ref)], inputs))
+        output = values[0] if len(values) == 1 else tuple(values)
+        if self.plan.training:
+            loss = self._loss_fn(output, self._targets[m])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise rdmaflow.InvalidArgumentError("loss_fn must return a scalar tensor")
+            mb.loss = loss
+        else:  # the slots the outputs may view are rewritten by the next step
+            self._outputs[m] = tuple(v.detach().clone() for v in values) if len(values) > 1 else values[0].clone()
+
+    def _backward(self, m: int, inputs: dict) -> list[SendOp]:
+        mb, M = self._mbs[m], self.plan.n_microbatches
+        tensors, grads = [], []
+        if self.is_last:
+            tensors.append(mb.loss / M)
+            grads.append(torch.ones((), dtype=mb.loss.dtype))
+        by_tensor: dict[int, list] = {}
+        for e in self._bwd_in:
+            if e.payload != GRADIENT:
+                continue
+            sent = mb.sent[e.forward_id]
+            g = mb.received[e.id] = inputs[e.id]
+            _check_tensor(g, f"gradient edge {e.name} from stage {e.producer}", e.shape, e.max_shape, e.dtype, e.cls)
+            by_tensor.setdefault(id(sent), [sent, None])
+            acc = by_tensor[id(sent)]
+            acc[1] = g if acc[1] is None else acc[1] + g
+        for sent, g in by_tensor.values():
+            if sent.requires_grad:
+                tensors.append(sent)
+                grads.append(g)
+        if tensors:
+            self.placement.run("backward", torch.autograd.backward, tensors, grads)
+        sends = []
+        for fid, e in self._bwd_out.items():
+            if e.payload == TOKEN:
+                t = torch.empty(0)
+            else:
+                leaf = mb.leaves[fid]
+                t = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            sends.append(self._send(e, t, m, "backward"))
+        self._learned.add("backward")
+        self._mbs[m].leaves, self._mbs[m].sent = {}, {}  # frees the graph of this microbatch
+        return sends
+
+    def _send(self, e: Edge, t: torch.Tensor, m: int, phase: str) -> SendOp:
+        _check_tensor(t, f"stage {self.stage_index}'s {e.source} for edge {e.name} (microbatch {m})", e.shape,
+                      e.max_shape, e.dtype, e.cls)
+        if not t.is_contiguous():
+            t = t.contiguous()
+        st = self.stats[e.id]
+        if phase not in self._learned and e.payload != TOKEN and st.copy_reason is None:
+            st.copy_reason = self.placement.learn(phase, t)
+        zero = e.payload == TOKEN or self.device.arena.offset_of(t) is not None
+        st.sends += 1
+        st.zero_copy += zero
+        if self.steps > 0:
+            st.steady_sends += 1
+            st.steady_zero_copy += zero
+        holder = self._slot_holder(t, m)
+        done = (lambda op, fut: holder.holds.append(fut)) if holder is not None else (lambda op, fut: None)
+        return SendOp(e, self.senders[e.id], t, m, done)
+
+    def _slot_holder(self, t: torch.Tensor, m: int) -> RecvOp | None:
+        """The receive whose slot ``t`` views (a tensor passed through this stage): its slot must
+        not be handed back before this send has read it."""
+        if t.numel() == 0:
+            return None
+        for eid, r in self._mbs[m].received.items():
+            if r.data_ptr() == t.data_ptr() and self.plan.edges[eid].cls == STATIC:
+                return self._recv_ops[eid]
+        return None
+
+    # -- reporting ------------------------------------------------------------------------------
+    @property
+    def send_stats(self) -> dict:
+        """Per edge this stage sends: {name: {sends, zero_copy, steady_sends, steady_zero_copy, copy_reason}}."""
+        return {self._edge(eid).name: vars(st).copy() for eid, st in self.stats.items()}
+
+    def _edge(self, eid: int) -> Edge:
+        return self._edges[eid]
+
+    def explain(self) -> str:
+        """The plan's table with what this stage observed for the edges it sends."""
+        return self.plan.explain(self.send_stats)
+
+    def close(self) -> None:
+        """Waits until every stage is done (bounded; a failed job does not wait), then closes
+        the pairs and the device: a stage may still acknowledge its peers' last transfers."""
+        if self.plan is not None and self.device is not None and not self.rdv.aborted():
+            try:
+                self.rdv.barrier("closing")
+            except rdmaflow.RdmaflowError:
+                pass
+        for x in list(self.senders.values()) + list(self.receivers.values()):
+            try:
+                x.close()
+            except rdmaflow.RdmaflowError:
+                pass
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+
+
+def _key(ref) -> str:
+    return f"input {ref.index}" if ref.kind == "input" else f"stage {ref.stage} output {ref.index}"
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _concat(outputs: list):
+    if isinstance(outputs[0], tuple):
+        return tuple(torch.cat([o[i] for o in outputs]) for i in range(len(outputs[0])))
+    return torch.cat(outputs)
+
+
+__all__ = ["PipelineStage", "StageModule"]

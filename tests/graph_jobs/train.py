@@ -1,0 +1,141 @@
+"""A pipeline job for tests/test_graph_*.py: one process per stage, models and batches that the
+test process rebuilds for its single-process reference.
+
+Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
+
+    model       "mlp" | "cnn"            stages      2 | 3 (split points of that model)
+    schedule    "gpipe" | "1f1b"         inference   true: forward only, no loss
+    microbatches, batch, steps, lr, seed, zero_copy (allocation-site placement on/off)
+    trace       record the executor's events
+    out         directory for the results: rank{r}.pt (parameters by name, losses, outputs,
+                the send statistics, explain(), the trace)
+    split_differs  {rank: "alt" | n}: that rank cuts the model at other points (same number of
+                   stages), or into n stages
+    bad_input      a rank 0 whose batch in step 1 has another shape (dtype with "dtype")
+    die            {"rank": r, "step": t}: rank r SIGKILLs itself in the forward of microbatch 1
+                   of step t (mid-step: its peers have transfers in flight)
+    slow_forward   seconds stage 0 sleeps before each forward after the first (stage 1 computes
+                   microbatch 0 while the receive of microbatch 1 is pending)
+    slow_start     seconds stage 0 sleeps before its first step (others wait on receives)
+
+Every rank prints ``rank {r} step {t}`` after each step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from rdmaflow import graph
+
+IN, HIDDEN, OUT = 8, 32, 4
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+            torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class CNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(4, 8, 3, padding=1)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.fc = torch.nn.Linear(8 * 4 * 4, OUT)
+
+    def forward(self, x):
+        h = self.pool(torch.relu(self.conv1(x)))
+        h = self.pool(torch.relu(self.conv2(h)))
+        return self.fc(torch.flatten(h, 1))
+
+
+# split_spec of each model for 2 and 3 stages
+SPLITS = {
+    "mlp": {2: {"layers.2": graph.SplitPoint.BEGINNING}, "alt": {"layers.4": graph.SplitPoint.BEGINNING},
+            3: {"layers.2": graph.SplitPoint.BEGINNING, "layers.4": graph.SplitPoint.BEGINNING}},
+    "cnn": {2: {"conv2": graph.SplitPoint.BEGINNING},
+            3: {"conv2": graph.SplitPoint.BEGINNING, "fc": graph.SplitPoint.BEGINNING}},
+}
+
+
+def make_model(name: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return {"mlp": MLP, "cnn": CNN}[name]()
+
+
+def make_batch(name: str, seed: int, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 7919 + step)
+    x = torch.randn(batch, IN, generator=g) if name == "mlp" else torch.randn(batch, 1, 16, 16, generator=g)
+    y = torch.randn(batch, OUT, generator=g)
+    return x, y
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def main() -> int:
+    cfg = json.loads(os.environ["GRAPH_TEST_CONFIG"])
+    rank = int(os.environ["RANK"])
+    name, seed, batch, M = cfg["model"], cfg.get("seed", 1), cfg.get("batch", 16), cfg.get("microbatches", 4)
+    stages = cfg.get("stages", 2)
+    split = SPLITS[name][cfg.get("split_differs", {}).get(str(rank), stages)]
+    model = make_model(name, seed)
+    x0, _ = make_batch(name, seed, 0, batch)
+    pipe = graph.pipeline(model, (x0[: batch // M],), split_spec=split)
+    stage = pipe.build_stage(zero_copy=cfg.get("zero_copy", True), trace=cfg.get("trace", False))
+    sched_cls = graph.Schedule1F1B if cfg.get("schedule") == "1f1b" else graph.ScheduleGPipe
+    inference = cfg.get("inference", False)
+    schedule = sched_cls(stage, M, loss_fn=None if inference else loss_fn)
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=cfg.get("lr", 0.05))
+    forwards = [0]
+
+    def before_forward(*_):
+        forwards[0] += 1
+        die = cfg.get("die", {})
+        if die.get("rank") == rank and forwards[0] == die["step"] * M + 2:
+            os.kill(os.getpid(), 9)
+        if cfg.get("slow_forward") and stage.is_first and forwards[0] > 1:
+            time.sleep(cfg["slow_forward"])
+
+    stage.submod.register_forward_pre_hook(before_forward)
+    if cfg.get("slow_start") and stage.is_first:
+        time.sleep(cfg["slow_start"])
+    losses, outputs = [], []
+    for t in range(cfg.get("steps", 3)):
+        x, y = make_batch(name, seed, t, batch)
+        if cfg.get("bad_input") and rank == 0 and t == 1:
+            x = x.double() if cfg["bad_input"] == "dtype" else x[:, :-1]
+        opt.zero_grad()
+        out = schedule.step(x, target=y, losses=losses)
+        if inference:
+            outputs.append(out)
+        else:
+            opt.step()
+        print(f"rank {rank} step {t}", flush=True)
+    result = {
+        "params": {k: v.detach().clone() for k, v in stage.submod.named_parameters()},
+        "losses": [float(v) for v in losses],
+        "outputs": outputs,
+        "stats": stage.send_stats,
+        "explain": stage.explain(),
+        "trace": stage.trace,
+        "placed": stage.placement.placed,
+    }
+    torch.save(result, os.path.join(cfg["out"], f"rank{rank}.pt"))
+    stage.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

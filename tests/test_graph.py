@@ -1,0 +1,166 @@
+"""rdmaflow.graph in one process: capture, partition and the RDMA-aware analysis.
+
+Edge classes on graphs whose answers are known (static, bounded by a ``Dim`` maximum,
+data-dependent, and a ``Dim`` with no maximum); the backward edges of training; the
+zero-copy decision and its reasons; the arena sizing; and a model that cannot be captured
+(the error names the op). The jobs that run these plans are in test_graph_jobs.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+from rdmaflow import graph
+from rdmaflow.graph.analysis import GRADIENT, TOKEN
+
+MB = 4
+
+
+class Seq(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class TwoLinear(Seq):
+    """Seq with a pipe_split() call between its layers."""
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        graph.pipe_split()
+        return self.b(h)
+
+
+class NonzeroRows(torch.nn.Module):
+    """Stage 0 sends the indices of the positive entries: their count depends on the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        idx = torch.nonzero(self.a(x) > 0)
+        graph.pipe_split()
+        return idx.float().sum(0)
+
+
+class TransposedSend(torch.nn.Module):
+    """Stage 0 sends a transposed (non-contiguous) view: the send must copy, and says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x).t()
+        graph.pipe_split()
+        return h.sum(0)
+
+
+class DataDependentBranch(torch.nn.Module):
+    def forward(self, x):
+        if x.sum().item() > 0:  # Python control flow on a tensor's value: export cannot trace it
+            return x * 2
+        return x
+
+
+def one_edge(plan, direction="forward"):
+    edges = [e for e in plan.edges if e.direction == direction]
+    assert len(edges) == 1, plan.explain()
+    return edges[0]
+
+
+def test_static_edges_and_their_gradients():
+    pipe = graph.pipeline(TwoLinear(), (torch.randn(MB, 8),))
+    assert pipe.num_stages == 2
+    plan = pipe.plan(3)
+    f = one_edge(plan)
+    assert (f.cls, f.shape, f.dtype, f.nbytes) == (graph.STATIC, [MB, 16], "float32", MB * 16 * 4)
+    assert (f.producer, f.consumer, f.mechanism, f.depth) == (0, 1, "static slot", 3)
+    assert f.zero_copy, f.why
+    b = one_edge(plan, "backward")
+    assert (b.payload, b.producer, b.consumer, b.shape, b.cls) == (GRADIENT, 1, 0, [MB, 16], graph.STATIC)
+    # inference: no backward edges, the same forward edge
+    assert [e.direction for e in pipe.plan(3, training=False).edges] == ["forward"]
+
+
+def test_dim_with_a_maximum_is_bounded_and_sized_at_it():
+    x = torch.randn(MB, 8)
+    pipe = graph.pipeline(TwoLinear(), (x,), dynamic_shapes=({0: Dim("batch", min=2, max=64)},))
+    f = one_edge(pipe.plan(2))
+    assert f.cls == graph.BOUNDED, f.cls_why
+    assert f.max_shape == [64, 16] and f.nbytes == 64 * 16 * 4
+    assert "<= 64" in f.cls_why and f.mechanism == "max slot + size"
+
+
+def test_dim_without_a_maximum_is_dynamic():
+    pipe = graph.pipeline(TwoLinear(), (torch.randn(MB, 8),), dynamic_shapes=({0: Dim("batch", min=2)},))
+    f = one_edge(pipe.plan(2))
+    assert f.cls == graph.DYNAMIC and "no declared maximum" in f.cls_why
+    assert f.max_shape is None and f.mechanism == "dynamic (READ)"
+
+
+def test_data_dependent_shape_is_dynamic():
+    plan = graph.pipeline(NonzeroRows(), (torch.randn(MB, 8),)).plan(2)
+    f = one_edge(plan)
+    assert f.cls == graph.DYNAMIC and "depends on the data" in f.cls_why
+    assert f.dtype == "int64" and f.shape[1] == 2
+    # integer indices carry no gradient: the backward edge is a flag-only token
+    b = one_edge(plan, "backward")
+    assert (b.payload, b.nbytes, b.mechanism) == (TOKEN, 0, "flag only")
+
+
+def test_zero_copy_reasons():
+    plan = graph.pipeline(TransposedSend(), (torch.randn(MB, 8),)).plan(2)
+    f = one_edge(plan)
+    assert not f.zero_copy and "non-contiguous view" in f.why
+    copy_mode = graph.pipeline(TwoLinear(), (torch.randn(MB, 8),)).plan(2, zero_copy=False)
+    assert all(not e.zero_copy and "copy mode" in e.why for e in copy_mode.edges)
+
+
+def test_arena_holds_every_slot_in_flight():
+    pipe = graph.pipeline(TwoLinear(), (torch.randn(MB, 8),))
+    small, large = pipe.plan(1), pipe.plan(8)
+    for s in range(2):
+        assert large.memory[s].receive_slots == 8 * small.memory[s].receive_slots > 0
+        assert large.arena_bytes(s) > small.arena_bytes(s)
+    # stage 0 receives the gradient slots, stage 1 the activation slots: both of MB x 16 floats
+    assert large.memory[0].receive_slots == large.memory[1].receive_slots == 8 * MB * 16 * 4
+
+
+def test_explain_has_a_row_per_edge():
+    plan = graph.pipeline(TwoLinear(), (torch.randn(MB, 8),)).plan(2)
+    text = plan.explain()
+    for col in ("from->to", "shape/dtype", "class", "bytes", "mechanism", "send", "why"):
+        assert col in text
+    rows = [line for line in text.splitlines() if line.startswith(("f0 ", "b1 "))]
+    assert len(rows) == 2 and "float32[4, 16]" in rows[0] and "zero-copy" in rows[0]
+    assert "stage 0 arena" in text and "stage 1 arena" in text
+
+
+def test_split_spec_conventions_agree():
+    """A split_spec and a pipe_split() at the same place give the same plan."""
+    spec = graph.pipeline(Seq(), (torch.randn(MB, 8),), split_spec={"b": graph.SplitPoint.BEGINNING}).plan(2)
+    call = graph.pipeline(TwoLinear(), (torch.randn(MB, 8),)).plan(2)
+    strip = [(e.direction, e.shape, e.cls, e.producer, e.consumer) for e in spec.edges]
+    assert strip == [(e.direction, e.shape, e.cls, e.producer, e.consumer) for e in call.edges]
+
+
+def test_bad_split_specs():
+    with pytest.raises(graph.CaptureError, match="'nope', which is not a submodule"):
+        graph.pipeline(TwoLinear(), (torch.randn(MB, 8),), split_spec={"nope": graph.SplitPoint.BEGINNING})
+    with pytest.raises(graph.CaptureError, match="stage 0 has no computation"):
+        graph.pipeline(TwoLinear(), (torch.randn(MB, 8),), split_spec={"a": graph.SplitPoint.BEGINNING})
+
+
+def test_uncapturable_model_names_the_op():
+    with pytest.raises(graph.CaptureError) as info:
+        graph.pipeline(DataDependentBranch(), (torch.randn(MB, 8),))
+    msg = str(info.value)
+    assert "torch.export cannot capture the model" in msg
+    assert "item" in msg and "test_graph.py" in msg, msg
