@@ -6,11 +6,12 @@ import json
 
 import torch
 
-from rdmaflow import InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError, WRITE
+from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.context import dumps
 from rdmaflow.ps.kv_job import leave
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
+from rdmaflow.ps.protocol import DONE
 from rdmaflow.ps.worker import WorkerFailure
 from rdmaflow.transfer.common import pack_header, unpack_header
 from rdmaflow.transfer.dtypes import dtype_name
