@@ -11,6 +11,7 @@ from rdmaflow.deadline import Deadline
 from rdmaflow.ps.context import dumps
 from rdmaflow.ps.kv_job import leave
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
+from rdmaflow.ps.kv_request import Request, short
 from rdmaflow.ps.protocol import DONE
 from rdmaflow.ps.worker import WorkerFailure
 from rdmaflow.transfer.common import pack_header, unpack_header
@@ -28,12 +29,12 @@ def _arena(dev, nbytes: int):
 class KVHandle:
     """What ``push`` and ``pull`` return; pass it to ``KVStore.wait``."""
 
-    __slots__ = ("_futs", "_items", "_keep", "_result", "done", "keys", "kind", "single")
+    __slots__ = ("_futs", "_keep", "_parts", "_request", "_result", "done", "keys", "kind")
 
-    def __init__(self, kind: str, keys: list[int], single: bool = False):
-        self.kind, self.keys, self.single = kind, keys, single
+    def __init__(self, kind: str, request: Request):
+        self.kind, self.keys, self._request = kind, request.keys, request
         self._futs: list = []
-        self._items: list = []
+        self._parts: list[_PullPart] = []
         self._keep: list = []  # tensors sent without a copy, alive until the WRITEs completed
         self.done = False
         self._result = None
@@ -42,12 +43,14 @@ class KVHandle:
         return f"<KVHandle {self.kind} of {len(self.keys)} keys{' done' if self.done else ''}>"
 
 
-class _Pull:
-    __slots__ = ("done", "j", "out", "result", "seq")
+class _PullPart:
+    """What one shard owes a pull: its reply ``seq`` lands in this worker's landing area of shard
+    ``s``; ``positions`` are the request positions of its keys (None: all of them)."""
 
-    def __init__(self, j: int, seq: int, out):
-        self.j, self.seq, self.out = j, seq, out
-        self.result = None
+    __slots__ = ("done", "positions", "s", "seq", "values")
+
+    def __init__(self, s: int, seq: int, positions, values: torch.Tensor):
+        self.s, self.seq, self.positions, self.values = s, seq, positions, values
         self.done = False
 
 
@@ -135,37 +138,33 @@ class KVStore:
         self.block = self.arena.allocate(L.total)
         self.base = self.block.offset
         self.region = self.arena.region
-        raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
+        raw = self.raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
         raw[L.flags :].zero_()
-
-        def value(off: int, j: int) -> torch.Tensor:
-            o = off + L.voff[j]
-            return raw[o : o + spec.nbytes[j]].view(self.dtype).view(spec.shapes[j])
-
-        self.staging = [value(L.stage, j) for j in range(L.k)]
-        self.outs = [value(L.out, j) for j in range(L.k)]
-        self.reply = words(raw, L.reply, L.k)
-        self.ack = words(raw, L.ack, L.k)
-        self.push_src = words(raw, L.push_src, L.k)
-        self.pull_src = words(raw, L.pull_src, L.k)
-        self.status = words(raw, L.status, role.num_shards)
-        self.reasons = raw[L.reason : L.reason + REASON * role.num_shards].view(role.num_shards, REASON)
+        ns = role.num_shards
+        self.reply = words(raw, L.reply, ns)
+        self.ack = words(raw, L.ack, ns)
+        self.push_src = words(raw, L.push_src, ns)
+        self.pull_src = words(raw, L.pull_src, ns)
+        self.status = words(raw, L.status, ns)
+        self.reasons = raw[L.reason : L.reason + REASON * ns].view(ns, REASON)
         self.barrier_word = words(raw, L.barrier, 1)
         self.done_src = words(raw, L.done_src, 1)
         self.barrier_src = words(raw, L.barrier_src, 1)
-        if init is not None:
-            for j, t in enumerate(init):
-                self.staging[j].copy_(t)
-        self.push_seq = [0] * L.k
-        self.pull_seq = [0] * L.k
+        if init is not None:  # staged as a request of every key of the shard, which READs it
+            for s, js in enumerate(spec.shard_keys):
+                if js:
+                    staged = self._stage_values(s, len(js), spec.shards[s].elements)
+                    torch.cat([init[j].reshape(-1) for j in js], out=staged)
+        self.push_seq = [0] * ns
+        self.pull_seq = [0] * ns
         self.barrier_seq = 0
-        self._pending: list[_Pull | None] = [None] * L.k
+        self._pending: list[_PullPart | None] = [None] * ns
         self._unflushed: list = []  # futures of push flags not yet known to be visible
         self._held: list = []  # (last flag future of a push, the arena tensors it sends from)
         self.dev.publish("ps/kv/worker", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
         store.set(f"ready/worker/{self.id}", "1")
         self.shards = []
-        for s in range(role.num_shards):
+        for s in range(ns):
             ep = store.get(f"ep/shard/{s}")
             store.wait([f"ready/shard/{s}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/kv/shard", self.ctx.timeout), "ps/kv/shard")
@@ -175,50 +174,19 @@ class KVStore:
             self.shards.append({"ep": ep, "remote": RemoteRegion.from_descriptor(desc),
                                 "base": int(meta["base"]), "layout": spec.shards[s], "channel": self.dev.channel(ep)})
         # The shards are serving (and have read worker 0's initial values) once this returns.
-        store.wait([f"kv/serving/{s}" for s in range(role.num_shards)])
+        store.wait([f"kv/serving/{s}" for s in range(ns)])
 
-    # -- checks -----------------------------------------------------------------------------------
-    def _index(self, k, op: str) -> int:
-        k = key_of(k)
-        j = self.spec.index.get(k)
-        if j is None:
-            raise InvalidArgumentError(f"{op}: key {k} was not declared (declared: {_short(self.keys)})")
-        return j
+    def _stage_values(self, s: int, count: int, elements: int) -> torch.Tensor:
+        """The values part of the push request staged for shard s, after its ``count`` indices."""
+        at = self.layout.push_stage[s] + U64 * (1 + count)
+        return self.raw[at : at + elements * self.spec.itemsize].view(self.dtype)
 
-    def _prepare(self, keys, tensors, op: str, allow_none: bool = False):
-        if self._closed:
-            raise InvalidArgumentError(f"{op}: this KVStore is closed")
-        if isinstance(keys, torch.Tensor) and keys.dim() == 1:
-            keys = keys.tolist()
-        single = not isinstance(keys, (list, tuple))
-        keys = [keys] if single else list(keys)
-        if tensors is None and allow_none:
-            tensors = [None] * len(keys)
-        elif single or isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        else:
-            tensors = list(tensors)
-        if len(keys) != len(tensors):
-            raise InvalidArgumentError(f"{op}: {len(keys)} keys but {len(tensors)} tensors")
-        idx = [self._index(k, op) for k in keys]
-        if len(set(idx)) != len(idx):
-            dup = next(self.keys[j] for j in idx if idx.count(j) > 1)
-            raise InvalidArgumentError(f"{op}: key {dup} appears twice in one call")
-        for j, t in zip(idx, tensors):
-            if t is None and allow_none:
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise InvalidArgumentError(f"{op}: the tensor of key {self.keys[j]} must be a torch.Tensor, "
-                                                 f"got {type(t).__name__}")
-            want = self.spec.shapes[j]
-            if t.dtype != self.dtype or tuple(t.shape) != want:
-                raise InvalidArgumentError(
-                    f"{op}: key {self.keys[j]} holds {dtype_name(self.dtype)}{list(want)}, got "
-                    f"{dtype_name(t.dtype)}{list(t.shape)}")
-            if t.device.type != "cpu":
-                raise InvalidArgumentError(f"{op}: the tensor of key {self.keys[j]} is on {t.device}; "
-                                                 "the key-value API moves host tensors")
-        return idx, tensors, single
+    def _stage_indices(self, area: int, rows: torch.Tensor) -> int:
+        """Writes a request's header (its key count) and key indices at ``area``; returns their bytes."""
+        head = self.raw[area : area + U64 * (1 + len(rows))].view(torch.int64)
+        head[0] = len(rows)
+        head[1:] = rows
+        return U64 * (1 + len(rows))
 
     # -- waiting ----------------------------------------------------------------------------------
     def _fail(self, msg: str, exc=PeerError):
@@ -279,41 +247,23 @@ class KVStore:
             raise self._fail(f"shard {s} at {sh['ep']} is unreachable from worker {self.id} ({what}): {e}") from None
 
     # -- the API ----------------------------------------------------------------------------------
+    def _request(self, keys, values, op: str, **kw) -> Request:
+        if self._closed:
+            raise InvalidArgumentError(f"{op}: this KVStore is closed")
+        return Request(self.spec, keys, values, op, **kw)
+
     def push(self, keys, tensors) -> KVHandle:
-        """Sends ``tensors`` to their keys' shards, which apply the handler to each. Returns at
-        once with a handle; the tensors may be reused when push returns, except ones that live
-        in the device's arena (sent without a copy): keep those unchanged until ``wait``."""
-        idx, tensors, _ = self._prepare(keys, tensors, "push")
-        h = KVHandle("push", [self.keys[j] for j in idx])
+        """Sends ``tensors`` to their keys' shards, which apply the handler to them: one request
+        per shard, applied there as one unit. Returns at once with a handle; the tensors may be
+        reused when push returns, except ones that live in the device's arena (sent without a
+        copy): keep those unchanged until ``wait``. ``keys`` a 1-D integer tensor and ``tensors``
+        one flat tensor of their values concatenated: the batched form (see kv_request.py)."""
+        req = self._request(keys, tensors, "push")
+        h = KVHandle("push", req)
         deadline = Deadline(self.timeout)
-        by_shard: dict[int, list[int]] = {}
-        L, spec = self.layout, self.spec
-        for j in idx:
-            # One push per key in flight: the slot (and the staging) are free once acked.
-            self._wait_word(self.ack, j, self.push_seq[j], spec.shard_of[j], f"the push of key {self.keys[j]}",
-                            deadline)
-        for j, t in zip(idx, tensors):
-            s = spec.shard_of[j]
-            off = self.arena.offset_of(t) if t.is_contiguous() else None
-            if off is None:
-                self.staging[j].copy_(t)
-                off = self.base + L.stage + L.voff[j]
-            else:
-                h._keep.append(t)
-                self.stats["zero_copy"] += 1
-            h._futs.append(self._write(s, off, spec.shards[s].slot(self.id, spec.local[j]), spec.nbytes[j], "push"))
-            by_shard.setdefault(s, []).append(j)
-        for s, js in by_shard.items():
-            self.shards[s]["channel"].fence()  # the values land before their flags
-            sl = spec.shards[s]
-            for j in js:
-                self.push_seq[j] += 1
-                self.push_src[j] = self.push_seq[j]
-                pair = self._write(s, self.base + L.push_src + U64 * j, sl.word(sl.push, self.id, spec.local[j]),
-                                   U64, "push")
-                h._futs.append(pair)
-                self._unflushed.append(pair)
-        self.stats["pushes"] += len(idx)
+        for s, positions in req.by_shard():
+            self._push_to(s, req, positions, h, deadline)
+        self.stats["pushes"] += len(req)
         if len(self._unflushed) > 4096:
             self._unflushed = [p for p in self._unflushed if not p[1].done()]
         # Tensors sent without a copy stay referenced until their WRITEs completed, even if the
@@ -324,73 +274,133 @@ class KVStore:
             self._held.append((h._futs[-1][1], list(h._keep)))
         return h
 
+    def _push_to(self, s: int, req: Request, positions, h: KVHandle, deadline: Deadline) -> None:
+        """Stages the part of ``req`` for shard s (header, key indices, values copied in request
+        order; arena tensors last, sent from where they are) and WRITEs it, then its flag."""
+        spec, L = self.spec, self.layout
+        # One push request per shard in flight: the staging and the shard's area are free once acked.
+        self._wait_word(self.ack, s, self.push_seq[s], s, f"shard {s}'s acknowledgement of the last push", deadline)
+        sel = positions if positions is not None else torch.arange(len(req))
+        direct: list[tuple[int, int]] = []  # (request position, arena offset) of tensors sent in place
+        if req.flat is not None:
+            order = sel
+            values = req.flat if positions is None else req.flat[req.element_positions(positions)]
+        else:
+            copied = []
+            for p in sel.tolist():
+                t = req.tensors[p]
+                off = self.arena.offset_of(t) if t.is_contiguous() else None
+                if off is None:
+                    copied.append(p)
+                else:
+                    direct.append((p, off))
+                    h._keep.append(t)
+            self.stats["zero_copy"] += len(direct)
+            order = torch.tensor(copied + [p for p, _ in direct], dtype=torch.int64)
+            values = None
+        rows = spec.local_tensor[req.j[order]]
+        numels = req.numels[order]
+        n_copied = len(order) - len(direct)
+        copied_elements = int(numels[:n_copied].sum()) if n_copied else 0
+        stage = L.push_stage[s]
+        head = self._stage_indices(stage, rows)
+        out = self._stage_values(s, len(rows), copied_elements)
+        if values is not None:
+            out.copy_(values)
+        elif n_copied:
+            torch.cat([req.tensors[p].reshape(-1) for p in order[:n_copied].tolist()], out=out)
+        remote = spec.shards[s].push(self.id)
+        nbytes = head + copied_elements * spec.itemsize
+        h._futs.append(self._write(s, self.base + stage, remote, nbytes, "push"))
+        at = remote + nbytes
+        for (_, off), numel in zip(direct, numels[n_copied:].tolist()):
+            h._futs.append(self._write(s, off, at, numel * spec.itemsize, "push"))
+            at += numel * spec.itemsize
+        self.shards[s]["channel"].fence()  # the request lands before its flag
+        self.push_seq[s] += 1
+        self.push_src[s] = self.push_seq[s]
+        sl = spec.shards[s]
+        pair = self._write(s, self.base + L.push_src + U64 * s, sl.word(sl.push_flag, self.id), U64, "push")
+        h._futs.append(pair)
+        self._unflushed.append(pair)
+
     def pull(self, keys, outs=None) -> KVHandle:
-        """Asks the keys' shards for their values; ``wait`` copies them into ``outs`` (or into
-        new tensors when ``outs`` is None) and returns them. A pull sees this worker's earlier
-        pushes, and every other worker's push whose ``wait`` returned before it."""
-        idx, outs, single = self._prepare(keys, outs, "pull", allow_none=True)
-        h = KVHandle("pull", [self.keys[j] for j in idx], single)
+        """Asks the keys' shards for their values, one request per shard; ``wait`` copies them into
+        ``outs`` (or into new tensors when ``outs`` is None) and returns them. A pull sees this
+        worker's earlier pushes, and every other worker's push whose ``wait`` returned before it.
+        The batched form (``keys`` a 1-D integer tensor) returns one flat tensor."""
+        req = self._request(keys, outs, "pull", values_optional=True)
+        h = KVHandle("pull", req)
         deadline = Deadline(self.timeout)
-        by_shard: dict[int, list[int]] = {}
-        for j in idx:
-            if self._pending[j] is not None:  # the out area is reused: finish the earlier pull first
-                self._complete(self._pending[j], deadline)
-            by_shard.setdefault(self.spec.shard_of[j], []).append(j)
-        items = {}
-        L, spec = self.layout, self.spec
-        for s, js in by_shard.items():
-            self.shards[s]["channel"].fence()  # behind this worker's pushes: read-your-writes
+        spec, L = self.spec, self.layout
+        h._result = req.flat if req.flat is not None else torch.empty(req.elements, dtype=self.dtype)
+        for s, positions in req.by_shard():
+            if self._pending[s] is not None:  # the landing area is reused: finish the earlier pull first
+                self._complete(self._pending[s], deadline)
+            sel = positions if positions is not None else torch.arange(len(req))
+            stage = L.pull_stage[s]
+            nbytes = self._stage_indices(stage, spec.local_tensor[req.j[sel]])
             sl = spec.shards[s]
-            for j in js:
-                self.pull_seq[j] += 1
-                self.pull_src[j] = self.pull_seq[j]
-                h._futs.append(self._write(s, self.base + L.pull_src + U64 * j,
-                                           sl.word(sl.pull, self.id, spec.local[j]), U64, "pull"))
-                items[j] = self._pending[j] = _Pull(j, self.pull_seq[j], None)
-        for j, out in zip(idx, outs):
-            items[j].out = out
-            h._items.append(items[j])
-        self.stats["pulls"] += len(idx)
+            h._futs.append(self._write(s, self.base + stage, sl.pull(self.id), nbytes, "pull"))
+            self.shards[s]["channel"].fence()  # behind the request, and this worker's pushes: read-your-writes
+            self.pull_seq[s] += 1
+            self.pull_src[s] = self.pull_seq[s]
+            h._futs.append(self._write(s, self.base + L.pull_src + U64 * s, sl.word(sl.pull_flag, self.id), U64,
+                                       "pull"))
+            elements = None if positions is None else req.element_positions(positions)
+            part = self._pending[s] = _PullPart(s, self.pull_seq[s], elements, h._result)
+            h._parts.append(part)
+        self.stats["pulls"] += len(req)
         return h
 
-    def _complete(self, item: _Pull, deadline: Deadline) -> None:
-        if item.done:
+    def _complete(self, part: _PullPart, deadline: Deadline) -> None:
+        """Waits for shard s's reply to a pull and copies it out of the landing area."""
+        if part.done:
             return
-        j = item.j
-        s = self.spec.shard_of[j]
-        self._wait_word(self.reply, j, item.seq, s, f"the pull of key {self.keys[j]}", deadline)
-        if item.out is not None:
-            item.out.copy_(self.outs[j])
-            item.result = item.out
+        s = part.s
+        self._wait_word(self.reply, s, part.seq, s, f"shard {s}'s reply to a pull", deadline)
+        landing = self.layout.landing[s]
+        n = part.values.numel() if part.positions is None else len(part.positions)
+        got = self.raw[landing : landing + n * self.spec.itemsize].view(self.dtype)
+        if part.positions is None:
+            part.values.copy_(got)
         else:
-            item.result = self.outs[j].clone()
-        item.done = True
-        if self._pending[j] is item:
-            self._pending[j] = None
+            part.values[part.positions] = got
+        part.done = True
+        if self._pending[s] is part:
+            self._pending[s] = None
 
     def wait(self, handle: KVHandle, timeout: float | None = None):
         """Waits until ``handle`` completed. A push: its values are at the shards (visible to
         every later pull). A pull: returns the list of pulled tensors (a tensor if pull was
-        given one key, not a list). Raises PeerError if a shard died, TimeoutError after
-        ``timeout`` (default: the job's step timeout)."""
+        given one key, not a list; one flat tensor in the batched form). Raises PeerError if a
+        shard died, TimeoutError after ``timeout`` (default: the job's step timeout)."""
         if not isinstance(handle, KVHandle):
             raise InvalidArgumentError(
                 f"wait() takes a handle from push() or pull(), got {type(handle).__name__}")
         if handle.done:
             return handle._result
         deadline = Deadline(self.timeout if timeout is None else float(timeout))
-        what = f"{handle.kind} of keys {_short(handle.keys)}"
+        what = f"{handle.kind} of keys {short(handle.keys)}"
         self._wait_futures(handle._futs, deadline, what)
         if handle.kind == "pull":
-            for item in handle._items:
-                self._complete(item, deadline)
-            handle._result = [item.result for item in handle._items]
-            if handle.single:
-                handle._result = handle._result[0]
+            for part in handle._parts:
+                self._complete(part, deadline)
+            handle._result = self._pulled(handle._request, handle._result)
         handle._keep.clear()
         handle._futs.clear()
         handle.done = True
         return handle._result
+
+    def _pulled(self, req: Request, flat: torch.Tensor):
+        """A pull's result in the request's form: the flat tensor, or one tensor per key."""
+        if req.batched:
+            return flat
+        spec, out = self.spec, []
+        for j, off, numel, given in zip(req.j.tolist(), req.offsets.tolist(), req.numels.tolist(), req.tensors):
+            value = flat[off : off + numel].view(spec.shapes[j])
+            out.append(value if given is None else given.copy_(value))
+        return out[0] if req.single else out
 
     def push_pull(self, keys, tensors, outs=None):
         """Pushes, then pulls the same keys (the pull sees the push); returns the pulled values."""
@@ -407,8 +417,8 @@ class KVStore:
         self._unflushed = []
         self.barrier_seq += 1
         self.barrier_src[0] = self.barrier_seq
-        self._write(0, self.base + self.layout.barrier_src, self.spec.shards[0].barrier + U64 * self.id, U64,
-                    "barrier")
+        shard0 = self.spec.shards[0]
+        self._write(0, self.base + self.layout.barrier_src, shard0.word(shard0.barrier, self.id), U64, "barrier")
         self._wait_word(self.barrier_word, 0, self.barrier_seq, 0, f"barrier {self.barrier_seq}", deadline)
         self.stats["barriers"] += 1
 
@@ -429,9 +439,9 @@ class KVStore:
         _ACTIVE.discard(id(self.ctx))
         deadline = Deadline(min(self.timeout, 30.0))
         try:
-            for item in self._pending:
-                if item is not None:
-                    self._complete(item, deadline)
+            for part in self._pending:
+                if part is not None:
+                    self._complete(part, deadline)
             self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
         except RdmaflowError:
             pass  # the job is failing already; still tell the shards this worker is done
@@ -443,8 +453,9 @@ class KVStore:
                 continue
             try:
                 sh["channel"].fence()
+                done_word = sh["base"] + sh["layout"].word(sh["layout"].done, self.id)
                 futs.append(sh["channel"].memcpy(self.region, self.base + self.layout.done_src, sh["remote"],
-                                                 sh["base"] + sh["layout"].done + U64 * self.id, U64, WRITE))
+                                                 done_word, U64, WRITE))
             except RdmaflowError:
                 pass
         deadline = Deadline(5.0)
@@ -456,10 +467,3 @@ class KVStore:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _short(keys) -> str:
-    keys = list(keys)
-    return str(keys) if len(keys) <= 8 else f"[{', '.join(map(str, keys[:8]))}, ... ({len(keys)} keys)]"
-
-

@@ -3,6 +3,7 @@ from it: where each value and word lives in a shard's block (KVServerArea) and i
 block (KVClientArea). The protocol that uses them is described in kv.py."""
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -87,7 +88,9 @@ def describe_difference(mine: dict, theirs: dict) -> str:
 
 
 class KVLayout:
-    """The layout of both sides, computed from the declaration and the job's size."""
+    """The layout of both sides, computed from the declaration and the job's size. Index j
+    numbers the declared keys ascending; key j lives on shard ``shard_of[j]`` as that shard's
+    key ``local[j]``; a shard packs its keys' values densely in key order (``offset``)."""
 
     def __init__(self, decl: dict, num_shards: int, num_workers: int):
         self.decl = decl
@@ -95,97 +98,101 @@ class KVLayout:
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.keys = [int(k) for k, _ in decl["keys"]]
         self.shapes = [tuple(int(d) for d in s) for _, s in decl["keys"]]
-        self.numel = [_numel(s) for s in self.shapes]
-        self.nbytes = [n * self.itemsize for n in self.numel]
-        self.index = {k: j for j, k in enumerate(self.keys)}
+        self.numel = [math.prod(s) for s in self.shapes]
         self.ns, self.nw = num_shards, num_workers
-        self.shard_of = [k % num_shards for k in self.keys]
-        self.local = []  # j -> index of key j among its shard's keys
+        self.key_tensor = torch.tensor(self.keys, dtype=torch.int64)
+        self.numel_tensor = torch.tensor(self.numel, dtype=torch.int64)
+        self.shard_tensor = self.key_tensor % num_shards
+        self.local_tensor = torch.empty_like(self.key_tensor)
         self.shard_keys: list[list[int]] = [[] for _ in range(num_shards)]  # s -> [j]
-        for j, s in enumerate(self.shard_of):
-            self.local.append(len(self.shard_keys[s]))
-            self.shard_keys[s].append(j)
-        self.worker = KVClientArea(self.nbytes, num_shards)
-        self.shards = [KVServerArea([self.nbytes[j] for j in js], num_workers) for js in self.shard_keys]
+        for s in range(num_shards):
+            js = torch.nonzero(self.shard_tensor == s).flatten()
+            self.local_tensor[js] = torch.arange(len(js))
+            self.shard_keys[s] = js.tolist()
+        # Every key has the same number of elements (scalars, rows of a table): requests then
+        # index values as rows of that width instead of through per-element index lists.
+        self.width = self.numel[0] if len(set(self.numel)) == 1 else None
+        self.shards = [KVServerArea([self.numel[j] for j in js], num_workers, self.itemsize)
+                       for js in self.shard_keys]
+        self.worker = KVClientArea(self.shards)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def element_index(offsets: torch.Tensor, numels: torch.Tensor, rows: torch.Tensor, width: int | None) -> torch.Tensor:
+    """The positions, in a flat array of values, of the elements of the values ``rows`` (in that
+    order), where value r starts at ``offsets[r]`` and has ``numels[r]`` elements."""
+    if width == 1:
+        return rows
+    if width is not None:
+        return (rows[:, None] * width + torch.arange(width)).reshape(-1)
+    lens = numels[rows]
+    starts = offsets[rows] - (torch.cumsum(lens, 0) - lens)
+    return torch.repeat_interleave(starts, lens) + torch.arange(int(lens.sum()))
 
 
-def _values(sizes: list[int]) -> tuple[list[int], int]:
-    offs, off = [], 0
-    for b in sizes:
-        offs.append(off)
-        off += aligned(b)
-    return offs, off
+def request_bytes(count: int, elements: int, itemsize: int) -> int:
+    """The size of a push request: its header word, ``count`` key indices, then the values."""
+    return U64 * (1 + count) + elements * itemsize
 
 
 class KVServerArea:
-    """Where things are in shard s's block (see kv.py's protocol)."""
+    """Where things are in one shard's block (see kv.py's protocol); w numbers the workers."""
 
-    def __init__(self, sizes: list[int], nw: int):
-        n = self.n = len(sizes)
-        self.nw = nw
-        self.voff, vbytes = _values(sizes)
+    def __init__(self, numels: list[int], nw: int, itemsize: int):
+        n = self.n = len(numels)
+        self.nw, self.itemsize = nw, itemsize
+        self.numels = torch.tensor(numels, dtype=torch.int64)
+        self.offsets = torch.cumsum(self.numels, 0) - self.numels  # element offset of key i
+        self.elements = int(self.numels.sum())
+        vbytes = aligned(self.elements * itemsize)
         self.stored = 0
-        self.slots = vbytes
-        self.slot_stride = vbytes
-        off = vbytes * (1 + nw)
-        words = aligned(U64 * nw * n)
-        self.push = off
-        self.pull = off + words
-        self.ack_src = off + 2 * words
-        self.reply_src = off + 3 * words
-        off += 4 * words
-        self.done = off
-        self.barrier = off + aligned(U64 * nw)
-        self.barrier_src = off + 2 * aligned(U64 * nw)
-        self.abort_src = off + 3 * aligned(U64 * nw)
+        self.push_stride = aligned(request_bytes(n, self.elements, itemsize))
+        self.pull_stride = aligned(U64 * (1 + n))
+        self.value_stride = vbytes
+        self.push_area = vbytes
+        self.pull_area = self.push_area + nw * self.push_stride
+        self.reply_src = self.pull_area + nw * self.pull_stride
+        words = aligned(U64 * nw)
+        off = self.reply_src + nw * vbytes
+        self.flags = off            # everything from here on starts zeroed
+        (self.push_flag, self.pull_flag, self.ack_src, self.reply_flag_src, self.done, self.barrier,
+         self.barrier_src) = (off + i * words for i in range(7))
+        self.abort_src = off + 7 * words
         self.reason_src = self.abort_src + U64
-        self.flags = self.push            # everything from here on starts zeroed
         self.total = self.abort_src + aligned(U64 + REASON)
 
-    def slot(self, w: int, i: int) -> int:
-        return self.slots + w * self.slot_stride + self.voff[i]
+    def push(self, w: int) -> int:
+        return self.push_area + w * self.push_stride
 
-    def word(self, array: int, w: int, i: int) -> int:
-        return array + U64 * (w * self.n + i)
+    def pull(self, w: int) -> int:
+        return self.pull_area + w * self.pull_stride
+
+    def reply(self, w: int) -> int:
+        return self.reply_src + w * self.value_stride
+
+    def word(self, array: int, w: int) -> int:
+        return array + U64 * w
 
 
 class KVClientArea:
-    """Where things are in a worker's block (see kv.py's protocol)."""
+    """Where things are in a worker's block (see kv.py's protocol); s numbers the shards."""
 
-    def __init__(self, sizes: list[int], ns: int):
-        k = self.k = len(sizes)
-        self.voff, vbytes = _values(sizes)
-        self.stage = 0
-        self.out = vbytes
-        off = 2 * vbytes
-        words = aligned(U64 * k)
-        self.reply = off
-        self.ack = off + words
-        self.push_src = off + 2 * words
-        self.pull_src = off + 3 * words
-        off += 4 * words
-        self.status = off
-        self.reason = off + aligned(U64 * ns)
+    def __init__(self, shards: list[KVServerArea]):
+        ns = len(shards)
+        off, self.push_stage, self.pull_stage, self.landing = 0, [], [], []
+        for sh in shards:  # per shard: where requests are staged, where its replies land
+            self.push_stage.append(off)
+            self.pull_stage.append(off + sh.push_stride)
+            self.landing.append(off + sh.push_stride + sh.pull_stride)
+            off += sh.push_stride + sh.pull_stride + sh.value_stride
+        words = aligned(U64 * ns)
+        self.flags = off
+        self.reply, self.ack, self.push_src, self.pull_src, self.status = (off + i * words for i in range(5))
+        self.reason = off + 5 * words
         self.barrier = self.reason + aligned(REASON * ns)
         self.done_src = self.barrier + U64
         self.barrier_src = self.barrier + 2 * U64
-        self.flags = self.reply
         self.total = self.barrier + aligned(4 * U64)
 
 
 def words(raw: torch.Tensor, off: int, count: int) -> torch.Tensor:
     return raw[off : off + U64 * count].view(torch.int64)
-
-
-def _arena(dev, nbytes: int):
-    existing = getattr(dev, "_rdmaflow_arena", None)
-    return existing if existing is not None else dev.create_arena(nbytes)
-
-

@@ -10,7 +10,7 @@ import torch
 from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.kv_job import leave, linger
-from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, words
+from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
 from rdmaflow.ps.protocol import ABORT, DONE
 from rdmaflow.ps.shard import ShardFailure
 from rdmaflow.transfer.common import pack_header, unpack_header
@@ -20,23 +20,38 @@ STORE_CHECK = 1.0    # seconds between checks of the store's abort key while ser
 
 
 def sum_handler(key: int, stored: torch.Tensor, pushed: torch.Tensor) -> None:
-    """The default server-side handler: ``stored += pushed``."""
+    """The default server-side handler: ``stored += pushed`` (applied to a whole request at once
+    as one ``index_add_``, never called per key)."""
     stored.add_(pushed)
 
 
-class KVShard:
-    """Holds the stored values of keys ``k % num_shards == id`` and applies pushes to them."""
+def check_handlers(handler, batch_handler) -> None:
+    for name, fn in (("kv_handler", handler), ("kv_batch_handler", batch_handler)):
+        if fn is not None and not callable(fn):
+            raise InvalidArgumentError(f"{name} must be callable, got {type(fn).__name__}")
+    if handler is not None and batch_handler is not None:
+        raise InvalidArgumentError("give kv_handler or kv_batch_handler, not both")
 
-    def __init__(self, ctx, handler=None):
-        if handler is not None and not callable(handler):
-            raise InvalidArgumentError(f"kv_handler must be callable, got {type(handler).__name__}")
+
+class KVShard:
+    """Holds the stored values of keys ``k % num_shards == id`` and applies pushes to them.
+
+    ``handler(key, stored, pushed)`` is called once per key of a request (a Python call and two
+    tensor views per key, so a request of many small keys costs microseconds per key);
+    ``batch_handler(keys, stored, pushed)`` once per request with the request's keys (int64) and
+    their stored and pushed values flattened and concatenated in the same order; it updates
+    ``stored`` in place or returns the new values. Neither: the vectorised sum."""
+
+    def __init__(self, ctx, handler=None, batch_handler=None):
+        check_handlers(handler, batch_handler)
         self.ctx = ctx
         self.role = ctx.role
         self.id = ctx.role.index
         self.store = ctx.store
         self.dev = ctx.device
-        self.handler = handler or sum_handler
-        self.stats = {"kind": "kv", "pushes": 0, "pulls": 0, "barriers": 0}
+        self.handler = None if handler is sum_handler else handler
+        self.batch_handler = batch_handler
+        self.stats = {"kind": "kv", "pushes": 0, "pulls": 0, "barriers": 0, "requests": 0}
         self.workers: list[dict] = []
 
     def setup(self) -> None:
@@ -52,28 +67,22 @@ class KVShard:
         self.base = self.block.offset
         self.region = arena.region
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
-        raw[: L.slots].zero_()
+        raw[: L.push_area].zero_()
         raw[L.flags :].zero_()
         self.raw = raw
-
-        def value(off: int, i: int) -> torch.Tensor:
-            j = self.js[i]
-            return raw[off + L.voff[i] : off + L.voff[i] + spec.nbytes[j]].view(spec.dtype).view(spec.shapes[j])
-
-        self.stored = [value(L.stored, i) for i in range(self.n)]
-        self.slots = [[value(L.slots + w * L.slot_stride, i) for i in range(self.n)] for w in range(self.nw)]
-        self.pflags = words(raw, L.push, self.nw * self.n).view(self.nw, self.n)
-        self.qflags = words(raw, L.pull, self.nw * self.n).view(self.nw, self.n)
-        self.ack_src = words(raw, L.ack_src, self.nw * self.n).view(self.nw, self.n)
-        self.reply_src = words(raw, L.reply_src, self.nw * self.n).view(self.nw, self.n)
+        self.stored = raw[: L.elements * L.itemsize].view(spec.dtype)  # every value, packed in key order
+        self.key_tensor = spec.key_tensor[self.js] if self.n else spec.key_tensor[:0]
+        self.push_flags = words(raw, L.push_flag, self.nw)
+        self.pull_flags = words(raw, L.pull_flag, self.nw)
+        self.ack_src = words(raw, L.ack_src, self.nw)
+        self.reply_flag_src = words(raw, L.reply_flag_src, self.nw)
         self.done = words(raw, L.done, self.nw)
         self.bflags = words(raw, L.barrier, self.nw)
         self.barrier_src = words(raw, L.barrier_src, self.nw)
         self.abort_src = words(raw, L.abort_src, 1)
-        self.applied = torch.zeros(self.nw, self.n, dtype=torch.int64)
-        self.replied = torch.zeros(self.nw, self.n, dtype=torch.int64)
+        self.applied = torch.zeros(self.nw, dtype=torch.int64)
+        self.replied = torch.zeros(self.nw, dtype=torch.int64)
         self.released = 0
-        self.busy: dict[int, list] = {}  # i -> reply WRITEs still reading stored[i]
         self.inflight: list = []
         self.dev.publish("ps/kv/shard", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
         store.set(f"ready/shard/{self.id}", "1")
@@ -86,13 +95,11 @@ class KVShard:
                                    f"{spec.worker.total}: are all processes running the same rdmaflow?")
             self.workers.append({"ep": ep, "remote": RemoteRegion.from_descriptor(desc),
                                  "base": int(meta["base"]), "channel": self.dev.channel(ep)})
-        if job.get("init") and self.n:
-            w0, wl = self.workers[0], spec.worker
-            futs = [w0["channel"].memcpy(self.region, self.base + L.stored + L.voff[i], w0["remote"],
-                                         w0["base"] + wl.stage + wl.voff[j], spec.nbytes[j], READ)
-                    for i, j in enumerate(self.js)]
-            for f in futs:
-                f.result(self.ctx.timeout)
+        if job.get("init") and self.n:  # worker 0 staged its initial values as a request of every key
+            w0 = self.workers[0]
+            at = spec.worker.push_stage[self.id] + U64 * (1 + self.n)
+            w0["channel"].memcpy(self.region, self.base, w0["remote"], w0["base"] + at,
+                                 L.elements * L.itemsize, READ).result(self.ctx.timeout)
         store.set(f"kv/serving/{self.id}", "1")
 
     # -- data path --------------------------------------------------------------------------------
@@ -107,72 +114,114 @@ class KVShard:
                 return None  # that worker closed and left: nothing it waits for any more
             raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.id} cannot reach it: {e})") from None
 
-    def _apply(self, w: int, i: int, seq: int) -> None:
-        key = self.spec.keys[self.js[i]]
-        stored = self.stored[i]
-        try:
-            ret = self.handler(key, stored, self.slots[w][i])
-        except Exception as e:
-            raise ShardFailure(f"the kv handler raised on key {key} (push from worker {w}): {e!r}") from e
-        if ret is not None and ret is not stored:
-            if not isinstance(ret, torch.Tensor):
-                raise ShardFailure(f"the kv handler returned {type(ret).__name__} for key {key}: "
-                                   "update `stored` in place and return None, or return a tensor")
-            try:
-                stored.copy_(ret)
-            except RuntimeError as e:
-                raise ShardFailure(f"the kv handler returned a tensor that does not fit key {key}: {e}") from None
-        self.applied[w, i] = seq
-        self.stats["pushes"] += 1
+    def _request(self, area: int) -> torch.Tensor:
+        """The local key indices of the request in the area at byte ``area``."""
+        count = int(self.raw[area : area + U64].view(torch.int64))
+        if not 0 <= count <= self.n:
+            raise ShardFailure(f"a request names {count} keys; shard {self.id} holds {self.n}")
+        return self.raw[area + U64 : area + U64 * (1 + count)].view(torch.int64)
 
-    def _round(self) -> tuple[bool, bool]:
-        """One pass over every flag: applies the pushes it sees, then answers the pulls it saw
-        first. Returns (did something, a key is held back by a reply still in flight)."""
-        q = self.qflags.clone()  # the pull requests first ...
-        p = self.pflags.clone()  # ... then the pushes, which a request's fence put before it
-        pushes, pulls = p > self.applied, q > self.replied
-        if not (bool(pushes.any()) or bool(pulls.any())):
-            return False, False
-        held = False
-        for i in list(self.busy):
-            self.busy[i] = [f for f in self.busy[i] if not f.done()]
-            if not self.busy[i]:
-                del self.busy[i]
-        if self.busy:  # a reply still reads stored[i]: nothing lands on key i before it completed
-            cols = torch.tensor(sorted(self.busy))
-            held = bool(pushes[:, cols].any()) or bool(pulls[:, cols].any())
-            pushes[:, cols] = False
-            pulls[:, cols] = False
+    def _elements(self, rows: torch.Tensor) -> torch.Tensor:
+        L = self.layout
+        return element_index(L.offsets, L.numels, rows, self.spec.width)
+
+    def _apply(self, w: int) -> None:
+        """Applies worker w's push request, every key of it, before anything else happens."""
+        L = self.layout
+        rows = self._request(L.push(w))
+        at = L.push(w) + U64 * (1 + len(rows))
+        if self.n and len(rows) == self.n and bool((rows == torch.arange(self.n)).all()):
+            elems = None  # every key in order: the request's values are the stored array's layout
+            count = L.elements
+        else:
+            elems = self._elements(rows)
+            count = len(elems)
+        pushed = self.raw[at : at + count * L.itemsize].view(self.spec.dtype)
+        if self.handler is not None:
+            self._apply_per_key(w, rows, pushed)
+        elif self.batch_handler is not None:
+            self._apply_batch(w, rows, elems, pushed)
+        elif elems is None:
+            self.stored.add_(pushed)
+        else:
+            self.stored.index_add_(0, elems, pushed)
+        self.stats["pushes"] += len(rows)
+        self.stats["requests"] += 1
+
+    def _apply_per_key(self, w: int, rows: torch.Tensor, pushed: torch.Tensor) -> None:
+        spec, L = self.spec, self.layout
+        at = 0
+        for i in rows.tolist():
+            j = self.js[i]
+            key, numel, shape = spec.keys[j], spec.numel[j], spec.shapes[j]
+            off = int(L.offsets[i])
+            stored = self.stored[off : off + numel].view(shape)
+            try:
+                ret = self.handler(key, stored, pushed[at : at + numel].view(shape))
+            except Exception as e:
+                raise ShardFailure(f"the kv handler raised on key {key} (push from worker {w}): {e!r}") from e
+            at += numel
+            self._store_returned(ret, stored, f"key {key}")
+
+    def _apply_batch(self, w: int, rows: torch.Tensor, elems, pushed: torch.Tensor) -> None:
+        stored = self.stored if elems is None else self.stored[elems]
+        try:
+            ret = self.batch_handler(self.key_tensor[rows], stored, pushed)
+        except Exception as e:
+            raise ShardFailure(f"the kv batch handler raised on a request of {len(rows)} keys from worker {w}: "
+                               f"{e!r}") from e
+        self._store_returned(ret, stored, f"a request of {len(rows)} keys")
+        if elems is not None:
+            self.stored[elems] = stored
+
+    @staticmethod
+    def _store_returned(ret, stored: torch.Tensor, what: str) -> None:
+        if ret is None or ret is stored:
+            return
+        if not isinstance(ret, torch.Tensor):
+            raise ShardFailure(f"the kv handler returned {type(ret).__name__} for {what}: "
+                               "update `stored` in place and return None, or return a tensor")
+        try:
+            stored.copy_(ret)
+        except RuntimeError as e:
+            raise ShardFailure(f"the kv handler returned a tensor that does not fit {what}: {e}") from None
+
+    def _reply(self, w: int, seq: int) -> None:
+        """Answers worker w's pull request: its values, gathered in request order, in one WRITE;
+        then, behind a fence, the reply flag."""
         L, wl = self.layout, self.spec.worker
-        for (w, i), seq in zip(torch.nonzero(pushes).tolist(), p[pushes].tolist()):
-            self._apply(w, i, seq)
-            self.ack_src[w, i] = seq
-            f = self._post(w, self.base + L.word(L.ack_src, w, i), wl.ack + U64 * self.js[i], U64)
+        rows = self._request(L.pull(w))
+        src = self.raw[L.reply(w) : L.reply(w) + L.value_stride].view(self.spec.dtype)
+        elems = self._elements(rows)
+        torch.index_select(self.stored, 0, elems, out=src[: len(elems)])
+        futs = [self._post(w, self.base + L.reply(w), wl.landing[self.id], len(elems) * L.itemsize)]
+        self.workers[w]["channel"].fence()
+        self.reply_flag_src[w] = seq
+        futs.append(self._post(w, self.base + L.word(L.reply_flag_src, w), wl.reply + U64 * self.id, U64))
+        self.inflight.extend(f for f in futs if f is not None)
+        self.stats["pulls"] += len(rows)
+
+    def _round(self) -> bool:
+        """One pass over the flags: applies every push request it sees, then answers the pull
+        requests it saw first. Returns whether it did something."""
+        q = self.pull_flags.clone()  # the pull requests first ...
+        p = self.push_flags.clone()  # ... then the pushes, which a request's fence put before it
+        pushes = torch.nonzero(p > self.applied).flatten().tolist()
+        pulls = torch.nonzero(q > self.replied).flatten().tolist()
+        wl = self.spec.worker
+        for w in pushes:
+            seq = int(p[w])
+            self._apply(w)
+            self.applied[w] = seq
+            self.ack_src[w] = seq
+            f = self._post(w, self.base + self.layout.word(self.layout.ack_src, w), wl.ack + U64 * self.id, U64)
             if f is not None:
                 self.inflight.append(f)
-        replies: dict[int, list] = {}
-        for (w, i), seq in zip(torch.nonzero(pulls).tolist(), q[pulls].tolist()):
-            self.replied[w, i] = seq
-            replies.setdefault(w, []).append((i, seq))
-        if replies:
-            self._reply(replies)
-        return bool(pushes.any()) or bool(replies), held
-
-    def _reply(self, replies: dict) -> None:
-        L, wl, spec = self.layout, self.spec.worker, self.spec
-        for w, items in replies.items():
-            for i, _ in items:
-                j = self.js[i]
-                f = self._post(w, self.base + L.stored + L.voff[i], wl.out + wl.voff[j], spec.nbytes[j])
-                if f is not None:
-                    self.busy.setdefault(i, []).append(f)
-            self.workers[w]["channel"].fence()
-            for i, seq in items:
-                self.reply_src[w, i] = seq
-                f = self._post(w, self.base + L.word(L.reply_src, w, i), wl.reply + U64 * self.js[i], U64)
-                if f is not None:
-                    self.inflight.append(f)
-                self.stats["pulls"] += 1
+        for w in pulls:
+            seq = int(q[w])
+            self.replied[w] = seq
+            self._reply(w, seq)
+        return bool(pushes or pulls)
 
     def _barrier(self) -> bool:
         live = self.done < DONE
@@ -205,12 +254,12 @@ class KVShard:
         last_progress = last_check = last_store = now
         while True:
             all_done = bool((self.done >= DONE).all())  # read before the flags: DONE came after them
-            progressed, waiting = self._round() if self.n else (False, False)
+            progressed = self._round()
             if self.id == 0 and self._barrier():
                 progressed = True
             if len(self.inflight) > 1024:
                 self.inflight = [f for f in self.inflight if not f.done()]
-            if all_done and not progressed and not waiting:
+            if all_done and not progressed:
                 return
             now = time.monotonic()
             if now - last_check > POLL:
@@ -232,9 +281,9 @@ class KVShard:
             self.setup()
             self.serve()
             deadline = Deadline(5.0)
-            for f in self.inflight + [f for b in self.busy.values() for f in b]:
+            for f in self.inflight:
                 f.wait(deadline.left())
-            self.stats["applied"] = self.applied.sum(0).tolist()
+            self.stats["applied"] = self.applied.tolist()
             try:
                 self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
             except Exception:  # noqa: BLE001 - the store may have left with shard 0 already
