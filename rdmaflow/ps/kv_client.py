@@ -284,7 +284,7 @@ class KVStore:
         direct: list[tuple[int, int]] = []  # (request position, arena offset) of tensors sent in place
         if req.flat is not None:
             order = sel
-            values = req.flat if positions is None else req.flat[req.element_positions(positions)]
+            values = req.flat if positions is None else req.flat.index_select(0, req.element_positions(positions))
         else:
             copied = []
             for p in sel.tolist():
@@ -298,8 +298,8 @@ class KVStore:
             self.stats["zero_copy"] += len(direct)
             order = torch.tensor(copied + [p for p, _ in direct], dtype=torch.int64)
             values = None
-        rows = spec.local_tensor[req.j[order]]
-        numels = req.numels[order]
+        rows = spec.local_tensor.index_select(0, req.j.index_select(0, order))
+        numels = req.numels.index_select(0, order)
         n_copied = len(order) - len(direct)
         copied_elements = int(numels[:n_copied].sum()) if n_copied else 0
         stage = L.push_stage[s]
@@ -339,7 +339,7 @@ class KVStore:
                 self._complete(self._pending[s], deadline)
             sel = positions if positions is not None else torch.arange(len(req))
             stage = L.pull_stage[s]
-            nbytes = self._stage_indices(stage, spec.local_tensor[req.j[sel]])
+            nbytes = self._stage_indices(stage, spec.local_tensor.index_select(0, req.j.index_select(0, sel)))
             sl = spec.shards[s]
             h._futs.append(self._write(s, self.base + stage, sl.pull(self.id), nbytes, "pull"))
             self.shards[s]["channel"].fence()  # behind the request, and this worker's pushes: read-your-writes
@@ -365,7 +365,7 @@ class KVStore:
         if part.positions is None:
             part.values.copy_(got)
         else:
-            part.values[part.positions] = got
+            part.values.index_copy_(0, part.positions, got)
         part.done = True
         if self._pending[s] is part:
             self._pending[s] = None

@@ -40,7 +40,7 @@ class Request:
             keys = [keys] if self.single else list(keys)
             self.keys = torch.tensor([key_of(k) for k in keys], dtype=torch.int64)
         self.j = self._index()
-        self.numels = spec.numel_tensor[self.j]
+        self.numels = spec.numel_tensor.index_select(0, self.j)
         self.offsets = torch.cumsum(self.numels, 0) - self.numels
         self.elements = int(self.numels.sum()) if len(self.j) else 0
         self.flat: torch.Tensor | None = None
@@ -62,13 +62,18 @@ class Request:
         return keys
 
     def _index(self) -> torch.Tensor:
-        declared = self.spec.key_tensor
-        pos = torch.searchsorted(declared, self.keys).clamp(max=len(declared) - 1)
-        unknown = declared[pos] != self.keys
+        spec = self.spec
+        if spec.key_table is not None:
+            pos = spec.key_table.index_select(0, self.keys.clamp(max=spec.max_key))
+            unknown = (pos < 0) | (self.keys > spec.max_key)
+        else:
+            pos = torch.searchsorted(spec.key_tensor, self.keys).clamp(max=len(spec.keys) - 1)
+            unknown = spec.key_tensor.index_select(0, pos) != self.keys
         if bool(unknown.any()):
             k = int(self.keys[unknown][0])
-            raise InvalidArgumentError(f"{self.op}: key {k} was not declared (declared: {short(declared)})")
-        if len(pos) > 1 and len(torch.unique(pos)) != len(pos):
+            raise InvalidArgumentError(f"{self.op}: key {k} was not declared (declared: {short(spec.key_tensor)})")
+        # Keys in ascending order (the usual request) cannot repeat; others are sorted to check.
+        if len(pos) > 1 and not bool((pos[1:] > pos[:-1]).all()) and len(torch.unique(pos)) != len(pos):
             ordered, _ = torch.sort(self.keys)
             dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
             raise InvalidArgumentError(f"{self.op}: key {dup} appears twice in one call")
@@ -113,7 +118,7 @@ class Request:
     def by_shard(self) -> list[tuple[int, torch.Tensor | None]]:
         """(shard, the request positions of its keys) for every shard the request names; None
         for positions when the request's keys all go to that one shard."""
-        shards = self.spec.shard_tensor[self.j]
+        shards = self.spec.shard_tensor.index_select(0, self.j)
         if self.spec.ns == 1 or bool((shards == shards[0]).all()):
             return [(int(shards[0]), None)] if len(self.j) else []
         return [(s, torch.nonzero(shards == s).flatten()) for s in range(self.spec.ns) if bool((shards == s).any())]

@@ -72,6 +72,7 @@ class KVShard:
         self.raw = raw
         self.stored = raw[: L.elements * L.itemsize].view(spec.dtype)  # every value, packed in key order
         self.key_tensor = spec.key_tensor[self.js] if self.n else spec.key_tensor[:0]
+        self.offsets = L.offsets.tolist()  # for the per-key handler
         self.push_flags = words(raw, L.push_flag, self.nw)
         self.pull_flags = words(raw, L.pull_flag, self.nw)
         self.ack_src = words(raw, L.ack_src, self.nw)
@@ -149,12 +150,12 @@ class KVShard:
         self.stats["requests"] += 1
 
     def _apply_per_key(self, w: int, rows: torch.Tensor, pushed: torch.Tensor) -> None:
-        spec, L = self.spec, self.layout
+        spec = self.spec
         at = 0
         for i in rows.tolist():
             j = self.js[i]
             key, numel, shape = spec.keys[j], spec.numel[j], spec.shapes[j]
-            off = int(L.offsets[i])
+            off = self.offsets[i]
             stored = self.stored[off : off + numel].view(shape)
             try:
                 ret = self.handler(key, stored, pushed[at : at + numel].view(shape))
@@ -164,15 +165,15 @@ class KVShard:
             self._store_returned(ret, stored, f"key {key}")
 
     def _apply_batch(self, w: int, rows: torch.Tensor, elems, pushed: torch.Tensor) -> None:
-        stored = self.stored if elems is None else self.stored[elems]
+        stored = self.stored if elems is None else self.stored.index_select(0, elems)
         try:
-            ret = self.batch_handler(self.key_tensor[rows], stored, pushed)
+            ret = self.batch_handler(self.key_tensor.index_select(0, rows), stored, pushed)
         except Exception as e:
             raise ShardFailure(f"the kv batch handler raised on a request of {len(rows)} keys from worker {w}: "
                                f"{e!r}") from e
         self._store_returned(ret, stored, f"a request of {len(rows)} keys")
         if elems is not None:
-            self.stored[elems] = stored
+            self.stored.index_copy_(0, elems, stored)
 
     @staticmethod
     def _store_returned(ret, stored: torch.Tensor, what: str) -> None:
