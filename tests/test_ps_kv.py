@@ -593,3 +593,41 @@ def test_dead_shard_is_reported_on_every_worker(jobs):
     for r in job.results():
         assert r["error"] is not None and ("shard 1" in r["error"] or "aborted" in r["error"]), r
     assert [job.procs[rank].returncode for rank in (2, 3)] == [3, 3], job.output()
+
+
+def test_batched_request_is_checked_and_cut_by_shard():
+    import torch
+
+    import rdmaflow
+    from rdmaflow.ps.kv_layout import KVLayout, declaration
+    from rdmaflow.ps.kv_request import Request
+
+    keys = [0, 1, 2, 3, 10, 11]
+    spec = KVLayout(declaration(keys, [(), (), (2,), (), (3,), ()], torch.float32), 2, 3)
+    req = Request(spec, torch.tensor([11, 2, 1]), torch.arange(4.0), "push")
+    assert req.batched and req.elements == 4
+    parts = {s: (None if p is None else p.tolist()) for s, p in req.by_shard()}
+    assert parts == {1: [0, 2], 0: [1]}, "keys 11 and 1 on shard 1, key 2 on shard 0"
+    assert req.element_positions(torch.tensor([1])).tolist() == [1, 2], "key 2's two elements"
+    assert req.element_positions(torch.tensor([0, 2])).tolist() == [0, 3]
+    single = Request(spec, torch.tensor([10]), torch.ones(3), "push")
+    assert [(s, p) for s, p in single.by_shard()] == [(0, None)], "one shard: the whole request"
+    # Stored values are packed per shard in key order: shard 0 holds 0, 2, 10 (1 + 2 + 3 elements).
+    assert spec.shards[0].offsets.tolist() == [0, 1, 3] and spec.shards[0].elements == 6
+    for bad_keys, values, match in [
+        (torch.tensor([11, 5]), torch.ones(2), "key 5 was not declared"),
+        (torch.tensor([1, 3, 1]), torch.ones(3), "key 1 appears twice"),
+        (torch.tensor([1, 3]), torch.ones(3), r"float32\[2\] tensor, got float32\[3\]"),
+        (torch.tensor([1, 3]), torch.ones(2, dtype=torch.float64), "float64"),
+        (torch.tensor([1.0, 3.0]), torch.ones(2), "keys must be integers"),
+        (torch.tensor([-1, 3]), torch.ones(2), "key must be in"),
+        (torch.tensor([1 << 40]), torch.ones(1), "not declared"),
+    ]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=match):
+            Request(spec, bad_keys, values, "push")
+    # Sparse keys take the binary search instead of the table; the same answers.
+    sparse = KVLayout(declaration([5, 1 << 40], [(), ()], torch.float32), 1, 1)
+    assert sparse.key_table is None
+    assert Request(sparse, torch.tensor([1 << 40, 5]), None, "pull", values_optional=True).j.tolist() == [1, 0]
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="key 6 was not declared"):
+        Request(sparse, torch.tensor([6]), None, "pull", values_optional=True)
