@@ -505,17 +505,23 @@ def test_mismatched_declaration_fails_everywhere(jobs):
     assert "aborted" in w0["error"], w0
 
 
-def test_dead_shard_fails_the_worker_wait(jobs):
-    job = jobs("shard_dies", wait=False)
-    log = job.logs[2]
-    while "READY" not in log.read_text():
-        assert job.procs[2].poll() is None, job.output()
-        assert time.monotonic() < jobs.deadline, f"the worker never got ready:\n{job.output()}"
-        time.sleep(0.1)
+def kill_shard_1_when_ready(jobs, job: Job, worker_ranks) -> None:
+    """Once every worker of ``job`` printed READY, kills shard 1 and waits for the job: every
+    process must have ended within 20 s."""
+    for rank in worker_ranks:
+        while "READY" not in job.logs[rank].read_text():
+            assert job.procs[rank].poll() is None, job.output()
+            assert time.monotonic() < jobs.deadline, f"worker {rank} never got ready:\n{job.output()}"
+            time.sleep(0.1)
     killed = time.monotonic()
     job.kill([1])
     job.wait(jobs.deadline)
-    assert job.ended - killed < 20, f"the worker noticed the dead shard only after {job.ended - killed:.0f} s"
+    assert job.ended - killed < 20, f"the workers noticed the dead shard only after {job.ended - killed:.0f} s"
+
+
+def test_dead_shard_fails_the_worker_wait(jobs):
+    job = jobs("shard_dies", wait=False)
+    kill_shard_1_when_ready(jobs, job, [2])
     (r,) = job.results()
     assert r["error"].startswith("PeerError: shard 1 at "), r
     assert job.procs[2].returncode == 3
@@ -581,15 +587,7 @@ def test_a_workers_pushes_apply_in_order_with_a_batch_handler(jobs):
 
 def test_dead_shard_is_reported_on_every_worker(jobs):
     job = jobs("shard_dies_all", wait=False)
-    for rank in (2, 3):
-        while "READY" not in job.logs[rank].read_text():
-            assert job.procs[rank].poll() is None, job.output()
-            assert time.monotonic() < jobs.deadline, f"worker {rank - 2} never got ready:\n{job.output()}"
-            time.sleep(0.1)
-    killed = time.monotonic()
-    job.kill([1])
-    job.wait(jobs.deadline)
-    assert job.ended - killed < 20, f"the workers noticed the dead shard only after {job.ended - killed:.0f} s"
+    kill_shard_1_when_ready(jobs, job, [2, 3])
     for r in job.results():
         assert r["error"] is not None and ("shard 1" in r["error"] or "aborted" in r["error"]), r
     assert [job.procs[rank].returncode for rank in (2, 3)] == [3, 3], job.output()

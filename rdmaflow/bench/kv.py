@@ -61,7 +61,7 @@ def job_process(counts: list[int], repeats: int, iters: int, warmup: int) -> int
     prints one JSON line per repeat and cell."""
     import torch
 
-    import rdmaflow.ps as ps
+    from rdmaflow import ps
 
     ps.init()  # a shard never returns from here
     top = max(counts)
@@ -71,13 +71,12 @@ def job_process(counts: list[int], repeats: int, iters: int, warmup: int) -> int
     print(json.dumps({"ok": True, "ready": True}), flush=True)
     for r in range(repeats):
         for n in counts:
-            scalar_keys, values = torch.arange(n), torch.ones(n)
-            tensor = torch.ones(n)
+            scalar_keys, values, tensor, key = torch.arange(n), torch.ones(n), torch.ones(n), tensor_key[n]
             cells = {
-                "keys push": lambda: kv.wait(kv.push(scalar_keys, values)),
-                "keys pull": lambda: kv.wait(kv.pull(scalar_keys)),
-                "tensor push": lambda: kv.wait(kv.push(tensor_key[n], tensor)),
-                "tensor pull": lambda: kv.wait(kv.pull(tensor_key[n])),
+                "keys push": lambda k=scalar_keys, v=values: kv.wait(kv.push(k, v)),
+                "keys pull": lambda k=scalar_keys: kv.wait(kv.pull(k)),
+                "tensor push": lambda k=key, t=tensor: kv.wait(kv.push(k, t)),
+                "tensor pull": lambda k=key: kv.wait(kv.pull(k)),
             }
             for system, fn in cells.items():
                 ms = _timed(fn, iters, warmup)

@@ -74,11 +74,8 @@ class KVStore:
             raise InvalidArgumentError("KVStore runs on workers; this process is a shard")
         if id(ctx) in _ACTIVE:
             raise InvalidArgumentError("this job already has a KVStore: declare every key in one KVStore")
-        self.ctx = ctx
-        self.role = ctx.role
-        self.id = ctx.role.index
-        self.store = ctx.store
-        self.dev = ctx.device
+        self.ctx, self.role, self.id = ctx, ctx.role, ctx.role.index
+        self.store, self.dev = ctx.store, ctx.device
         self.timeout = ctx.step_timeout if timeout is None else float(timeout)
         self._closed = False
         self.stats = {"pushes": 0, "pulls": 0, "barriers": 0, "zero_copy": 0}

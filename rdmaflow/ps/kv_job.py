@@ -2,6 +2,7 @@
 a store this process serves up until the others have read why."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -11,10 +12,8 @@ LINGER = 5.0  # seconds a failing shard that serves the store waits for the othe
 
 def leave(ctx, who: str) -> None:
     """Tells a failing store host that this process has read why the job failed."""
-    try:
+    with contextlib.suppress(Exception):  # the store may be gone already
         ctx.store.set(f"kv/left/{who}", "1")
-    except Exception:  # noqa: BLE001 - the store may be gone already
-        pass
 
 
 def linger(ctx) -> None:
@@ -26,12 +25,10 @@ def linger(ctx) -> None:
     others = [f"kv/left/{k}/{i}" for k, n in (("worker", ctx.role.num_workers), ("shard", ctx.role.num_shards))
               for i in range(n) if f"{k}/{i}" != me]
     deadline = time.monotonic() + LINGER
-    try:
+    with contextlib.suppress(Exception):  # the store may be gone already
         while others and time.monotonic() < deadline:
             others = [k for k in others if not ctx.store.check(k)]
             time.sleep(0.05)
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def job_kind(ctx) -> str:

@@ -2,6 +2,7 @@
 pushes with the job's handler and answers pulls. The protocol is described in kv.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -285,10 +286,8 @@ class KVShard:
             for f in self.inflight:
                 f.wait(deadline.left())
             self.stats["applied"] = self.applied.tolist()
-            try:
+            with contextlib.suppress(Exception):  # the store may have left with shard 0 already
                 self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
-            except Exception:  # noqa: BLE001 - the store may have left with shard 0 already
-                pass
             return self.stats
         except Exception as e:
             reason = f"shard {self.id}: {e}"
@@ -312,15 +311,13 @@ class KVShard:
         for w, info in enumerate(self.workers):
             if info["channel"].failed:
                 continue
-            try:
+            with contextlib.suppress(Exception):  # best effort while failing
                 ch = info["channel"]
                 futs.append(ch.memcpy(self.region, self.base + L.reason_src, info["remote"],
                                       info["base"] + wl.reason + REASON * self.id, len(msg), WRITE))
                 ch.fence()
                 futs.append(ch.memcpy(self.region, self.base + L.abort_src, info["remote"],
                                       info["base"] + wl.status + U64 * self.id, U64, WRITE))
-            except Exception:  # noqa: BLE001 - best effort while failing
-                pass
         deadline = Deadline(1.0)
         for f in futs:
             f.wait(deadline.left())
