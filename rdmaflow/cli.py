@@ -3,6 +3,7 @@
     rdmaflow info [--json]            what rdmaflow and UCX can do on this machine
     rdmaflow bench device [...]       Channel.memcpy bandwidth next to ucx_perftest
     rdmaflow bench transfer [...]     one-way tensor transfer next to gRPC, gloo, TensorPipe
+    rdmaflow bench kv [...]           key-value requests of N keys next to one tensor
     rdmaflow launch [...] script.py   start a parameter-server job with torchrun
 
 To add a subcommand (``bench train``, ...), write a module with ``add_arguments(parser)`` (or
@@ -31,6 +32,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "training throughput (batches/s), rdmaflow PS next to TensorPipe, gRPC, DDP, local"),
     "converge": ("rdmaflow.bench.converge",
                  "loss against wall-clock time on a real data set, rdmaflow next to DDP-gloo"),
+    "kv": ("rdmaflow.bench.kv",
+           "key-value push/pull of N scalar keys in one request next to one tensor of the same bytes"),
 }
 
 

@@ -26,7 +26,7 @@ import pytest
 
 from rdmaflow.bench.perftest import ucx_env
 
-JOB_DEADLINE = 100.0  # seconds from the start of the jobs until every process must have exited
+JOB_DEADLINE = 150.0  # seconds from the start of the jobs until every process must have exited
 
 COMMON = """
 import json, os, sys, time, torch
@@ -192,6 +192,109 @@ except _core.RdmaflowError as e:
     sys.exit(3)
 """
 
+# 3 workers x 2 shards, batched requests at scale, every value checked: whole requests (the keys
+# of one shard all move together), concurrent sums, read-your-writes, sums after a barrier.
+BATCHED = COMMON + """
+import random
+ctx = ps.init()
+w, nw = ctx.role.index, ctx.role.num_workers
+GROUP = list(range(200))                       # scalars: every request adds 1 to each of them
+VEC = [1000 + i for i in range(10)]            # (5,) vectors, pushed per key (list form)
+MIXED = [2000 + i for i in range(100)]         # random subsets, random values
+MINE = 5000 + w                                # pushed by this worker only
+ALL = GROUP + VEC + MIXED + [5000 + v for v in range(nw)]
+kv = ps.KVStore(ALL, [()] * 200 + [(5,)] * 10 + [()] * 100 + [()] * nw, torch.float32)
+rng = random.Random(w)
+R = 300
+group = torch.tensor(GROUP)
+contrib = {k: 0.0 for k in MIXED}
+mine, torn, ryw_bad, requests, checked, last = 0.0, [], [], 0, 0, None
+for it in range(R):
+    sub = sorted(rng.sample(MIXED, rng.randint(1, 40)))
+    vals = [float(rng.randint(1, 9)) for _ in sub]
+    for k, v in zip(sub, vals):
+        contrib[k] += v
+    mine += it + 1
+    keys = torch.tensor(GROUP + sub + [MINE])
+    flat = torch.cat([torch.ones(len(GROUP)), torch.tensor(vals), torch.tensor([float(it + 1)])])
+    kv.push(keys, flat)                       # one request per shard
+    kv.push(VEC, [torch.ones(5)] * len(VEC))  # the list form
+    requests += 2 * ctx.role.num_shards
+    got = kv.wait(kv.pull(torch.tensor([MINE])))
+    checked += 1
+    if got.tolist() != [mine]:
+        ryw_bad.append([it, got.tolist(), mine])
+    if it % 3 == 0:
+        snap = kv.wait(kv.pull(group))
+        checked += len(GROUP)
+        for s in range(ctx.role.num_shards):   # a request is applied whole on each shard
+            part = snap[s::ctx.role.num_shards]
+            if not bool((part == part[0]).all()):
+                torn.append([it, s, sorted(set(part.tolist()))[:6]])
+        if last is not None and bool((snap < last).any()):
+            torn.append([it, "went back"])
+        last = snap
+kv.barrier()
+final_group = kv.wait(kv.pull(group)).tolist()
+final_vec = [t.tolist() for t in kv.wait(kv.pull(VEC))]
+final_mixed = kv.wait(kv.pull(torch.tensor(MIXED))).tolist()
+final_mine = kv.wait(kv.pull([5000 + v for v in range(nw)]))
+kv.barrier()
+kv.close()
+report(worker=w, torn=torn, ryw_bad=ryw_bad, group=final_group, vec=final_vec, mixed=final_mixed,
+       contrib=[contrib[k] for k in MIXED], mine=[t.item() for t in final_mine], requests=requests,
+       checked=checked, R=R)
+"""
+
+# 2 workers x 2 shards with a batch handler that is not commutative (stored = 3 stored + pushed
+# mod P): each worker's private keys end at its local replay only if its pushes apply in order.
+ORDERED = COMMON + """
+P = 1000003
+def batch(keys, stored, pushed):
+    stored.mul_(3).add_(pushed).remainder_(P)
+
+ctx = ps.init(kv_batch_handler=batch)
+w, nw = ctx.role.index, ctx.role.num_workers
+KEYS = [100 * v + i for v in range(nw) for i in range(64)]
+kv = ps.KVStore(KEYS, [()] * len(KEYS), torch.int64)
+mine = torch.tensor([100 * w + i for i in range(64)])
+expect = torch.zeros(64, dtype=torch.int64)
+bad, checked = [], 0
+for it in range(1000):
+    n = 1 + it % 64
+    v = torch.arange(n, dtype=torch.int64) * 7 + it
+    kv.push(mine[:n], v)                       # no wait: requests queue behind each other
+    expect[:n] = (expect[:n] * 3 + v) % P
+    if it % 50 == 49:
+        got = kv.wait(kv.pull(mine))
+        checked += 64
+        if not torch.equal(got, expect):
+            bad.append([it, int((got != expect).sum())])
+kv.barrier()
+got = kv.wait(kv.pull(mine))
+kv.close()
+report(worker=w, bad=bad, final_equal=torch.equal(got, expect), checked=checked + 64)
+"""
+
+# 2 workers x 2 shards; the test kills shard 1: both workers must report it.
+SHARD_DIES_ALL = COMMON + """
+ctx = ps.init()
+kv = ps.KVStore(torch.arange(64).tolist(), [()] * 64)
+keys = torch.arange(64)
+kv.wait(kv.push(keys, torch.ones(64)))
+print("READY", flush=True)
+t0 = time.monotonic()
+try:
+    while time.monotonic() - t0 < 60:
+        kv.push(keys, torch.ones(64))
+        kv.wait(kv.pull(keys))
+        time.sleep(0.005)
+    report(error=None)
+except _core.RdmaflowError as e:
+    report(error=f"{type(e).__name__}: {e}", at=time.monotonic())
+    sys.exit(3)
+"""
+
 JOBS = {
     # name: (script, workers, shards, UCX transport: tcp puts are applied by the target's
     # progress thread, sm ones by the sender's kernel call; whether rank 0 serves the store)
@@ -200,6 +303,9 @@ JOBS = {
     "failing": (FAILING, 1, 1, "tcp", False),
     "mismatch": (MISMATCH, 2, 1, "sm", True),
     "shard_dies": (SHARD_DIES, 1, 2, "tcp", False),
+    "batched": (BATCHED, 3, 2, "sm", False),
+    "ordered": (ORDERED, 2, 2, "tcp", False),
+    "shard_dies_all": (SHARD_DIES_ALL, 2, 2, "sm", False),
 }
 
 
@@ -399,17 +505,23 @@ def test_mismatched_declaration_fails_everywhere(jobs):
     assert "aborted" in w0["error"], w0
 
 
-def test_dead_shard_fails_the_worker_wait(jobs):
-    job = jobs("shard_dies", wait=False)
-    log = job.logs[2]
-    while "READY" not in log.read_text():
-        assert job.procs[2].poll() is None, job.output()
-        assert time.monotonic() < jobs.deadline, f"the worker never got ready:\n{job.output()}"
-        time.sleep(0.1)
+def kill_shard_1_when_ready(jobs, job: Job, worker_ranks) -> None:
+    """Once every worker of ``job`` printed READY, kills shard 1 and waits for the job: every
+    process must have ended within 20 s."""
+    for rank in worker_ranks:
+        while "READY" not in job.logs[rank].read_text():
+            assert job.procs[rank].poll() is None, job.output()
+            assert time.monotonic() < jobs.deadline, f"worker {rank} never got ready:\n{job.output()}"
+            time.sleep(0.1)
     killed = time.monotonic()
     job.kill([1])
     job.wait(jobs.deadline)
-    assert job.ended - killed < 20, f"the worker noticed the dead shard only after {job.ended - killed:.0f} s"
+    assert job.ended - killed < 20, f"the workers noticed the dead shard only after {job.ended - killed:.0f} s"
+
+
+def test_dead_shard_fails_the_worker_wait(jobs):
+    job = jobs("shard_dies", wait=False)
+    kill_shard_1_when_ready(jobs, job, [2])
     (r,) = job.results()
     assert r["error"].startswith("PeerError: shard 1 at "), r
     assert job.procs[2].returncode == 3
@@ -444,3 +556,76 @@ def test_declaration_is_canonical_and_checked():
         "dtype float64 here, float32 on worker 0"
     with pytest.raises(rdmaflow.InvalidArgumentError, match="init"):
         rdmaflow.ps.KVStore([1], [(2,)])
+
+
+# -- batched requests at scale ---------------------------------------------------------------------
+def test_batched_requests_apply_whole_sum_exactly_and_read_your_writes(jobs):
+    res = finished_ok(jobs("batched"))
+    assert len(res) == 3
+    total_requests = sum(r["requests"] for r in res)
+    assert total_requests >= 3000, total_requests
+    assert sum(r["checked"] for r in res) >= 10000
+    nw, R = len(res), res[0]["R"]
+    contrib = [sum(r["contrib"][i] for r in res) for i in range(100)]
+    for r in res:
+        assert r["torn"] == [], f"worker {r['worker']} saw part of a request applied: {r['torn'][:5]}"
+        assert r["ryw_bad"] == [], f"worker {r['worker']} pulled a stale value of its own key: {r['ryw_bad'][:5]}"
+        assert r["group"] == [float(nw * R)] * 200, f"worker {r['worker']}: {sorted(set(r['group']))}"
+        assert r["vec"] == [[float(nw * R)] * 5] * 10
+        for i, (got, want) in enumerate(zip(r["mixed"], contrib)):
+            assert got == want, f"worker {r['worker']} key {2000 + i}: {got} != {want}"
+        assert r["mine"] == [float(R * (R + 1) // 2)] * nw
+
+
+def test_a_workers_pushes_apply_in_order_with_a_batch_handler(jobs):
+    res = finished_ok(jobs("ordered"))
+    for r in res:
+        assert r["bad"] == [], f"worker {r['worker']}: pulls differ from the in-order replay at {r['bad'][:5]}"
+        assert r["final_equal"], f"worker {r['worker']}: the final values differ from the in-order replay"
+        assert r["checked"] >= 1000
+
+
+def test_dead_shard_is_reported_on_every_worker(jobs):
+    job = jobs("shard_dies_all", wait=False)
+    kill_shard_1_when_ready(jobs, job, [2, 3])
+    for r in job.results():
+        assert r["error"] is not None and ("shard 1" in r["error"] or "aborted" in r["error"]), r
+    assert [job.procs[rank].returncode for rank in (2, 3)] == [3, 3], job.output()
+
+
+def test_batched_request_is_checked_and_cut_by_shard():
+    import torch
+
+    import rdmaflow
+    from rdmaflow.ps.kv_layout import KVLayout, declaration
+    from rdmaflow.ps.kv_request import Request
+
+    keys = [0, 1, 2, 3, 10, 11]
+    spec = KVLayout(declaration(keys, [(), (), (2,), (), (3,), ()], torch.float32), 2, 3)
+    req = Request(spec, torch.tensor([11, 2, 1]), torch.arange(4.0), "push")
+    assert req.batched and req.elements == 4
+    parts = {s: (None if p is None else p.tolist()) for s, p in req.by_shard()}
+    assert parts == {1: [0, 2], 0: [1]}, "keys 11 and 1 on shard 1, key 2 on shard 0"
+    assert req.element_positions(torch.tensor([1])).tolist() == [1, 2], "key 2's two elements"
+    assert req.element_positions(torch.tensor([0, 2])).tolist() == [0, 3]
+    single = Request(spec, torch.tensor([10]), torch.ones(3), "push")
+    assert [(s, p) for s, p in single.by_shard()] == [(0, None)], "one shard: the whole request"
+    # Stored values are packed per shard in key order: shard 0 holds 0, 2, 10 (1 + 2 + 3 elements).
+    assert spec.shards[0].offsets.tolist() == [0, 1, 3] and spec.shards[0].elements == 6
+    for bad_keys, values, match in [
+        (torch.tensor([11, 5]), torch.ones(2), "key 5 was not declared"),
+        (torch.tensor([1, 3, 1]), torch.ones(3), "key 1 appears twice"),
+        (torch.tensor([1, 3]), torch.ones(3), r"float32\[2\] tensor, got float32\[3\]"),
+        (torch.tensor([1, 3]), torch.ones(2, dtype=torch.float64), "float64"),
+        (torch.tensor([1.0, 3.0]), torch.ones(2), "keys must be integers"),
+        (torch.tensor([-1, 3]), torch.ones(2), "key must be in"),
+        (torch.tensor([1 << 40]), torch.ones(1), "not declared"),
+    ]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=match):
+            Request(spec, bad_keys, values, "push")
+    # Sparse keys take the binary search instead of the table; the same answers.
+    sparse = KVLayout(declaration([5, 1 << 40], [(), ()], torch.float32), 1, 1)
+    assert sparse.key_table is None
+    assert Request(sparse, torch.tensor([1 << 40, 5]), None, "pull", values_optional=True).j.tolist() == [1, 0]
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="key 6 was not declared"):
+        Request(sparse, torch.tensor([6]), None, "pull", values_optional=True)

@@ -27,6 +27,7 @@ import torch
 from rdmaflow import Device, InvalidArgumentError, RdmaflowError
 from rdmaflow.ps.context import Role, Store, job_secret, local_address, resolve_role
 from rdmaflow.ps.kv import KVHandle, KVStore
+from rdmaflow.ps.kv_server import check_handlers
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
 from rdmaflow.ps.worker import MODES, Worker
 
@@ -57,14 +58,15 @@ _CTX: PSContext | None = None
 
 
 def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,
-         kv_handler=None) -> PSContext:
+         kv_handler=None, kv_batch_handler=None) -> PSContext:
     """Joins the job. On a shard this serves until every worker is done, then exits the process
     (``exit_shards=False`` returns the shard's statistics instead); on a worker it returns the
     context that ``DistributedOptimizer`` or ``KVStore`` uses. ``kv_handler(key, stored, pushed)``
-    is what the shards of a ``KVStore`` job apply to each push (default: ``stored += pushed``)."""
+    is what the shards of a ``KVStore`` job apply to each key of a push (default: ``stored +=
+    pushed``, over a whole request at once); ``kv_batch_handler(keys, stored, pushed)`` instead
+    gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py)."""
     global _CTX
-    if kv_handler is not None and not callable(kv_handler):
-        raise InvalidArgumentError(f"kv_handler must be callable, got {type(kv_handler).__name__}")
+    check_handlers(kv_handler, kv_batch_handler)
     timeout = float(os.environ.get("RDMAFLOW_PS_TIMEOUT", "60")) if timeout is None else timeout
     step_timeout = float(os.environ.get("RDMAFLOW_PS_STEP_TIMEOUT", "300")) if step_timeout is None else step_timeout
     role = resolve_role()
@@ -78,7 +80,7 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
         from rdmaflow.ps.shard import Shard
 
         try:
-            stats = KVShard(ctx, kv_handler).run() if job_kind(ctx) == "kv" else Shard(ctx).run()
+            stats = KVShard(ctx, kv_handler, kv_batch_handler).run() if job_kind(ctx) == "kv" else Shard(ctx).run()
         except RdmaflowError as e:
             print(f"rdmaflow ps: shard {role.index} failed: {e}", file=sys.stderr, flush=True)
             device.close()

@@ -1,0 +1,197 @@
+"""``rdmaflow bench kv``: what a key-value request of many small keys costs next to one tensor of
+the same bytes.
+
+For each transport, one job of one shard and one worker (two processes, the c10d store served
+here as torchrun's agent would). The worker declares scalar float32 keys 0..max(N)-1 and, for
+each N, one key holding an N-float tensor (the keys after them). Per N it times, with the default (sum) handler:
+
+    keys push    push(N scalar keys, batched form) + wait
+    keys pull    pull(N scalar keys) + wait
+    tensor push  push(the N-float tensor key) + wait
+    tensor pull  pull(the N-float tensor key) + wait
+
+Each repeat is the median of ``--iters`` timed calls; the table shows the median over repeats
+[min-max] and the ratio keys/tensor, the bar being 3x for N from 100 to 10,000 (issue 13).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+from rdmaflow.bench import harness as h
+
+TRANSPORTS = ("tcp", "sm")
+DEFAULT_KEYS = "1,10,100,1000,10000"
+OPS = ("push", "pull")
+BAR = 3.0
+BAR_FROM, BAR_TO = 100, 10_000
+CSV_COLUMNS = ("transport", "system", "point", "unit", "median", "min", "max", "iqr", "repeats", "values")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--transport", choices=(*TRANSPORTS, "both"), default="both", help="UCX transport (default both)")
+    ap.add_argument("--keys", default=DEFAULT_KEYS, help=f"numbers of keys per request (default {DEFAULT_KEYS})")
+    ap.add_argument("--repeats", type=int, default=7, help="repeats per cell (default 7)")
+    ap.add_argument("--iters", type=int, default=30, help="timed calls per repeat (default 30)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed calls before each cell (default 5)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds the whole job may take per transport")
+    ap.add_argument("--out", default="bench-results/kv", help="directory of kv.csv and kv.png")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 repeats of 3 calls")
+
+
+# -- the job's processes ---------------------------------------------------------------------------
+def _timed(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def job_process(counts: list[int], repeats: int, iters: int, warmup: int) -> int:
+    """A process of the job: a shard serves (inside ps.init) and exits; the worker measures and
+    prints one JSON line per repeat and cell."""
+    import torch
+
+    from rdmaflow import ps
+
+    ps.init()  # a shard never returns from here
+    top = max(counts)
+    tensor_key = {n: top + i for i, n in enumerate(counts)}  # right after the scalars: dense keys
+    keys = list(range(top)) + list(tensor_key.values())
+    kv = ps.KVStore(keys, [()] * top + [(n,) for n in counts], torch.float32)
+    print(json.dumps({"ok": True, "ready": True}), flush=True)
+    for r in range(repeats):
+        for n in counts:
+            scalar_keys, values, tensor, key = torch.arange(n), torch.ones(n), torch.ones(n), tensor_key[n]
+            cells = {
+                "keys push": lambda k=scalar_keys, v=values: kv.wait(kv.push(k, v)),
+                "keys pull": lambda k=scalar_keys: kv.wait(kv.pull(k)),
+                "tensor push": lambda k=key, t=tensor: kv.wait(kv.push(k, t)),
+                "tensor pull": lambda k=key: kv.wait(kv.pull(k)),
+            }
+            for system, fn in cells.items():
+                ms = _timed(fn, iters, warmup)
+                print(json.dumps({"ok": True, "repeat": r, "n": n, "system": system, "ms": ms}), flush=True)
+    kv.close()
+    print(json.dumps({"ok": True, "done": True}), flush=True)
+    return 0
+
+
+def bench_transport(transport: str, counts: list[int], args: argparse.Namespace, m: h.Measurements) -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    secret = h.new_secret()
+    argv = [sys.executable, "-m", "rdmaflow.bench.kv", "--job-process", "--keys", ",".join(map(str, counts)),
+            "--repeats", str(args.repeats), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    procs = []
+    try:
+        for rank, label in enumerate(("kv shard", "kv worker")):
+            env = h.process_env(transport, secret=secret, threads=1)
+            env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RDMAFLOW_SHARDS_PER_NODE="1",
+                       TORCHELASTIC_USE_AGENT_STORE="True")
+            procs.append(h.ChildProcess(argv, env, label, stdin=False))
+        worker = procs[1]
+        deadline = time.monotonic() + args.timeout
+        worker.read(max(1.0, deadline - time.monotonic()))  # ready
+        while True:
+            msg = worker.read(max(1.0, deadline - time.monotonic()))
+            if msg.get("done"):
+                break
+            m.add(f"{transport} {msg['system']}", int(msg["n"]), msg["ms"])
+    finally:
+        for p in procs:
+            p.close(grace=5.0)
+
+
+def report(m: h.Measurements, transports: list[str], counts: list[int]) -> list[dict]:
+    """Prints a table per transport and operation and returns the bars' rows."""
+    bars = []
+    for t in transports:
+        for op in OPS:
+            keys, tensor = f"{t} keys {op}", f"{t} tensor {op}"
+            sub = h.Measurements("ms")
+            for n in counts:
+                for system in (keys, tensor):
+                    for v in m.values(system, n):
+                        sub.add(system, n, v)
+            print()
+            print(h.ratio_table(sub, keys, point_label=lambda n: f"N={n}",
+                                title=f"{t}, {op} + wait, ms: median [min-max] over repeats; keys/tensor"))
+            # tensor/keys >= 1/BAR is keys/tensor <= BAR (check_bars passes ratios at or above the bar)
+            bars += h.check_bars(m, [(tensor, keys, 1 / BAR)], [n for n in counts if BAR_FROM <= n <= BAR_TO])
+    return bars
+
+
+def plot(path: str, m: h.Measurements) -> None:
+    """Median ms against N on log-log axes, a line per transport, operation and form."""
+    plt = h.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in m.systems:
+        pts = [(n, h.summarize(m.values(system, n))["median"]) for n in m.points if m.values(system, n)]
+        ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o" if "keys" in system else "x",
+                linestyle="-" if "push" in system else "--", label=system, ms=4)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("N: scalar float32 keys per request (tensor: N floats)")
+    ax.set_ylabel("ms per call + wait (median)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    h.save_figure(fig, path, "rdmaflow bench kv: N keys in one request next to one tensor of the same bytes")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        counts = sorted({int(x) for x in args.keys.split(",") if x.strip()})
+    except ValueError:
+        print(f"error: --keys takes integers, got {args.keys!r}", file=sys.stderr)
+        return 2
+    if not counts or counts[0] < 1 or args.repeats < 1 or args.iters < 1 or args.warmup < 0:
+        print("error: --keys, --repeats and --iters must be >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.repeats, args.iters, args.warmup = 2, 3, 1
+    transports = list(TRANSPORTS) if args.transport == "both" else [args.transport]
+    m = h.Measurements("ms")
+    status = 0
+    for t in transports:
+        try:
+            bench_transport(t, counts, args, m)
+        except h.BenchError as e:
+            print(f"error: transport {t}: {e}", file=sys.stderr)
+            status = 1
+    bars = report(m, transports, counts)
+    for b in bars:
+        ratio = "-" if not b["ratio"] else f"{1 / b['ratio']:.2f}"
+        print(f"{b['den']} / {b['num']} at N={b['point']}: {ratio} (bar <= {BAR:g}x): {b['verdict']}")
+    os.makedirs(args.out, exist_ok=True)
+    rows = [dict(r, transport=r["system"].split()[0], system=r["system"].split(" ", 1)[1]) for r in m.rows()]
+    h.write_csv(os.path.join(args.out, "kv.csv"), CSV_COLUMNS, rows)
+    if m.cells:
+        plot(os.path.join(args.out, "kv.png"), m)
+    print(f"\nCSV: {os.path.join(args.out, 'kv.csv')}, plot: {os.path.join(args.out, 'kv.png')}")
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rdmaflow bench kv", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    ap.add_argument("--job-process", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.job_process:
+        return job_process([int(x) for x in args.keys.split(",")], args.repeats, args.iters, args.warmup)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,466 @@
+"""The worker's end of the key-value API: KVStore (push, pull, wait, barrier, close) and the
+handles it returns. The protocol is described in kv.py."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
+from rdmaflow.deadline import Deadline
+from rdmaflow.ps.context import dumps
+from rdmaflow.ps.kv_job import leave
+from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
+from rdmaflow.ps.kv_request import Request, short
+from rdmaflow.ps.protocol import DONE
+from rdmaflow.ps.worker import WorkerFailure
+from rdmaflow.transfer.common import pack_header, unpack_header
+from rdmaflow.transfer.dtypes import dtype_name
+from rdmaflow.transfer.flag import Word, wait_flag
+
+ARENA_SLACK = 16 << 20  # room left in a worker's arena for tensors it pushes without a copy
+
+
+def _arena(dev, nbytes: int):
+    existing = getattr(dev, "_rdmaflow_arena", None)
+    return existing if existing is not None else dev.create_arena(nbytes)
+
+
+class KVHandle:
+    """What ``push`` and ``pull`` return; pass it to ``KVStore.wait``."""
+
+    __slots__ = ("_futs", "_keep", "_parts", "_request", "_result", "done", "keys", "kind")
+
+    def __init__(self, kind: str, request: Request):
+        self.kind, self.keys, self._request = kind, request.keys, request
+        self._futs: list = []
+        self._parts: list[_PullPart] = []
+        self._keep: list = []  # tensors sent without a copy, alive until the WRITEs completed
+        self.done = False
+        self._result = None
+
+    def __repr__(self) -> str:
+        return f"<KVHandle {self.kind} of {len(self.keys)} keys{' done' if self.done else ''}>"
+
+
+class _PullPart:
+    """What one shard owes a pull: its reply ``seq`` lands in this worker's landing area of shard
+    ``s``; ``positions`` are the request positions of its keys (None: all of them)."""
+
+    __slots__ = ("done", "positions", "s", "seq", "values")
+
+    def __init__(self, s: int, seq: int, positions, values: torch.Tensor):
+        self.s, self.seq, self.positions, self.values = s, seq, positions, values
+        self.done = False
+
+
+_ACTIVE: set[int] = set()  # ids of contexts that already hold a KVStore
+
+
+class KVStore:
+    """The worker's end of the key-value API. Construct it on every worker with the same
+    declaration (``keys``, ``shapes``, ``dtype``); ``init`` (worker 0 only, others ignore it)
+    gives the initial values, else they are zeros. One KVStore per job; not thread-safe."""
+
+    def __init__(self, keys, shapes, dtype: torch.dtype = torch.float32, *, init=None, ctx=None,
+                 timeout: float | None = None):
+        if ctx is None:
+            from rdmaflow import ps
+
+            ctx = ps._CTX
+        if ctx is None:
+            raise InvalidArgumentError("call rdmaflow.ps.init() first")
+        if not ctx.is_worker:
+            raise InvalidArgumentError("KVStore runs on workers; this process is a shard")
+        if id(ctx) in _ACTIVE:
+            raise InvalidArgumentError("this job already has a KVStore: declare every key in one KVStore")
+        self.ctx, self.role, self.id = ctx, ctx.role, ctx.role.index
+        self.store, self.dev = ctx.store, ctx.device
+        self.timeout = ctx.step_timeout if timeout is None else float(timeout)
+        self._closed = False
+        self.stats = {"pushes": 0, "pulls": 0, "barriers": 0, "zero_copy": 0}
+        _ACTIVE.add(id(ctx))
+        try:  # a bad declaration aborts the job too: the other processes would wait for this one
+            try:
+                keys = list(keys.tolist() if isinstance(keys, torch.Tensor) else keys)
+            except TypeError:
+                raise InvalidArgumentError(f"keys must be a sequence of integers, got {keys!r}") from None
+            decl = declaration(keys, shapes, dtype)
+            if init is not None and self.id == 0:
+                init = self._check_init(decl, keys, init)
+            self._setup(decl, init if self.id == 0 else None)
+        except Exception as e:
+            self.store.abort(f"worker {self.id}: {e}")
+            leave(ctx, f"worker/{self.id}")
+            _ACTIVE.discard(id(ctx))
+            raise
+
+    @staticmethod
+    def _check_init(decl: dict, keys, init) -> list[torch.Tensor]:
+        init = list(init) if isinstance(init, (list, tuple)) else None
+        if init is None or len(init) != len(decl["keys"]):
+            raise InvalidArgumentError("init must be a list with one tensor per declared key")
+        order = {key_of(k): t for k, t in zip(keys, init)}
+        dtype = DTYPES[decl["dtype"]]
+        out = []
+        for k, shape in decl["keys"]:
+            t = order[k]
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                got = (f"{dtype_name(t.dtype)}{list(t.shape)}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise InvalidArgumentError(f"init of key {k} must be {decl['dtype']}{shape}, got {got}")
+            out.append(t)
+        return out
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _setup(self, decl: dict, init) -> None:
+        store, role = self.store, self.role
+        store.set(f"ep/worker/{self.id}", self.dev.endpoint)
+        if self.id == 0:
+            store.set("kv/spec", dumps(dict(decl, init=init is not None)))
+            store.set("config", dumps({"kind": "kv"}))
+        cfg = json.loads(store.get("config"))
+        if cfg.get("kind") != "kv":
+            raise WorkerFailure(f"worker {self.id} made a KVStore, but worker 0 runs a DistributedOptimizer job: "
+                                "every worker of a job must use the same API")
+        job = json.loads(store.get("kv/spec"))
+        job_decl = {"dtype": job["dtype"], "keys": job["keys"]}
+        if job_decl != decl:
+            raise InvalidArgumentError(
+                f"worker {self.id}'s key declaration differs from worker 0's: {describe_difference(decl, job_decl)}")
+        self.spec = spec = KVLayout(decl, role.num_shards, role.num_workers)
+        self.dtype, self.keys = spec.dtype, spec.keys
+        L = self.layout = spec.worker
+        self.arena = _arena(self.dev, L.total + ARENA_SLACK)
+        self.block = self.arena.allocate(L.total)
+        self.base = self.block.offset
+        self.region = self.arena.region
+        raw = self.raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
+        raw[L.flags :].zero_()
+        ns = role.num_shards
+        self.reply = words(raw, L.reply, ns)
+        self.ack = words(raw, L.ack, ns)
+        self.push_src = words(raw, L.push_src, ns)
+        self.pull_src = words(raw, L.pull_src, ns)
+        self.status = words(raw, L.status, ns)
+        self.reasons = raw[L.reason : L.reason + REASON * ns].view(ns, REASON)
+        self.barrier_word = words(raw, L.barrier, 1)
+        self.done_src = words(raw, L.done_src, 1)
+        self.barrier_src = words(raw, L.barrier_src, 1)
+        if init is not None:  # staged as a request of every key of the shard, which READs it
+            for s, js in enumerate(spec.shard_keys):
+                if js:
+                    staged = self._stage_values(s, len(js), spec.shards[s].elements)
+                    torch.cat([init[j].reshape(-1) for j in js], out=staged)
+        self.push_seq = [0] * ns
+        self.pull_seq = [0] * ns
+        self.barrier_seq = 0
+        self._pending: list[_PullPart | None] = [None] * ns
+        self._unflushed: list = []  # futures of push flags not yet known to be visible
+        self._held: list = []  # (last flag future of a push, the arena tensors it sends from)
+        self.dev.publish("ps/kv/worker", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
+        store.set(f"ready/worker/{self.id}", "1")
+        self.shards = []
+        for s in range(ns):
+            ep = store.get(f"ep/shard/{s}")
+            store.wait([f"ready/shard/{s}"])
+            meta, desc = unpack_header(self.dev.lookup(ep, "ps/kv/shard", self.ctx.timeout), "ps/kv/shard")
+            if int(meta["total"]) != spec.shards[s].total:
+                raise WorkerFailure(f"shard {s} computed a layout of {meta['total']} bytes, this worker "
+                                    f"{spec.shards[s].total}: are all processes running the same rdmaflow?")
+            self.shards.append({"ep": ep, "remote": RemoteRegion.from_descriptor(desc),
+                                "base": int(meta["base"]), "layout": spec.shards[s], "channel": self.dev.channel(ep)})
+        # The shards are serving (and have read worker 0's initial values) once this returns.
+        store.wait([f"kv/serving/{s}" for s in range(ns)])
+
+    def _stage_values(self, s: int, count: int, elements: int) -> torch.Tensor:
+        """The values part of the push request staged for shard s, after its ``count`` indices."""
+        at = self.layout.push_stage[s] + U64 * (1 + count)
+        return self.raw[at : at + elements * self.spec.itemsize].view(self.dtype)
+
+    def _stage_indices(self, area: int, rows: torch.Tensor) -> int:
+        """Writes a request's header (its key count) and key indices at ``area``; returns their bytes."""
+        head = self.raw[area : area + U64 * (1 + len(rows))].view(torch.int64)
+        head[0] = len(rows)
+        head[1:] = rows
+        return U64 * (1 + len(rows))
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def _fail(self, msg: str, exc=PeerError):
+        """The error for a shard that is gone; the job's abort reason instead if it has one (that
+        shard may have left because of another failure)."""
+        reason = self.store.abort_reason()
+        leave(self.ctx, f"worker/{self.id}")
+        if reason:
+            return WorkerFailure(f"the job was aborted: {reason}")
+        self.store.abort(msg)
+        return exc(msg)
+
+    def _shard_gave_up(self, s: int, what: str) -> bool:
+        """A liveness check while waiting on shard s: raises if a shard left its reason in this
+        worker's block (the store may be gone with it) or if shard s's channel failed."""
+        if self.status.ne(0).any():
+            bad = int(self.status.ne(0).nonzero()[0])
+            reason = bytes(self.reasons[bad].numpy()).split(b"\0", 1)[0].decode("utf-8", "replace")
+            leave(self.ctx, f"worker/{self.id}")
+            raise WorkerFailure(f"shard {bad} gave up while worker {self.id} waited for {what}: "
+                                f"{reason or self.store.aborted() or 'see its output'}")
+        sh = self.shards[s]
+        if sh["channel"].failed:
+            raise self._fail(f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}")
+        return False
+
+    def _abort_reason(self) -> str | None:
+        reason = self.store.aborted()
+        if reason:
+            leave(self.ctx, f"worker/{self.id}")
+        return reason
+
+    def _wait_word(self, words: torch.Tensor, j: int, value: int, s: int, what: str, deadline: Deadline) -> None:
+        def timed_out():
+            raise TimeoutError(f"shard {s} did not answer {what} within {self.timeout:g} s")
+
+        wait_flag(Word(words[j : j + 1]), value, deadline, what, give_up=lambda: self._shard_gave_up(s, what),
+                  abort_reason=self._abort_reason, aborted=WorkerFailure, on_timeout=timed_out)
+
+    def _wait_futures(self, futs, deadline: Deadline, what: str) -> None:
+        """Waits for (shard, future) pairs of WRITEs this worker posted."""
+        for s, f in futs:
+            try:
+                f.result(deadline.left())
+            except TimeoutError:
+                raise TimeoutError(f"{what} did not reach shard {s} within {self.timeout:g} s") from None
+            except PeerError as e:
+                raise self._fail(f"shard {s} at {self.shards[s]['ep']} died while worker {self.id} waited "
+                                 f"for {what}: {e}") from None
+
+    def _write(self, s: int, local_off: int, remote_off: int, nbytes: int, what: str):
+        """WRITEs nbytes at local_off of this worker's region to remote_off of shard s's block;
+        returns the (shard, future) pair."""
+        sh = self.shards[s]
+        try:
+            return s, sh["channel"].memcpy(self.region, local_off, sh["remote"], sh["base"] + remote_off, nbytes, WRITE)
+        except PeerError as e:
+            raise self._fail(f"shard {s} at {sh['ep']} is unreachable from worker {self.id} ({what}): {e}") from None
+
+    # -- the API ----------------------------------------------------------------------------------
+    def _request(self, keys, values, op: str, **kw) -> Request:
+        if self._closed:
+            raise InvalidArgumentError(f"{op}: this KVStore is closed")
+        return Request(self.spec, keys, values, op, **kw)
+
+    def push(self, keys, tensors) -> KVHandle:
+        """Sends ``tensors`` to their keys' shards, which apply the handler to them: one request
+        per shard, applied there as one unit. Returns at once with a handle; the tensors may be
+        reused when push returns, except ones that live in the device's arena (sent without a
+        copy): keep those unchanged until ``wait``. ``keys`` a 1-D integer tensor and ``tensors``
+        one flat tensor of their values concatenated: the batched form (see kv_request.py)."""
+        req = self._request(keys, tensors, "push")
+        h = KVHandle("push", req)
+        deadline = Deadline(self.timeout)
+        for s, positions in req.by_shard():
+            self._push_to(s, req, positions, h, deadline)
+        self.stats["pushes"] += len(req)
+        if len(self._unflushed) > 4096:
+            self._unflushed = [p for p in self._unflushed if not p[1].done()]
+        # Tensors sent without a copy stay referenced until their WRITEs completed, even if the
+        # handle is dropped: their arena memory must not be reused while a WRITE reads it.
+        while self._held and self._held[0][0].done():
+            self._held.pop(0)
+        if h._keep:
+            self._held.append((h._futs[-1][1], list(h._keep)))
+        return h
+
+    def _push_to(self, s: int, req: Request, positions, h: KVHandle, deadline: Deadline) -> None:
+        """Stages the part of ``req`` for shard s (header, key indices, values copied in request
+        order; arena tensors last, sent from where they are) and WRITEs it, then its flag."""
+        spec, L = self.spec, self.layout
+        # One push request per shard in flight: the staging and the shard's area are free once acked.
+        self._wait_word(self.ack, s, self.push_seq[s], s, f"shard {s}'s acknowledgement of the last push", deadline)
+        sel = positions if positions is not None else torch.arange(len(req))
+        direct: list[tuple[int, int]] = []  # (request position, arena offset) of tensors sent in place
+        if req.flat is not None:
+            order = sel
+            values = req.flat if positions is None else req.flat.index_select(0, req.element_positions(positions))
+        else:
+            copied = []
+            for p in sel.tolist():
+                t = req.tensors[p]
+                off = self.arena.offset_of(t) if t.is_contiguous() else None
+                if off is None:
+                    copied.append(p)
+                else:
+                    direct.append((p, off))
+                    h._keep.append(t)
+            self.stats["zero_copy"] += len(direct)
+            order = torch.tensor(copied + [p for p, _ in direct], dtype=torch.int64)
+            values = None
+        rows = spec.local_tensor.index_select(0, req.j.index_select(0, order))
+        numels = req.numels.index_select(0, order)
+        n_copied = len(order) - len(direct)
+        copied_elements = int(numels[:n_copied].sum()) if n_copied else 0
+        stage = L.push_stage[s]
+        head = self._stage_indices(stage, rows)
+        out = self._stage_values(s, len(rows), copied_elements)
+        if values is not None:
+            out.copy_(values)
+        elif n_copied:
+            torch.cat([req.tensors[p].reshape(-1) for p in order[:n_copied].tolist()], out=out)
+        remote = spec.shards[s].push(self.id)
+        nbytes = head + copied_elements * spec.itemsize
+        h._futs.append(self._write(s, self.base + stage, remote, nbytes, "push"))
+        at = remote + nbytes
+        for (_, off), numel in zip(direct, numels[n_copied:].tolist()):
+            h._futs.append(self._write(s, off, at, numel * spec.itemsize, "push"))
+            at += numel * spec.itemsize
+        self.shards[s]["channel"].fence()  # the request lands before its flag
+        self.push_seq[s] += 1
+        self.push_src[s] = self.push_seq[s]
+        sl = spec.shards[s]
+        pair = self._write(s, self.base + L.push_src + U64 * s, sl.word(sl.push_flag, self.id), U64, "push")
+        h._futs.append(pair)
+        self._unflushed.append(pair)
+
+    def pull(self, keys, outs=None) -> KVHandle:
+        """Asks the keys' shards for their values, one request per shard; ``wait`` copies them into
+        ``outs`` (or into new tensors when ``outs`` is None) and returns them. A pull sees this
+        worker's earlier pushes, and every other worker's push whose ``wait`` returned before it.
+        The batched form (``keys`` a 1-D integer tensor) returns one flat tensor."""
+        req = self._request(keys, outs, "pull", values_optional=True)
+        h = KVHandle("pull", req)
+        deadline = Deadline(self.timeout)
+        spec, L = self.spec, self.layout
+        h._result = req.flat if req.flat is not None else torch.empty(req.elements, dtype=self.dtype)
+        for s, positions in req.by_shard():
+            if self._pending[s] is not None:  # the landing area is reused: finish the earlier pull first
+                self._complete(self._pending[s], deadline)
+            sel = positions if positions is not None else torch.arange(len(req))
+            stage = L.pull_stage[s]
+            nbytes = self._stage_indices(stage, spec.local_tensor.index_select(0, req.j.index_select(0, sel)))
+            sl = spec.shards[s]
+            h._futs.append(self._write(s, self.base + stage, sl.pull(self.id), nbytes, "pull"))
+            self.shards[s]["channel"].fence()  # behind the request, and this worker's pushes: read-your-writes
+            self.pull_seq[s] += 1
+            self.pull_src[s] = self.pull_seq[s]
+            h._futs.append(self._write(s, self.base + L.pull_src + U64 * s, sl.word(sl.pull_flag, self.id), U64,
+                                       "pull"))
+            elements = None if positions is None else req.element_positions(positions)
+            part = self._pending[s] = _PullPart(s, self.pull_seq[s], elements, h._result)
+            h._parts.append(part)
+        self.stats["pulls"] += len(req)
+        return h
+
+    def _complete(self, part: _PullPart, deadline: Deadline) -> None:
+        """Waits for shard s's reply to a pull and copies it out of the landing area."""
+        if part.done:
+            return
+        s = part.s
+        self._wait_word(self.reply, s, part.seq, s, f"shard {s}'s reply to a pull", deadline)
+        landing = self.layout.landing[s]
+        n = part.values.numel() if part.positions is None else len(part.positions)
+        got = self.raw[landing : landing + n * self.spec.itemsize].view(self.dtype)
+        if part.positions is None:
+            part.values.copy_(got)
+        else:
+            part.values.index_copy_(0, part.positions, got)
+        part.done = True
+        if self._pending[s] is part:
+            self._pending[s] = None
+
+    def wait(self, handle: KVHandle, timeout: float | None = None):
+        """Waits until ``handle`` completed. A push: its values are at the shards (visible to
+        every later pull). A pull: returns the list of pulled tensors (a tensor if pull was
+        given one key, not a list; one flat tensor in the batched form). Raises PeerError if a
+        shard died, TimeoutError after ``timeout`` (default: the job's step timeout)."""
+        if not isinstance(handle, KVHandle):
+            raise InvalidArgumentError(
+                f"wait() takes a handle from push() or pull(), got {type(handle).__name__}")
+        if handle.done:
+            return handle._result
+        deadline = Deadline(self.timeout if timeout is None else float(timeout))
+        what = f"{handle.kind} of keys {short(handle.keys)}"
+        self._wait_futures(handle._futs, deadline, what)
+        if handle.kind == "pull":
+            for part in handle._parts:
+                self._complete(part, deadline)
+            handle._result = self._pulled(handle._request, handle._result)
+        handle._keep.clear()
+        handle._futs.clear()
+        handle.done = True
+        return handle._result
+
+    def _pulled(self, req: Request, flat: torch.Tensor):
+        """A pull's result in the request's form: the flat tensor, or one tensor per key."""
+        if req.batched:
+            return flat
+        spec, out = self.spec, []
+        for j, off, numel, given in zip(req.j.tolist(), req.offsets.tolist(), req.numels.tolist(), req.tensors):
+            value = flat[off : off + numel].view(spec.shapes[j])
+            out.append(value if given is None else given.copy_(value))
+        return out[0] if req.single else out
+
+    def push_pull(self, keys, tensors, outs=None):
+        """Pushes, then pulls the same keys (the pull sees the push); returns the pulled values."""
+        self.push(keys, tensors)
+        return self.wait(self.pull(keys, outs))
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Returns once every live worker entered this barrier; pushes any worker made before
+        it are visible to pulls made after it. One-sided, through shard 0."""
+        if self._closed:
+            raise InvalidArgumentError("barrier: this KVStore is closed")
+        deadline = Deadline(self.timeout if timeout is None else float(timeout))
+        self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
+        self._unflushed = []
+        self.barrier_seq += 1
+        self.barrier_src[0] = self.barrier_seq
+        shard0 = self.spec.shards[0]
+        self._write(0, self.base + self.layout.barrier_src, shard0.word(shard0.barrier, self.id), U64, "barrier")
+        self._wait_word(self.barrier_word, 0, self.barrier_seq, 0, f"barrier {self.barrier_seq}", deadline)
+        self.stats["barriers"] += 1
+
+    @property
+    def num_workers(self) -> int:
+        return self.role.num_workers
+
+    @property
+    def rank(self) -> int:
+        """This worker's index among the job's workers."""
+        return self.id
+
+    def close(self) -> None:
+        """Finishes outstanding pulls and tells every shard this worker is done."""
+        if self._closed:
+            return
+        self._closed = True
+        _ACTIVE.discard(id(self.ctx))
+        deadline = Deadline(min(self.timeout, 30.0))
+        try:
+            for part in self._pending:
+                if part is not None:
+                    self._complete(part, deadline)
+            self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
+        except RdmaflowError:
+            pass  # the job is failing already; still tell the shards this worker is done
+        self._unflushed = []
+        self.done_src[0] = DONE
+        futs = []
+        for sh in getattr(self, "shards", []):
+            if sh["channel"].failed:
+                continue
+            try:
+                sh["channel"].fence()
+                done_word = sh["base"] + sh["layout"].word(sh["layout"].done, self.id)
+                futs.append(sh["channel"].memcpy(self.region, self.base + self.layout.done_src, sh["remote"],
+                                                 done_word, U64, WRITE))
+            except RdmaflowError:
+                pass
+        deadline = Deadline(5.0)
+        for f in futs:
+            f.wait(deadline.left())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

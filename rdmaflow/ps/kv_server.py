@@ -1,0 +1,324 @@
+"""The shard's end of the key-value API: KVShard holds the stored values of its keys, applies
+pushes with the job's handler and answers pulls. The protocol is described in kv.py."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import torch
+
+from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError, RemoteRegion
+from rdmaflow.deadline import Deadline
+from rdmaflow.ps.kv_job import leave, linger
+from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
+from rdmaflow.ps.protocol import ABORT, DONE
+from rdmaflow.ps.shard import ShardFailure
+from rdmaflow.transfer.common import pack_header, unpack_header
+
+POLL = 0.05          # seconds between liveness checks of the workers while serving
+STORE_CHECK = 1.0    # seconds between checks of the store's abort key while serving
+
+
+def sum_handler(key: int, stored: torch.Tensor, pushed: torch.Tensor) -> None:
+    """The default server-side handler: ``stored += pushed`` (applied to a whole request at once
+    as one ``index_add_``, never called per key)."""
+    stored.add_(pushed)
+
+
+def check_handlers(handler, batch_handler) -> None:
+    for name, fn in (("kv_handler", handler), ("kv_batch_handler", batch_handler)):
+        if fn is not None and not callable(fn):
+            raise InvalidArgumentError(f"{name} must be callable, got {type(fn).__name__}")
+    if handler is not None and batch_handler is not None:
+        raise InvalidArgumentError("give kv_handler or kv_batch_handler, not both")
+
+
+class KVShard:
+    """Holds the stored values of keys ``k % num_shards == id`` and applies pushes to them.
+
+    ``handler(key, stored, pushed)`` is called once per key of a request (a Python call and two
+    tensor views per key, so a request of many small keys costs microseconds per key);
+    ``batch_handler(keys, stored, pushed)`` once per request with the request's keys (int64) and
+    their stored and pushed values flattened and concatenated in the same order; it updates
+    ``stored`` in place or returns the new values. Neither: the vectorised sum."""
+
+    def __init__(self, ctx, handler=None, batch_handler=None):
+        check_handlers(handler, batch_handler)
+        self.ctx = ctx
+        self.role = ctx.role
+        self.id = ctx.role.index
+        self.store = ctx.store
+        self.dev = ctx.device
+        self.handler = None if handler is sum_handler else handler
+        self.batch_handler = batch_handler
+        self.stats = {"kind": "kv", "pushes": 0, "pulls": 0, "barriers": 0, "requests": 0}
+        self.workers: list[dict] = []
+
+    def setup(self) -> None:
+        store, role = self.store, self.role
+        store.set(f"ep/shard/{self.id}", self.dev.endpoint)
+        job = json.loads(store.get("kv/spec"))
+        spec = self.spec = KVLayout({"dtype": job["dtype"], "keys": job["keys"]}, role.num_shards, role.num_workers)
+        self.js = spec.shard_keys[self.id]      # i -> j
+        self.n, self.nw = len(self.js), role.num_workers
+        L = self.layout = spec.shards[self.id]
+        arena = self.dev.create_arena(L.total + (1 << 20))
+        self.block = arena.allocate(L.total)
+        self.base = self.block.offset
+        self.region = arena.region
+        raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
+        raw[: L.push_area].zero_()
+        raw[L.flags :].zero_()
+        self.raw = raw
+        self.stored = raw[: L.elements * L.itemsize].view(spec.dtype)  # every value, packed in key order
+        self.key_tensor = spec.key_tensor[self.js] if self.n else spec.key_tensor[:0]
+        self.offsets = L.offsets.tolist()  # for the per-key handler
+        self.push_flags = words(raw, L.push_flag, self.nw)
+        self.pull_flags = words(raw, L.pull_flag, self.nw)
+        self.ack_src = words(raw, L.ack_src, self.nw)
+        self.reply_flag_src = words(raw, L.reply_flag_src, self.nw)
+        self.done = words(raw, L.done, self.nw)
+        self.bflags = words(raw, L.barrier, self.nw)
+        self.barrier_src = words(raw, L.barrier_src, self.nw)
+        self.abort_src = words(raw, L.abort_src, 1)
+        self.applied = torch.zeros(self.nw, dtype=torch.int64)
+        self.replied = torch.zeros(self.nw, dtype=torch.int64)
+        self.released = 0
+        self.inflight: list = []
+        self.dev.publish("ps/kv/shard", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
+        store.set(f"ready/shard/{self.id}", "1")
+        for w in range(self.nw):
+            ep = store.get(f"ep/worker/{w}")
+            store.wait([f"ready/worker/{w}"])
+            meta, desc = unpack_header(self.dev.lookup(ep, "ps/kv/worker", self.ctx.timeout), "ps/kv/worker")
+            if int(meta["total"]) != spec.worker.total:
+                raise ShardFailure(f"worker {w} computed a layout of {meta['total']} bytes, shard {self.id} "
+                                   f"{spec.worker.total}: are all processes running the same rdmaflow?")
+            self.workers.append({"ep": ep, "remote": RemoteRegion.from_descriptor(desc),
+                                 "base": int(meta["base"]), "channel": self.dev.channel(ep)})
+        if job.get("init") and self.n:  # worker 0 staged its initial values as a request of every key
+            w0 = self.workers[0]
+            at = spec.worker.push_stage[self.id] + U64 * (1 + self.n)
+            w0["channel"].memcpy(self.region, self.base, w0["remote"], w0["base"] + at,
+                                 L.elements * L.itemsize, READ).result(self.ctx.timeout)
+        store.set(f"kv/serving/{self.id}", "1")
+
+    # -- data path --------------------------------------------------------------------------------
+    def _post(self, w: int, local_off: int, remote_off: int, nbytes: int):
+        """WRITEs nbytes at local_off of this shard's region to remote_off of worker w's block."""
+        info = self.workers[w]
+        try:
+            return info["channel"].memcpy(self.region, local_off, info["remote"], info["base"] + remote_off,
+                                          nbytes, WRITE)
+        except RdmaflowError as e:
+            if int(self.done[w]) >= DONE:
+                return None  # that worker closed and left: nothing it waits for any more
+            raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.id} cannot reach it: {e})") from None
+
+    def _request(self, area: int) -> torch.Tensor:
+        """The local key indices of the request in the area at byte ``area``."""
+        count = int(self.raw[area : area + U64].view(torch.int64))
+        if not 0 <= count <= self.n:
+            raise ShardFailure(f"a request names {count} keys; shard {self.id} holds {self.n}")
+        return self.raw[area + U64 : area + U64 * (1 + count)].view(torch.int64)
+
+    def _elements(self, rows: torch.Tensor) -> torch.Tensor:
+        L = self.layout
+        return element_index(L.offsets, L.numels, rows, self.spec.width)
+
+    def _apply(self, w: int) -> None:
+        """Applies worker w's push request, every key of it, before anything else happens."""
+        L = self.layout
+        rows = self._request(L.push(w))
+        at = L.push(w) + U64 * (1 + len(rows))
+        if self.n and len(rows) == self.n and bool((rows == torch.arange(self.n)).all()):
+            elems = None  # every key in order: the request's values are the stored array's layout
+            count = L.elements
+        else:
+            elems = self._elements(rows)
+            count = len(elems)
+        pushed = self.raw[at : at + count * L.itemsize].view(self.spec.dtype)
+        if self.handler is not None:
+            self._apply_per_key(w, rows, pushed)
+        elif self.batch_handler is not None:
+            self._apply_batch(w, rows, elems, pushed)
+        elif elems is None:
+            self.stored.add_(pushed)
+        else:
+            self.stored.index_add_(0, elems, pushed)
+        self.stats["pushes"] += len(rows)
+        self.stats["requests"] += 1
+
+    def _apply_per_key(self, w: int, rows: torch.Tensor, pushed: torch.Tensor) -> None:
+        spec = self.spec
+        at = 0
+        for i in rows.tolist():
+            j = self.js[i]
+            key, numel, shape = spec.keys[j], spec.numel[j], spec.shapes[j]
+            off = self.offsets[i]
+            stored = self.stored[off : off + numel].view(shape)
+            try:
+                ret = self.handler(key, stored, pushed[at : at + numel].view(shape))
+            except Exception as e:
+                raise ShardFailure(f"the kv handler raised on key {key} (push from worker {w}): {e!r}") from e
+            at += numel
+            self._store_returned(ret, stored, f"key {key}")
+
+    def _apply_batch(self, w: int, rows: torch.Tensor, elems, pushed: torch.Tensor) -> None:
+        stored = self.stored if elems is None else self.stored.index_select(0, elems)
+        try:
+            ret = self.batch_handler(self.key_tensor.index_select(0, rows), stored, pushed)
+        except Exception as e:
+            raise ShardFailure(f"the kv batch handler raised on a request of {len(rows)} keys from worker {w}: "
+                               f"{e!r}") from e
+        self._store_returned(ret, stored, f"a request of {len(rows)} keys")
+        if elems is not None:
+            self.stored.index_copy_(0, elems, stored)
+
+    @staticmethod
+    def _store_returned(ret, stored: torch.Tensor, what: str) -> None:
+        if ret is None or ret is stored:
+            return
+        if not isinstance(ret, torch.Tensor):
+            raise ShardFailure(f"the kv handler returned {type(ret).__name__} for {what}: "
+                               "update `stored` in place and return None, or return a tensor")
+        try:
+            stored.copy_(ret)
+        except RuntimeError as e:
+            raise ShardFailure(f"the kv handler returned a tensor that does not fit {what}: {e}") from None
+
+    def _reply(self, w: int, seq: int) -> None:
+        """Answers worker w's pull request: its values, gathered in request order, in one WRITE;
+        then, behind a fence, the reply flag."""
+        L, wl = self.layout, self.spec.worker
+        rows = self._request(L.pull(w))
+        src = self.raw[L.reply(w) : L.reply(w) + L.value_stride].view(self.spec.dtype)
+        elems = self._elements(rows)
+        torch.index_select(self.stored, 0, elems, out=src[: len(elems)])
+        futs = [self._post(w, self.base + L.reply(w), wl.landing[self.id], len(elems) * L.itemsize)]
+        self.workers[w]["channel"].fence()
+        self.reply_flag_src[w] = seq
+        futs.append(self._post(w, self.base + L.word(L.reply_flag_src, w), wl.reply + U64 * self.id, U64))
+        self.inflight.extend(f for f in futs if f is not None)
+        self.stats["pulls"] += len(rows)
+
+    def _round(self) -> bool:
+        """One pass over the flags: applies every push request it sees, then answers the pull
+        requests it saw first. Returns whether it did something."""
+        q = self.pull_flags.clone()  # the pull requests first ...
+        p = self.push_flags.clone()  # ... then the pushes, which a request's fence put before it
+        pushes = torch.nonzero(p > self.applied).flatten().tolist()
+        pulls = torch.nonzero(q > self.replied).flatten().tolist()
+        wl = self.spec.worker
+        for w in pushes:
+            seq = int(p[w])
+            self._apply(w)
+            self.applied[w] = seq
+            self.ack_src[w] = seq
+            f = self._post(w, self.base + self.layout.word(self.layout.ack_src, w), wl.ack + U64 * self.id, U64)
+            if f is not None:
+                self.inflight.append(f)
+        for w in pulls:
+            seq = int(q[w])
+            self.replied[w] = seq
+            self._reply(w, seq)
+        return bool(pushes or pulls)
+
+    def _barrier(self) -> bool:
+        live = self.done < DONE
+        if not bool(live.any()):
+            return False
+        m = int(self.bflags[live].min())
+        if m <= self.released:
+            return False
+        self.released = m
+        for w in torch.nonzero(live).flatten().tolist():
+            self.barrier_src[w] = m
+            f = self._post(w, self.base + self.layout.barrier_src + U64 * w, self.spec.worker.barrier, U64)
+            if f is not None:
+                self.inflight.append(f)
+        self.stats["barriers"] += 1
+        return True
+
+    def _check_workers(self) -> None:
+        for w, info in enumerate(self.workers):
+            if int(self.done[w]) < DONE and info["channel"].failed:
+                reason = self.store.abort_reason()  # a worker that gave up says why before it leaves
+                if reason:
+                    raise ShardFailure(f"the job was aborted: {reason}")
+                raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.id} lost its connection)")
+
+    def serve(self) -> None:
+        """Serves until every worker closed. Being idle is no error (workers may compute for
+        long between pushes); a worker that dies or a job that is aborted ends it."""
+        now = time.monotonic()
+        last_progress = last_check = last_store = now
+        while True:
+            all_done = bool((self.done >= DONE).all())  # read before the flags: DONE came after them
+            progressed = self._round()
+            if self.id == 0 and self._barrier():
+                progressed = True
+            if len(self.inflight) > 1024:
+                self.inflight = [f for f in self.inflight if not f.done()]
+            if all_done and not progressed:
+                return
+            now = time.monotonic()
+            if now - last_check > POLL:
+                last_check = now
+                self._check_workers()
+            if now - last_store > STORE_CHECK:
+                last_store = now
+                reason = self.store.abort_reason()  # (a store gone with shard 0 at the end is no error)
+                if reason:
+                    raise ShardFailure(f"the job was aborted: {reason}")
+            if progressed:
+                last_progress = now
+                continue
+            # Spin briefly after activity, then back off so an idle shard costs little CPU.
+            time.sleep(0.0001 if now - last_progress < 0.01 else 0.001)
+
+    def run(self) -> dict:
+        try:
+            self.setup()
+            self.serve()
+            deadline = Deadline(5.0)
+            for f in self.inflight:
+                f.wait(deadline.left())
+            self.stats["applied"] = self.applied.tolist()
+            with contextlib.suppress(Exception):  # the store may have left with shard 0 already
+                self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
+            return self.stats
+        except Exception as e:
+            reason = f"shard {self.id}: {e}"
+            self.store.abort(reason)
+            self._abort_workers(reason)
+            leave(self.ctx, f"shard/{self.id}")
+            linger(self.ctx)
+            if isinstance(e, RdmaflowError):
+                raise
+            raise ShardFailure(reason) from e
+
+    def _abort_workers(self, reason: str) -> None:
+        """Leaves the reason, then ABORT, in every worker's block (the store may leave with us)."""
+        if not hasattr(self, "abort_src"):
+            return
+        L, wl = self.layout, self.spec.worker
+        msg = reason.encode("utf-8", "replace")[: REASON - 1] + b"\0"
+        self.raw[L.reason_src : L.reason_src + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+        self.abort_src[0] = ABORT
+        futs = []
+        for w, info in enumerate(self.workers):
+            if info["channel"].failed:
+                continue
+            with contextlib.suppress(Exception):  # best effort while failing
+                ch = info["channel"]
+                futs.append(ch.memcpy(self.region, self.base + L.reason_src, info["remote"],
+                                      info["base"] + wl.reason + REASON * self.id, len(msg), WRITE))
+                ch.fence()
+                futs.append(ch.memcpy(self.region, self.base + L.abort_src, info["remote"],
+                                      info["base"] + wl.status + U64 * self.id, U64, WRITE))
+        deadline = Deadline(1.0)
+        for f in futs:
+            f.wait(deadline.left())
+
