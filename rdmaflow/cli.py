@@ -4,6 +4,7 @@
     rdmaflow bench device [...]       Channel.memcpy bandwidth next to ucx_perftest
     rdmaflow bench transfer [...]     one-way tensor transfer next to gRPC, gloo, TensorPipe
     rdmaflow launch [...] script.py   start a parameter-server job with torchrun
+    rdmaflow mount MOUNTPOINT [...]   a worker serving the job's model as files (FUSE)
 
 To add a subcommand (``bench train``, ...), write a module with ``add_arguments(parser)`` (or
 ``build_parser(parser)``) and ``run(args) -> int`` (the exit status) and list it in
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("rdmaflow.info", "show versions, UCX transports/devices (verbs? CUDA?) and settings"),
     "launch": ("rdmaflow.launch", "start a parameter-server job with torchrun"),
+    "mount": ("rdmaflow.fileview.mount", "serve a parameter-server job's model as files (FUSE), as a worker"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "device": ("rdmaflow.bench.device",
