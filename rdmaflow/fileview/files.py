@@ -59,10 +59,11 @@ class ModelFiles(Operations):
                      "/vars": sorted(p[len("/vars/"):] for p in self.nodes if p.startswith("/vars/"))}
 
     # -- helpers -----------------------------------------------------------------------------
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, quiet: bool = False) -> None:
         if self.failed is None:
             self.failed = reason
-            print(f"rdmaflow mount {self.label}: {reason}; every operation now fails with EIO",
+            if not quiet:
+                print(f"rdmaflow mount {self.label}: {reason}; every operation now fails with EIO",
                   file=sys.stderr, flush=True)
 
     def _node(self, path: str) -> Node:

@@ -21,12 +21,17 @@ import time
 
 from rdmaflow import InvalidArgumentError, RdmaflowError
 from rdmaflow.deadline import Deadline
-from rdmaflow.fileview.fuse import fuse_problem, unmount
+from rdmaflow.fileview.fuse import abort_connection, connection_of, fuse_problem, is_mounted, unmount
 from rdmaflow.fileview.model import load_declaration
 from rdmaflow.ps import MODES, POLICIES
+from rdmaflow.ps.context import resolve_role
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES
 
 MOUNT_TIMEOUT = 30.0   # seconds for libfuse to mount, or to finish after an unmount
+MAX_THREADS = 64       # libfuse's worker threads: requests in flight at once
+LINGER = 2.0           # seconds for libfuse to end by itself after the unmount, before its connection is aborted
+ABORT_CHECK = 1.0      # seconds between looks at the job's abort key while idle
+UNMOUNTING = "the file view is unmounting"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,12 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_mountpoint(path: str) -> str:
     path = os.path.abspath(path)
+    if is_mounted(path):
+        raise InvalidArgumentError(f"mountpoint {path} is already a mount point (a stale mount? fusermount3 -u {path})")
     if not os.path.exists(path):
         raise InvalidArgumentError(f"mountpoint {path} does not exist: create an empty directory there")
     if not os.path.isdir(path):
         raise InvalidArgumentError(f"mountpoint {path} is not a directory")
-    if os.path.ismount(path):
-        raise InvalidArgumentError(f"mountpoint {path} is already a mount point (a stale mount? fusermount3 -u {path})")
     if os.listdir(path):
         raise InvalidArgumentError(f"mountpoint {path} is not empty")
     return path
@@ -65,11 +70,13 @@ def serve(args) -> int:
     if problem:
         raise InvalidArgumentError(problem)
     decl = load_declaration(args.model)
+    role = resolve_role()
+    mountpoint = args.mountpoint.replace("{worker}", str(role.index))
+    if role.kind == "worker":
+        mountpoint = check_mountpoint(mountpoint)  # before joining the job: a bad mountpoint fails at once
     import rdmaflow.ps as ps
 
-    # Shards serve inside init() and exit; the check of the mountpoint is for workers only.
-    ctx = ps.init()
-    mountpoint = check_mountpoint(args.mountpoint.replace("{worker}", str(ctx.role.index)))
+    ctx = ps.init()  # a shard serves inside and exits with the job
     label = f"worker {ctx.role.index} at {mountpoint}"
     model, optimizer = decl.build()
     opt = ps.DistributedOptimizer(model, optimizer, mode=args.mode, staleness=args.staleness, policy=args.policy,
@@ -91,7 +98,7 @@ def serve(args) -> int:
     def loop() -> None:
         try:
             FUSE(files, mountpoint, foreground=True, nothreads=False, debug=args.debug, direct_io=True,
-                 fsname="rdmaflow", subtype="rdmaflow")
+                 max_threads=MAX_THREADS, max_idle_threads=MAX_THREADS, fsname="rdmaflow", subtype="rdmaflow")
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
 
@@ -103,24 +110,15 @@ def serve(args) -> int:
         if not files.mounted.is_set():
             raise RdmaflowError(f"libfuse did not mount {mountpoint} within {MOUNT_TIMEOUT:.0f} s"
                                 + (f": {errors[0]}" if errors else ""))
+        conn = connection_of(mountpoint)
         print(f"rdmaflow mount: {label}: serving {len(decl.variables)} variables, {decl.total_bytes} bytes, "
               f"mode {args.mode}", flush=True)
-        while thread.is_alive() and not stop.wait(0.2):
-            pass
+        _serve_until_stopped(thread, stop, files, ctx.store)
         if thread.is_alive():
-            if files.gate.busy:
-                reason = f"{label} was unmounted with requests in flight"
-                ctx.store.abort(reason)    # the job is told; the waiting step fails and answers EIO
-                files.fail(reason)
-            else:
-                files.fail(f"{label} is unmounting")
-            unmount(mountpoint)
-            thread.join(MOUNT_TIMEOUT)
-            if thread.is_alive():
-                print(f"rdmaflow mount: {label}: libfuse did not stop within {MOUNT_TIMEOUT:.0f} s", file=sys.stderr)
-        ok = files.failed is None or files.failed.endswith("is unmounting")
+            _stop(thread, files, ctx.store, mountpoint, conn, label)
+        ok = files.failed in (None, UNMOUNTING)
     finally:
-        if os.path.ismount(mountpoint):
+        if is_mounted(mountpoint):
             unmount(mountpoint)
         if ok:
             opt.close()
@@ -128,6 +126,35 @@ def serve(args) -> int:
             ctx.device.close()
     print(f"rdmaflow mount: {label}: unmounted after {files.steps} steps", flush=True)
     return 0 if ok else 1
+
+
+def _serve_until_stopped(thread: threading.Thread, stop: threading.Event, files, store) -> None:
+    """Until a signal, an outside unmount, or the job's abort (then every operation fails with EIO)."""
+    next_check = 0.0
+    while thread.is_alive() and not stop.wait(0.2):
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + ABORT_CHECK
+            reason = store.aborted()  # also when the store is gone: the job is over
+            if reason:
+                files.fail(f"the job was aborted: {reason}")
+                return
+
+
+def _stop(thread: threading.Thread, files, store, mountpoint: str, conn: int | None, label: str) -> None:
+    if files.gate.busy and files.failed is None:
+        reason = f"{label} was unmounted with requests in flight"
+        store.abort(reason)    # the job is told; the waiting step fails and answers EIO
+        files.fail(reason)
+    else:
+        files.fail(UNMOUNTING, quiet=True)
+    unmount(mountpoint)
+    thread.join(LINGER)
+    if thread.is_alive():
+        # Files still open keep a lazily unmounted filesystem alive: end the connection.
+        abort_connection(conn)
+        thread.join(MOUNT_TIMEOUT)
+    if thread.is_alive():
+        print(f"rdmaflow mount: {label}: libfuse did not stop within {MOUNT_TIMEOUT:.0f} s", file=sys.stderr)
 
 
 def _wait(cond, timeout: float) -> bool:
