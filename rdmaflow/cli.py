@@ -31,6 +31,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "one-way tensor transfer, rdmaflow next to gRPC, TensorPipe, gloo, perftest"),
     "train": ("rdmaflow.bench.train",
               "training throughput (batches/s), rdmaflow PS next to TensorPipe, gRPC, DDP, local"),
+    "file": ("rdmaflow.bench.file",
+             "a training step through the file view (rdmaflow mount), sync and async I/O, next to the Python API"),
     "converge": ("rdmaflow.bench.converge",
                  "loss against wall-clock time on a real data set, rdmaflow next to DDP-gloo"),
 }
