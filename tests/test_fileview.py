@@ -164,7 +164,8 @@ def test_c_client_does_one_step(tmp_path):
     decl = declaration(tmp_path / "model.json", init_w=1.5, init_b=-2.0)
     with MountJob(tmp_path, {}) as j:
         j.start_mounts(1, 1, decl)
-        out = subprocess.run([str(tmp_path / "step"), j.mounts[0]], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([str(tmp_path / "step"), j.mounts[0]], capture_output=True, text=True, timeout=60,
+                             check=False)
         assert out.returncode == 0, out.stdout + out.stderr + j.logs()
         pairs = np.array([[float(x) for x in line.split()] for line in out.stdout.split("\n") if line])
         expect_before = np.array([1.5] * (N_OUT * N_IN) + [-2.0] * N_OUT)
@@ -257,13 +258,13 @@ def test_unmount_with_a_push_in_flight_fails_it_and_tells_the_job(tmp_path):
 
 def test_bad_mountpoint_and_unreachable_job(tmp_path):
     decl = declaration(tmp_path / "model.json")
-    env = base_env(dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RDMAFLOW_JOB_SECRET="x",
-                        RDMAFLOW_PS_TIMEOUT="3"))
+    env = base_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RDMAFLOW_JOB_SECRET": "x",
+                    "RDMAFLOW_PS_TIMEOUT": "3"})
 
     def mount(path: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "rdmaflow", "mount", path, "--model", decl], env=env,
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, check=False)
 
     for path, why in ((str(tmp_path / "missing"), "does not exist"), (decl, "is not a directory")):
         out = mount(path)
@@ -279,5 +280,23 @@ def test_bad_mountpoint_and_unreachable_job(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"variables": [{"name": "w", "shape": [2], "dtype": "int8"}]}))
     out = subprocess.run([sys.executable, "-m", "rdmaflow", "mount", str(tmp_path / "mnt"), "--model", str(bad)],
-                         env=env, capture_output=True, text=True, timeout=120)
+                         env=env, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode != 0 and "dtype 'int8'" in out.stderr, out.stderr
+
+
+def test_bench_file_runs_and_writes_its_outputs(tmp_path):
+    """A short run of `rdmaflow bench file`'s code path (no timing is asserted): both jobs run,
+    every cell is measured, and the table, CSV, JSON profile and plot are written."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "file", "--sizes", "64K,1M", "--model-bytes", "1M",
+                        "--steps", "1", "--repeats", "1", "--out", str(out)],
+                       env=base_env(), capture_output=True, text=True, timeout=400, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "file-qd32 / file-qd1 at 1M" in r.stdout, r.stdout
+    rows = (out / "file.csv").read_text().splitlines()
+    systems = {line.split(",")[0] for line in rows[1:]}
+    assert systems == {"file-qd1", "file-qd32", "python-api"}, rows
+    assert len(rows) == 1 + 3 * 2
+    doc = json.loads((out / "file.json").read_text())
+    assert {(p["qd"], p["block"]) for p in doc["profile"]} == {(q, b) for q in (1, 32) for b in (65536, 1 << 20)}
+    assert (out / "file.png").stat().st_size > 0

@@ -7,7 +7,7 @@ import argparse
 import json
 import time
 
-import rdmaflow.ps as ps
+from rdmaflow import ps
 from rdmaflow.fileview import load_declaration
 
 

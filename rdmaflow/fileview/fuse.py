@@ -13,14 +13,15 @@ INSTALL_HINT = ("install FUSE: `apt-get install fuse3` (Debian/Ubuntu, as root; 
 def fuse_problem() -> str | None:
     """Why this machine cannot mount a file view, or None if it can."""
     if not os.path.exists("/dev/fuse"):
-        return "/dev/fuse does not exist: this kernel (or container) has no FUSE; load the fuse module or run with --device /dev/fuse"
+        return ("/dev/fuse does not exist: this kernel (or container) has no FUSE; "
+                "load the fuse module (modprobe fuse) or give the container --device /dev/fuse")
     if not (shutil.which("fusermount3") or shutil.which("fusermount")):
         return f"fusermount3 is not installed: {INSTALL_HINT}"
     try:
         import mfusepy  # noqa: F401 - loads libfuse
     except ImportError:
         return f"the mfusepy binding is not installed: {INSTALL_HINT}"
-    except (OSError, EnvironmentError) as e:
+    except OSError as e:
         return f"libfuse cannot be loaded ({e}): {INSTALL_HINT}"
     return None
 

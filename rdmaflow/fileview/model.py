@@ -118,7 +118,8 @@ def parse_declaration(doc: dict, source: str = "the declaration") -> Declaration
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise InvalidArgumentError(f"{source}: variable {name}'s shape must be a list of non-negative integers")
         if dtype not in FLOAT_DTYPES:
-            raise InvalidArgumentError(f"{source}: variable {name}'s dtype {dtype!r} is not one of {list(FLOAT_DTYPES)}")
+            raise InvalidArgumentError(
+                f"{source}: variable {name}'s dtype {dtype!r} is not one of {list(FLOAT_DTYPES)}")
         numel = 1
         for s in shape:
             numel *= s

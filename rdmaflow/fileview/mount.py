@@ -74,7 +74,7 @@ def serve(args) -> int:
     mountpoint = args.mountpoint.replace("{worker}", str(role.index))
     if role.kind == "worker":
         mountpoint = check_mountpoint(mountpoint)  # before joining the job: a bad mountpoint fails at once
-    import rdmaflow.ps as ps
+    from rdmaflow import ps
 
     ctx = ps.init()  # a shard serves inside and exits with the job
     label = f"worker {ctx.role.index} at {mountpoint}"

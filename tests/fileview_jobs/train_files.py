@@ -65,7 +65,7 @@ def main() -> None:
         gw, gb = gradient(w, b, *batch(a.seed, a.worker, step, n_in, n_out))
         half = (np.concatenate([gw.ravel(), gb]) / 2).astype(dt).tobytes()
         # The first half through /grad, in pieces written concurrently at odd byte offsets.
-        list(pool.map(lambda at: os.pwrite(grad, half[at : at + PIECE], at), range(0, len(half), PIECE)))
+        list(pool.map(lambda at, half=half: os.pwrite(grad, half[at : at + PIECE], at), range(0, len(half), PIECE)))
         # The second half through the per-variable files.
         for n in var:
             lo, hi = var[n]["offset"], var[n]["offset"] + var[n]["nbytes"]
