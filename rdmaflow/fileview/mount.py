@@ -108,8 +108,10 @@ def serve(args) -> int:
     try:
         _wait(lambda: files.mounted.is_set() or not thread.is_alive(), MOUNT_TIMEOUT)
         if not files.mounted.is_set():
-            raise RdmaflowError(f"libfuse did not mount {mountpoint} within {MOUNT_TIMEOUT:.0f} s"
-                                + (f": {errors[0]}" if errors else ""))
+            reason = (f"libfuse did not mount {mountpoint} within {MOUNT_TIMEOUT:.0f} s"
+                      + (f": {errors[0]}" if errors else ""))
+            ctx.store.abort(f"{label}: {reason}")  # the shards and other workers stop with the reason
+            raise RdmaflowError(reason)
         conn = connection_of(mountpoint)
         print(f"rdmaflow mount: {label}: serving {len(decl.variables)} variables, {decl.total_bytes} bytes, "
               f"mode {args.mode}", flush=True)
