@@ -226,12 +226,20 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         assert _oserror(lambda: os.pwrite(meta, b"{}", 0)) == errno.EBADF
         weights = os.open(f"{m}/weights", os.O_RDWR)
         assert _oserror(lambda: os.pwrite(weights, b"\0" * 4, 0)) == errno.EBADF
+        # Writing a range twice adds twice; reading /grad shows this step's sum so far.
+        one = np.ones(2, np.float32).tobytes()
+        assert os.pwrite(grad, one, 0) == 8 and os.pwrite(grad, one, 0) == 8
+        with open(f"{m}/grad", "rb", buffering=0) as f:
+            np.testing.assert_array_equal(np.frombuffer(f.read(8), np.float32), [2.0, 2.0])
         # Three bytes of an element, then a push: refused; the fourth byte completes it.
         assert os.pwrite(grad, b"\0\0\0", 4) == 3
         assert _oserror(lambda: os.fsync(grad)) == errno.EINVAL
         assert os.pwrite(grad, b"\0", 7) == 1
         os.fsync(grad)
-        assert len(os.pread(weights, size, 0)) == size
+        flat = np.frombuffer(os.pread(weights, size, 0), np.float32)
+        np.testing.assert_allclose(flat[:2], -LR * 2.0)  # SGD from zero: -lr x the gradient (2.0)
+        with open(f"{m}/vars/bias.weights", "rb") as f:
+            np.testing.assert_array_equal(np.frombuffer(f.read(), np.float32), flat[N_OUT * N_IN :])
         # The shard dies: the next push fails with EIO, and so does everything after it.
         j.proc("shard0").kill()
         j.wait(DETECT_TIMEOUT, [j.proc("shard0")])
