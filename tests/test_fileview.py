@@ -40,6 +40,7 @@ client = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(client)
 
 N_IN, N_OUT = 6, 3
+START_TIMEOUT = 2 * JOB_TIMEOUT  # three processes importing torch on a loaded 2-core machine
 LR, MOMENTUM = 0.05, 0.5
 
 
@@ -70,7 +71,7 @@ class MountJob(Job):
             self.spawn(name, [sys.executable, "-m", "rdmaflow", "mount", str(self.dir / "mnt{worker}"),
                               "--model", decl, *args], env)
         for w in range(workers):
-            self.wait_output(f"worker{w}", "serving", JOB_TIMEOUT)
+            self.wait_output(f"worker{w}", "serving", START_TIMEOUT)
         return self
 
     def stop_mount(self, w: int) -> int:
