@@ -5,6 +5,7 @@
     rdmaflow bench transfer [...]     one-way tensor transfer next to gRPC, gloo, TensorPipe
     rdmaflow bench kv [...]           key-value requests of N keys next to one tensor
     rdmaflow launch [...] script.py   start a parameter-server job with torchrun
+    rdmaflow mount MOUNTPOINT [...]   a worker serving the job's model as files (FUSE)
 
 To add a subcommand (``bench train``, ...), write a module with ``add_arguments(parser)`` (or
 ``build_parser(parser)``) and ``run(args) -> int`` (the exit status) and list it in
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("rdmaflow.info", "show versions, UCX transports/devices (verbs? CUDA?) and settings"),
     "launch": ("rdmaflow.launch", "start a parameter-server job with torchrun"),
+    "mount": ("rdmaflow.fileview.mount", "serve a parameter-server job's model as files (FUSE), as a worker"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "device": ("rdmaflow.bench.device",
@@ -30,6 +32,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "one-way tensor transfer, rdmaflow next to gRPC, TensorPipe, gloo, perftest"),
     "train": ("rdmaflow.bench.train",
               "training throughput (batches/s), rdmaflow PS next to TensorPipe, gRPC, DDP, local"),
+    "file": ("rdmaflow.bench.file",
+             "a training step through the file view (rdmaflow mount), sync and async I/O, next to the Python API"),
     "converge": ("rdmaflow.bench.converge",
                  "loss against wall-clock time on a real data set, rdmaflow next to DDP-gloo"),
     "kv": ("rdmaflow.bench.kv",

@@ -21,5 +21,18 @@ if ! $PY -c "import torch" 2>/dev/null; then
   # shellcheck disable=SC2086 # TORCH_SPEC may carry pip options
   $PY -m pip install -q $TORCH_SPEC
 fi
-$PY -m pip install -q -e ".[test,bench]"
+# The file view (rdmaflow mount) needs libfuse and fusermount3 from the system.
+if ! command -v fusermount3 >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep libfuse3.so.3 >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing fuse3 (libfuse3 and fusermount3) for rdmaflow mount"
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 >/dev/null; }; then
+      echo "setup: WARNING: apt-get could not install fuse3 (no network?): rdmaflow mount and its tests need it" >&2
+    fi
+  else
+    echo "setup: WARNING: fuse3 is missing and cannot be installed here (not root, or no apt-get):" >&2
+    echo "setup:   rdmaflow mount and its tests need it: run 'sudo apt-get install fuse3' (Debian/Ubuntu)," >&2
+    echo "setup:   'sudo dnf install fuse3' (Fedora/RHEL) or your system's equivalent." >&2
+  fi
+fi
+$PY -m pip install -q -e ".[test,bench,fileview]"
 $PY -m rdmaflow info

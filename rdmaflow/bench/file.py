@@ -1,0 +1,178 @@
+"""``rdmaflow bench file``: a training step through the file view, fio-style (iRDMA Figure 5).
+
+One step = write the whole gradient in ``block``-sized ``pwrite``s, ``fsync`` (push and wait for
+the new weights), read the whole weights in ``block``-sized ``pread``s. Queue depth 1 issues
+the requests one after another (synchronous I/O); queue depth 32 keeps 32 in flight from a
+thread pool (asynchronous I/O: libfuse's multi-threaded loop serves them concurrently). Next
+to it, in the same run, the same model stepped through ``DistributedOptimizer``'s push and
+pull. Each side is a real job: one shard and one worker (`rdmaflow mount`, or the Python
+worker), over UCX ``--transport``.
+
+Throughput is gradient plus weight bytes per second of a step. The JSON has each file step's
+split into writing, pushing (fsync) and reading: what bounds the file path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from rdmaflow.bench import harness as h
+
+BARS = [("file-qd32", "file-qd1", 1.5), ("file-qd32", "python-api", 0.3)]
+BAR_POINT = 1 << 20
+START_TIMEOUT = 180.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="4K,64K,1M,4M", help="request (block) sizes (default 4K,64K,1M,4M)")
+    p.add_argument("--model-bytes", default="16M", help="size of the model, float32 (default 16M)")
+    p.add_argument("--steps", type=int, default=5, help="steps per measurement (default 5)")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per cell (default 3)")
+    p.add_argument("--depths", default="1,32", help="queue depths (default 1,32)")
+    p.add_argument("--transport", default="tcp", help="UCX transport of the jobs (default tcp)")
+    p.add_argument("--out", default="bench-results/file", help="directory for CSV, JSON and plot")
+
+
+def _declaration(path: str, nbytes: int) -> None:
+    n = max(1, nbytes // 4)
+    with open(path, "w") as f:
+        json.dump({"variables": [{"name": "flat", "shape": [n], "dtype": "float32", "init": 0.0}],
+                   "optimizer": {"name": "SGD", "lr": 0.001}}, f)
+
+
+def _start_job(argv: list[str], label: str, transport: str, logdir: str) -> list[h.ChildProcess]:
+    """A shard (rank 0) and a worker (rank 1), each running ``argv``."""
+    port, secret, procs = h.free_port(), h.new_secret(), []
+    for rank, role in enumerate(("shard", "worker")):
+        env = h.process_env(transport, secret=secret, threads=1)
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDMAFLOW_SHARDS_PER_NODE="1")
+        procs.append(h.ChildProcess([sys.executable, *argv], env, f"{label}-{role}", stdin=False,
+                                    log=os.path.join(logdir, f"{label}-{role}.log")))
+    return procs
+
+
+def _wait_mounted(path: str, procs: list[h.ChildProcess]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while not os.path.exists(os.path.join(path, "model.json")):
+        for p in procs:
+            if p.poll() is not None:
+                raise h.BenchError(f"{p.label} exited ({p.poll()}):\n{p.output()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise h.BenchError(f"the file view did not mount within {START_TIMEOUT:.0f} s")
+        time.sleep(0.1)
+
+
+def file_step(fds: tuple[int, int], nbytes: int, block: int, pool: ThreadPoolExecutor | None,
+              payload: bytes) -> tuple[float, float, float]:
+    """One step through the mount; returns the seconds spent writing, pushing and reading."""
+    grad, weights = fds
+    offsets = range(0, nbytes, block)
+
+    def put(at: int) -> None:
+        n = min(block, nbytes - at)
+        if os.pwrite(grad, payload[:n], at) != n:
+            raise h.BenchError("short write")
+
+    def get(at: int) -> None:
+        n = min(block, nbytes - at)
+        if len(os.pread(weights, n, at)) != n:
+            raise h.BenchError("short read")
+
+    run = (lambda f: list(pool.map(f, offsets))) if pool else (lambda f: [f(o) for o in offsets])
+    t0 = time.perf_counter()
+    run(put)
+    t1 = time.perf_counter()
+    os.fsync(grad)
+    t2 = time.perf_counter()
+    run(get)
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def measure_files(mnt: str, nbytes: int, sizes: list[int], depths: list[int], steps: int, repeats: int,
+                  m: h.Measurements, profile: list[dict]) -> None:
+    grad = os.open(os.path.join(mnt, "grad"), os.O_WRONLY)
+    weights = os.open(os.path.join(mnt, "weights"), os.O_RDONLY)
+    payload = bytes(max(sizes))  # zeros: the model does not move, the bytes do
+    try:
+        for _ in range(repeats):
+            for size in sizes:
+                for qd in depths:
+                    pool = ThreadPoolExecutor(qd) if qd > 1 else None
+                    file_step((grad, weights), nbytes, size, pool, payload)  # warm-up
+                    parts = [file_step((grad, weights), nbytes, size, pool, payload) for _ in range(steps)]
+                    if pool:
+                        pool.shutdown()
+                    total = sum(sum(p) for p in parts)
+                    m.add(f"file-qd{qd}", size, 2 * nbytes * steps / total / 1e9)
+                    profile.append({"qd": qd, "block": size, "write_s": statistics.median(p[0] for p in parts),
+                                    "push_s": statistics.median(p[1] for p in parts),
+                                    "read_s": statistics.median(p[2] for p in parts)})
+    finally:
+        os.close(grad)
+        os.close(weights)
+
+
+def run(args) -> int:
+    sizes = h.parse_sizes(args.sizes)
+    depths = [int(d) for d in args.depths.split(",")]
+    nbytes = h.parse_size(args.model_bytes) // 4 * 4
+    from rdmaflow.fileview import fuse_problem, unmount
+
+    problem = fuse_problem()
+    if problem:
+        print(f"rdmaflow bench file: {problem}", file=sys.stderr)
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    m = h.Measurements("GB/s")
+    profile: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="rdmaflow-bench-file-") as tmp:
+        decl = os.path.join(tmp, "model.json")
+        _declaration(decl, nbytes)
+        mnt = os.path.join(tmp, "mnt")
+        os.mkdir(mnt)
+        procs = _start_job(["-m", "rdmaflow", "mount", mnt, "--model", decl], "mount", args.transport, args.out)
+        try:
+            _wait_mounted(mnt, procs)
+            measure_files(mnt, nbytes, sizes, depths, args.steps, args.repeats, m, profile)
+            procs[1].signal(15)  # SIGTERM: the mount unmounts and leaves the job
+            procs[1].wait(60)
+        finally:
+            for p in procs:
+                p.close(grace=10)
+            unmount(mnt)
+        api_steps = (args.steps + 1) * args.repeats
+        procs = _start_job(["-m", "rdmaflow.bench._file_api_worker", "--model", decl, "--steps", str(api_steps)],
+                           "api", args.transport, args.out)
+        try:
+            if procs[1].wait(START_TIMEOUT + 60 * api_steps) != 0:
+                raise h.BenchError(f"the Python API worker failed:\n{procs[1].output()[-2000:]}")
+            times = [json.loads(line)["step_s"] for line in procs[1].output().splitlines()
+                     if line.startswith('{"step_s"')]
+        finally:
+            for p in procs:
+                p.close(grace=10)
+    per_repeat = [times[i * (args.steps + 1) + 1 : (i + 1) * (args.steps + 1)] for i in range(args.repeats)]
+    for rep in per_repeat:
+        for size in sizes:  # the API path has no request size: the same values on every row
+            m.add("python-api", size, 2 * nbytes * len(rep) / sum(rep) / 1e9)
+    bars = h.check_bars(m, BARS, [BAR_POINT])
+    h.write_csv(os.path.join(args.out, "file.csv"), h.MEASUREMENT_COLUMNS, m.rows())
+    h.write_json(os.path.join(args.out, "file.json"), {"model_bytes": nbytes, "steps": args.steps,
+                                                       "transport": args.transport, "profile": profile,
+                                                       "bars": bars})
+    print(h.ratio_table(m, "file-qd32", point_label=h.format_size,
+                        title=f"gradient + weights GB/s per step, {h.format_size(nbytes)} model, median [min-max]"))
+    for b in bars:
+        print(f"{b['num']} / {b['den']} at {h.format_size(b['point'])}: {b['ratio'] and round(b['ratio'], 2)} "
+              f"(bar {b['bar']}): {b['verdict']}")
+    h.line_plot(os.path.join(args.out, "file.png"), m, xlabel="request size", ylabel="GB/s", sizes=True,
+                title="Training step through the file view: synchronous (qd 1) and asynchronous (qd 32) I/O "
+                      "next to the Python API (iRDMA Figure 5)")
+    return 0

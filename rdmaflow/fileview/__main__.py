@@ -1,0 +1,12 @@
+"""``python -m rdmaflow.fileview MOUNTPOINT --model DECL.json``, the same as ``rdmaflow mount``;
+as a file, the script ``rdmaflow launch`` starts: ``rdmaflow launch ... $SCRIPT MOUNTPOINT ...``."""
+import argparse
+import sys
+
+from rdmaflow.fileview import mount
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="rdmaflow mount", description=mount.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mount.add_arguments(parser)
+    sys.exit(mount.run(parser.parse_args()))

@@ -1,0 +1,155 @@
+"""The file operations of a mounted model (mfusepy ``Operations``): which path is what, and what
+each POSIX call does on it.
+
+    /model.json           the metadata (read-only)
+    /grad                 the flat gradient: write adds, fsync (or closing after a write) pushes
+    /weights              the flat weights (read-only)
+    /vars/<name>.grad     one variable's part of /grad
+    /vars/<name>.weights  one variable's part of /weights
+
+Errors are POSIX: a path that does not exist ``ENOENT``, a write past a file's end ``EINVAL``,
+a write to a read-only file ``EBADF``, a push with elements only partly written ``EINVAL``,
+and once the job failed (a shard died) ``EIO`` on every operation."""
+from __future__ import annotations
+
+import errno
+import itertools
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from mfusepy import FuseOSError, Operations
+
+from rdmaflow import RdmaflowError
+from rdmaflow.fileview.flat import FlatModel
+from rdmaflow.fileview.gate import StepGate
+
+
+@dataclass(frozen=True)
+class Node:
+    kind: str      # "meta", "grad" or "weights"
+    offset: int    # bytes, where the file starts in the flat model
+    size: int
+
+
+class ModelFiles(Operations):
+    use_ns = True
+
+    def __init__(self, flat: FlatModel, declaration, metadata: bytes, *, step_timeout: float, label: str):
+        self.flat = flat
+        self.metadata = metadata
+        self.step_timeout = step_timeout
+        self.label = label
+        self.gate = StepGate()
+        self.steps = 0
+        self.failed: str | None = None   # why every operation now fails with EIO
+        self.mounted = threading.Event()
+        self._fh = itertools.count(1)
+        self._wrote: dict[int, int] = {}  # file handle -> the step it last wrote into
+        self._t = time.time_ns()
+        n = flat.nbytes
+        self.nodes = {"/model.json": Node("meta", 0, len(metadata)), "/grad": Node("grad", 0, n),
+                      "/weights": Node("weights", 0, n)}
+        for v in declaration.variables:
+            self.nodes[f"/vars/{v.name}.grad"] = Node("grad", v.offset, v.nbytes)
+            self.nodes[f"/vars/{v.name}.weights"] = Node("weights", v.offset, v.nbytes)
+        self.dirs = {"/": ["model.json", "grad", "weights", "vars"],
+                     "/vars": sorted(p[len("/vars/"):] for p in self.nodes if p.startswith("/vars/"))}
+
+    # -- helpers -----------------------------------------------------------------------------
+    def fail(self, reason: str, quiet: bool = False) -> None:
+        if self.failed is None:
+            self.failed = reason
+            if not quiet:
+                print(f"rdmaflow mount {self.label}: {reason}; every operation now fails with EIO",
+                  file=sys.stderr, flush=True)
+
+    def _node(self, path: str) -> Node:
+        node = self.nodes.get(path)
+        if node is None:
+            raise FuseOSError(errno.ENOENT)
+        return node
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise FuseOSError(errno.EIO)
+
+    # -- namespace ---------------------------------------------------------------------------
+    def init(self, path) -> None:
+        self.mounted.set()
+
+    def getattr(self, path, fh=None):
+        t = self._t
+        base = {"st_uid": 0, "st_gid": 0, "st_atime": t, "st_mtime": t, "st_ctime": t}
+        if path in self.dirs:
+            return dict(base, st_mode=stat.S_IFDIR | 0o755, st_nlink=2, st_size=0)
+        node = self._node(path)
+        mode = {"meta": 0o444, "grad": 0o644, "weights": 0o444}[node.kind]
+        return dict(base, st_mode=stat.S_IFREG | mode, st_nlink=1, st_size=node.size)
+
+    def readdir(self, path, fh):
+        if path not in self.dirs:
+            raise FuseOSError(errno.ENOENT)
+        return [".", "..", *self.dirs[path]]
+
+    def open(self, path, flags):
+        self._node(path)
+        return next(self._fh)
+
+    def create(self, path, mode, fi=None):
+        raise FuseOSError(errno.EACCES)  # the layout is the model's: no new files
+
+    def truncate(self, path, length, fh=None):
+        self._node(path)  # O_TRUNC changes nothing: a file is as large as its part of the model
+
+    def release(self, path, fh):
+        self._wrote.pop(fh, None)
+
+    # -- data --------------------------------------------------------------------------------
+    def read(self, path, size, offset, fh):
+        node = self._node(path)
+        if node.kind == "meta":
+            return self.metadata[offset : offset + size]
+        with self.gate.shared(self.step_timeout, "a read"):
+            self._check()
+            if offset >= node.size:
+                return b""
+            return self.flat.read(node.kind, node.offset + offset, min(size, node.size - offset))
+
+    def write(self, path, data, offset, fh):
+        node = self._node(path)
+        if node.kind != "grad":
+            raise FuseOSError(errno.EBADF)
+        if offset < 0 or offset + len(data) > node.size:
+            raise FuseOSError(errno.EINVAL)
+        with self.gate.shared(self.step_timeout, "a write"):
+            self._check()
+            self.flat.add(node.offset + offset, data)
+            self._wrote[fh] = self.steps
+        return len(data)
+
+    def fsync(self, path, datasync, fh):
+        if self._node(path).kind == "grad":
+            self._step(path)
+
+    def flush(self, path, fh):
+        # Closing a gradient file that wrote into this step pushes it (every close calls flush).
+        if self._node(path).kind == "grad" and self._wrote.get(fh) == self.steps:
+            self._step(path)
+
+    def _step(self, path: str) -> None:
+        with self.gate.exclusive(self.step_timeout, "a push"):
+            self._check()
+            partial = self.flat.incomplete()
+            if partial:
+                print(f"rdmaflow mount {self.label}: push refused: elements at byte offsets {partial[:5]} "
+                      "are only partly written", file=sys.stderr, flush=True)
+                raise FuseOSError(errno.EINVAL)
+            try:
+                self.flat.step()
+            except RdmaflowError as e:
+                self.fail(f"step {self.steps + 1} failed: {e}")
+                raise FuseOSError(errno.EIO) from None
+            self.steps += 1

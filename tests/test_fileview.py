@@ -1,0 +1,339 @@
+"""The model as files (issue 17): real jobs of a shard and `rdmaflow mount` workers, over UCX
+tcp, with clients that use only POSIX file I/O.
+
+- Two workers train through their mounts with plain os.pwrite/os.pread/os.fsync (the training
+  processes load no rdmaflow module, which they report) and end with the parameters of single-process SGD on the
+  concatenated batches.
+- A C program, compiled here, does one step through the mount.
+- Every error: a missing path, a write past the end, a write to a read-only file, a push with
+  half-written elements, a shard that dies (EIO), an unmount with a request in flight (it fails
+  with EIO and the job is told), a bad mountpoint, a job that cannot be reached.
+No test leaves a mount behind: every mountpoint is unmounted (lazily) at the end.
+
+Skipped, with the reason, only where the machine has no FUSE (/dev/fuse, libfuse, mfusepy).
+"""
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import HERE
+from test_ps import DETECT_TIMEOUT, JOB_TIMEOUT, Job, base_env, free_port
+
+from rdmaflow.fileview import fuse_problem, is_mounted, unmount
+
+pytestmark = pytest.mark.skipif(fuse_problem() is not None, reason=f"no FUSE here: {fuse_problem()}")
+
+CLIENT = os.path.join(HERE, "fileview_jobs", "train_files.py")
+_spec = importlib.util.spec_from_file_location("train_files", CLIENT)
+client = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(client)
+
+N_IN, N_OUT = 6, 3
+START_TIMEOUT = 2 * JOB_TIMEOUT  # three processes importing torch on a loaded 2-core machine
+LR, MOMENTUM = 0.05, 0.5
+
+
+def declaration(path, init_w=0.0, init_b=0.0) -> str:
+    doc = {"variables": [{"name": "weight", "shape": [N_OUT, N_IN], "dtype": "float32", "init": init_w},
+                         {"name": "bias", "shape": [N_OUT], "dtype": "float32", "init": init_b}],
+           "optimizer": {"name": "SGD", "lr": LR, "momentum": MOMENTUM}}
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+class MountJob(Job):
+    """A job whose every process runs `rdmaflow mount DIR/mnt{worker}`; at exit every mount is
+    undone, and a test fails if one was left behind."""
+
+    def start_mounts(self, workers: int, shards: int, decl: str, *args: str, extra: dict | None = None):
+        self.mounts = []
+        port = free_port()
+        local = workers + shards
+        for w in range(workers):
+            os.makedirs(self.dir / f"mnt{w}")
+            self.mounts.append(str(self.dir / f"mnt{w}"))
+        for rank in range(local):
+            name = f"shard{rank}" if rank < shards else f"worker{rank - shards}"
+            env = self.env(dict(RANK=str(rank), WORLD_SIZE=str(local), LOCAL_RANK=str(rank),
+                                LOCAL_WORLD_SIZE=str(local), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port), RDMAFLOW_SHARDS_PER_NODE=str(shards), **(extra or {})))
+            self.spawn(name, [sys.executable, "-m", "rdmaflow", "mount", str(self.dir / "mnt{worker}"),
+                              "--model", decl, *args], env)
+        for w in range(workers):
+            self.wait_output(f"worker{w}", "serving", START_TIMEOUT)
+        return self
+
+    def stop_mount(self, w: int) -> int:
+        """SIGTERMs worker w's mount; returns its exit status (bounded)."""
+        p = self.proc(f"worker{w}")
+        p.popen.send_signal(signal.SIGTERM)
+        return self.wait(DETECT_TIMEOUT, [p])[p.name]
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        stale = [m for m in getattr(self, "mounts", []) if is_mounted(m)]
+        for m in stale:
+            unmount(m)
+        assert not stale, f"mounts left behind: {stale}"
+
+
+def reference(workers: int, steps: int) -> np.ndarray:
+    """Single-process SGD with momentum (torch's rule) on the concatenated batches."""
+    w = np.zeros((N_OUT, N_IN))
+    b = np.zeros(N_OUT)
+    buf = None
+    for step in range(steps):
+        xs, ys = zip(*(client.batch(0, k, step, N_IN, N_OUT) for k in range(workers)))
+        gw, gb = client.gradient(w, b, np.concatenate(xs), np.concatenate(ys))
+        g = np.concatenate([gw.ravel(), gb])
+        buf = g if buf is None else MOMENTUM * buf + g
+        flat = np.concatenate([w.ravel(), b]) - LR * buf
+        w, b = flat[: N_OUT * N_IN].reshape(N_OUT, N_IN), flat[N_OUT * N_IN :]
+    return np.concatenate([w.ravel(), b])
+
+
+def test_two_workers_train_through_files_like_single_process_sgd(tmp_path):
+    steps = 6
+    decl = declaration(tmp_path / "model.json")
+    # Blocks of 16 bytes: the flat model is cut into many blocks that cut the variables.
+    with MountJob(tmp_path, {}) as j:
+        j.start_mounts(2, 1, decl, "--policy", "block", "--block-bytes", "16")
+        clients = [subprocess.Popen([sys.executable, CLIENT, "--mount", j.mounts[w], "--worker", str(w),
+                                     "--steps", str(steps), "--out", str(tmp_path / f"w{w}.npy")],
+                                    stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for w in range(2)]
+        for c in clients:
+            out, _ = c.communicate(timeout=JOB_TIMEOUT)
+            assert c.returncode == 0, out + j.logs()
+            assert json.loads(out.strip().splitlines()[-1])["rdmaflow_modules"] == [], out  # plain file I/O only
+        ref = reference(2, steps)
+        for w in range(2):
+            got = np.load(tmp_path / f"w{w}.npy")
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6, err_msg=f"worker {w}")
+        assert not np.allclose(ref, 0)
+        for w in range(2):
+            assert j.stop_mount(w) == 0, j.logs()
+            assert not is_mounted(j.mounts[w])
+        assert j.wait(DETECT_TIMEOUT)["shard0"] == 0, j.logs()
+
+
+def mse(flat: np.ndarray, workers: int, step: int) -> float:
+    w, b = flat[: N_OUT * N_IN].reshape(N_OUT, N_IN), flat[N_OUT * N_IN :]
+    xs, ys = zip(*(client.batch(0, k, step, N_IN, N_OUT) for k in range(workers)))
+    return float(np.mean((np.concatenate(xs) @ w.T + b - np.concatenate(ys)) ** 2))
+
+
+@pytest.mark.parametrize("mode", ["async", "bounded"])
+def test_asynchronous_modes_train_through_files(tmp_path, mode):
+    """The modes keep their meaning through the mount: each worker's push is applied on arrival,
+    and the model learns (the loss on held-out batches falls to a quarter)."""
+    steps = 25
+    decl = declaration(tmp_path / "model.json")
+    with MountJob(tmp_path, {}) as j:
+        j.start_mounts(2, 1, decl, "--mode", mode, "--staleness", "1")
+        clients = [subprocess.Popen([sys.executable, CLIENT, "--mount", j.mounts[w], "--worker", str(w),
+                                     "--steps", str(steps), "--out", str(tmp_path / f"w{w}.npy")],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in range(2)]
+        for c in clients:
+            out, _ = c.communicate(timeout=JOB_TIMEOUT)
+            assert c.returncode == 0, out + j.logs()
+        initial = mse(np.zeros(N_OUT * N_IN + N_OUT), 2, 999)
+        for w in range(2):
+            assert mse(np.load(tmp_path / f"w{w}.npy").astype(np.float64), 2, 999) < initial / 4
+        for w in range(2):
+            assert j.stop_mount(w) == 0, j.logs()
+        assert j.wait(DETECT_TIMEOUT)["shard0"] == 0, j.logs()
+
+
+C_CLIENT = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+/* One step through the mount: read the weights, write a gradient of ones, fsync, read again. */
+int main(int argc, char **argv) {
+  char path[4096];
+  float before[%(n)d], after[%(n)d], grad[%(n)d];
+  snprintf(path, sizeof path, "%%s/weights", argv[1]);
+  int wfd = open(path, O_RDONLY);
+  snprintf(path, sizeof path, "%%s/grad", argv[1]);
+  int gfd = open(path, O_WRONLY);
+  if (wfd < 0 || gfd < 0) { perror("open"); return 1; }
+  if (pread(wfd, before, sizeof before, 0) != sizeof before) { perror("pread"); return 1; }
+  for (int i = 0; i < %(n)d; i++) grad[i] = 1.0f;
+  if (pwrite(gfd, grad, sizeof grad, 0) != sizeof grad) { perror("pwrite"); return 1; }
+  if (fsync(gfd) != 0) { perror("fsync"); return 1; }
+  if (pread(wfd, after, sizeof after, 0) != sizeof after) { perror("pread"); return 1; }
+  for (int i = 0; i < %(n)d; i++) printf("%%g %%g\n", before[i], after[i]);
+  close(gfd);
+  close(wfd);
+  return 0;
+}
+"""
+
+
+def test_c_client_does_one_step(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    n = N_OUT * N_IN + N_OUT
+    src = tmp_path / "step.c"
+    src.write_text(C_CLIENT % {"n": n})
+    subprocess.run([cc, "-O1", "-o", str(tmp_path / "step"), str(src)], check=True, timeout=120)
+    decl = declaration(tmp_path / "model.json", init_w=1.5, init_b=-2.0)
+    with MountJob(tmp_path, {}) as j:
+        j.start_mounts(1, 1, decl)
+        out = subprocess.run([str(tmp_path / "step"), j.mounts[0]], capture_output=True, text=True, timeout=60,
+                             check=False)
+        assert out.returncode == 0, out.stdout + out.stderr + j.logs()
+        pairs = np.array([[float(x) for x in line.split()] for line in out.stdout.split("\n") if line])
+        expect_before = np.array([1.5] * (N_OUT * N_IN) + [-2.0] * N_OUT)
+        np.testing.assert_allclose(pairs[:, 0], expect_before)
+        np.testing.assert_allclose(pairs[:, 1], expect_before - LR * 1.0, rtol=1e-6)
+        assert j.stop_mount(0) == 0, j.logs()
+
+
+def _oserror(fn) -> int:
+    try:
+        fn()
+    except OSError as e:
+        return e.errno
+    return 0
+
+
+def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
+    decl = declaration(tmp_path / "model.json")
+    with MountJob(tmp_path, {}) as j:
+        j.start_mounts(1, 1, decl)
+        m = j.mounts[0]
+        size = (N_OUT * N_IN + N_OUT) * 4
+        grad = os.open(f"{m}/grad", os.O_WRONLY)
+        assert _oserror(lambda: os.open(f"{m}/no-such-file", os.O_RDONLY)) == errno.ENOENT
+        assert _oserror(lambda: os.open(f"{m}/vars/nothing.grad", os.O_WRONLY)) == errno.ENOENT
+        assert _oserror(lambda: os.pwrite(grad, b"\0" * 8, size - 4)) == errno.EINVAL
+        bias = os.open(f"{m}/vars/bias.grad", os.O_WRONLY)
+        assert _oserror(lambda: os.pwrite(bias, b"\0" * 16, 0)) == errno.EINVAL  # past the variable's end
+        meta = os.open(f"{m}/model.json", os.O_RDWR)
+        assert _oserror(lambda: os.pwrite(meta, b"{}", 0)) == errno.EBADF
+        weights = os.open(f"{m}/weights", os.O_RDWR)
+        assert _oserror(lambda: os.pwrite(weights, b"\0" * 4, 0)) == errno.EBADF
+        # Writing a range twice adds twice; reading /grad shows this step's sum so far.
+        one = np.ones(2, np.float32).tobytes()
+        assert os.pwrite(grad, one, 0) == 8 and os.pwrite(grad, one, 0) == 8
+        with open(f"{m}/grad", "rb", buffering=0) as f:
+            np.testing.assert_array_equal(np.frombuffer(f.read(8), np.float32), [2.0, 2.0])
+        # Three bytes of an element, then a push: refused; the fourth byte completes it.
+        assert os.pwrite(grad, b"\0\0\0", 4) == 3
+        assert _oserror(lambda: os.fsync(grad)) == errno.EINVAL
+        assert os.pwrite(grad, b"\0", 7) == 1
+        os.fsync(grad)
+        flat = np.frombuffer(os.pread(weights, size, 0), np.float32)
+        np.testing.assert_allclose(flat[:2], -LR * 2.0)  # SGD from zero: -lr x the gradient (2.0)
+        with open(f"{m}/vars/bias.weights", "rb") as f:
+            np.testing.assert_array_equal(np.frombuffer(f.read(), np.float32), flat[N_OUT * N_IN :])
+        # The shard dies: the next push fails with EIO, and so does everything after it.
+        j.proc("shard0").kill()
+        j.wait(DETECT_TIMEOUT, [j.proc("shard0")])
+        # The write fails at once if the mount already saw the job end (its store was on the shard).
+        assert _oserror(lambda: os.pwrite(grad, b"\0" * 4, 0)) in (0, errno.EIO)
+        assert _oserror(lambda: os.fsync(grad)) == errno.EIO
+        assert _oserror(lambda: os.pread(weights, 4, 0)) == errno.EIO
+        assert _oserror(lambda: os.pwrite(grad, b"\0" * 4, 0)) == errno.EIO
+        assert _oserror(lambda: os.close(grad)) in (0, errno.EIO)  # closing may push: that fails too
+        for fd in (bias, meta, weights):
+            os.close(fd)
+        assert j.stop_mount(0) != 0
+        assert "every operation now fails with EIO" in j.proc("worker0").output(), j.logs()  # and says why
+        assert not is_mounted(m)
+
+
+def test_unmount_with_a_push_in_flight_fails_it_and_tells_the_job(tmp_path):
+    """Two workers in sync mode; worker 0 pushes and waits for worker 1, which never pushes.
+    SIGTERM to worker 0's mount: the waiting fsync fails with EIO, the mount is gone, and the
+    job is aborted with the reason: the shard stops, and worker 1's idle mount unmounts itself."""
+    decl = declaration(tmp_path / "model.json")
+    with MountJob(tmp_path, {}) as j:
+        j.start_mounts(2, 1, decl)
+        m = j.mounts[0]
+        grad = os.open(f"{m}/grad", os.O_WRONLY)
+        os.pwrite(grad, b"\0" * 4, 0)
+        result: dict = {}
+        started = threading.Event()
+
+        def push():
+            started.set()
+            result["errno"] = _oserror(lambda: os.fsync(grad))
+
+        t = threading.Thread(target=push, daemon=True)
+        t.start()
+        started.wait(10)
+        time.sleep(1.0)  # let the fsync reach the mount (no assertion depends on how long it takes)
+        rc = j.stop_mount(0)
+        t.join(DETECT_TIMEOUT)
+        assert not t.is_alive(), "the fsync in flight never returned"
+        assert result["errno"] in (errno.EIO, errno.ENOTCONN), result
+        assert rc != 0, j.logs()
+        assert not is_mounted(m)
+        assert _oserror(lambda: os.close(grad)) in (0, errno.ENOTCONN)  # the connection was ended
+        assert "unmounted with requests in flight" in j.proc("worker0").output(), j.logs()
+        rcs = j.wait(DETECT_TIMEOUT)
+        assert rcs["shard0"] != 0 and rcs["worker1"] != 0, rcs
+        assert "unmounted with requests in flight" in j.proc("shard0").output(), j.logs()
+        assert "the job was aborted" in j.proc("worker1").output(), j.logs()
+        assert not is_mounted(j.mounts[1])  # the idle mount saw the abort and unmounted itself
+
+
+def test_bad_mountpoint_and_unreachable_job(tmp_path):
+    decl = declaration(tmp_path / "model.json")
+    env = base_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RDMAFLOW_JOB_SECRET": "x",
+                    "RDMAFLOW_PS_TIMEOUT": "3"})
+
+    def mount(path: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rdmaflow", "mount", path, "--model", decl], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    for path, why in ((str(tmp_path / "missing"), "does not exist"), (decl, "is not a directory")):
+        out = mount(path)
+        assert out.returncode != 0 and why in out.stderr, out.stderr
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    out = mount(str(tmp_path / "full"))
+    assert out.returncode != 0 and "is not empty" in out.stderr, out.stderr
+    (tmp_path / "mnt").mkdir()
+    out = mount(str(tmp_path / "mnt"))
+    assert out.returncode != 0 and "cannot reach the job's c10d store" in out.stderr, out.stderr
+    assert not is_mounted(tmp_path / "mnt")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"variables": [{"name": "w", "shape": [2], "dtype": "int8"}]}))
+    out = subprocess.run([sys.executable, "-m", "rdmaflow", "mount", str(tmp_path / "mnt"), "--model", str(bad)],
+                         env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode != 0 and "dtype 'int8'" in out.stderr, out.stderr
+
+
+def test_bench_file_runs_and_writes_its_outputs(tmp_path):
+    """A short run of `rdmaflow bench file`'s code path (no timing is asserted): both jobs run,
+    every cell is measured, and the table, CSV, JSON profile and plot are written."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "file", "--sizes", "64K,1M", "--model-bytes", "1M",
+                        "--steps", "1", "--repeats", "1", "--out", str(out)],
+                       env=base_env(), capture_output=True, text=True, timeout=400, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "file-qd32 / file-qd1 at 1M" in r.stdout, r.stdout
+    rows = (out / "file.csv").read_text().splitlines()
+    systems = {line.split(",")[0] for line in rows[1:]}
+    assert systems == {"file-qd1", "file-qd32", "python-api"}, rows
+    assert len(rows) == 1 + 3 * 2
+    doc = json.loads((out / "file.json").read_text())
+    assert {(p["qd"], p["block"]) for p in doc["profile"]} == {(q, b) for q in (1, 32) for b in (65536, 1 << 20)}
+    assert (out / "file.png").stat().st_size > 0
