@@ -223,7 +223,18 @@ def make_worker(args):
     raise ValueError(f"unknown system {system!r}")
 
 
-def serve(args) -> int:
+#: The commands a worker may have (a method each): bench transfer's, then bench latency's.
+COMMANDS = ("recv", "send", "memcpy", "ping", "pong")
+#: Commands whose handler takes a ``ready`` callback (it answers ``{"ok": true, "ready": true}``
+#: once set up, before the measured part).
+READY_COMMANDS = ("recv", "pong")
+
+
+def serve(args, make=None) -> int:
+    """Runs the worker ``make(args)`` (default :func:`make_worker`) on the JSON-lines protocol:
+    each command ``{"cmd": NAME, ...}`` is answered with what ``worker.NAME(cmd)`` returns
+    (``worker.NAME(cmd, ready)`` for :data:`READY_COMMANDS`). ``rdmaflow bench latency``
+    serves its workers with it too."""
     # Protocol lines go to a private copy of stdout; fd 1 becomes stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -234,7 +245,7 @@ def serve(args) -> int:
         proto.flush()
 
     try:
-        worker = make_worker(args)
+        worker = (make or make_worker)(args)
     except BaseException as e:  # noqa: BLE001  (reported, then the process exits)
         reply(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-2000:])
         return 1
@@ -250,14 +261,13 @@ def serve(args) -> int:
             if op == "exit":
                 break
             try:
-                if op == "recv":
-                    res = worker.recv(cmd, lambda: reply(ok=True, ready=True))
-                elif op == "send":
-                    res = worker.send(cmd)
-                elif op == "memcpy":
-                    res = worker.memcpy(cmd)
-                else:
+                handler = getattr(worker, op, None) if op in COMMANDS else None
+                if handler is None:
                     raise ValueError(f"unknown command {op!r}")
+                if op in READY_COMMANDS:
+                    res = handler(cmd, lambda: reply(ok=True, ready=True))
+                else:
+                    res = handler(cmd)
                 reply(ok=True, **res)
             except Exception as e:  # noqa: BLE001
                 reply(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-2000:])
