@@ -3,6 +3,7 @@
     rdmaflow info [--json]            what rdmaflow and UCX can do on this machine
     rdmaflow bench device [...]       Channel.memcpy bandwidth next to ucx_perftest
     rdmaflow bench transfer [...]     one-way tensor transfer next to gRPC, gloo, TensorPipe
+    rdmaflow bench latency [...]      one-way latency of small transfers next to UCX, NIXL, gloo
     rdmaflow launch [...] script.py   start a parameter-server job with torchrun
 
 To add a subcommand (``bench train``, ...), write a module with ``add_arguments(parser)`` (or
@@ -27,6 +28,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "WRITE/READ bandwidth of Channel.memcpy next to ucx_perftest put/get"),
     "transfer": ("rdmaflow.bench.transfer",
                  "one-way tensor transfer, rdmaflow next to gRPC, TensorPipe, gloo, perftest"),
+    "latency": ("rdmaflow.bench.latency",
+                "one-way latency of small transfers (ping-pong), rdmaflow next to ucx_perftest, NIXL, gloo"),
     "train": ("rdmaflow.bench.train",
               "training throughput (batches/s), rdmaflow PS next to TensorPipe, gRPC, DDP, local"),
     "converge": ("rdmaflow.bench.converge",

@@ -111,7 +111,8 @@ class WorkerPair(System):
         self.torch_threads = torch_threads
         self.rx: ChildProcess | None = None
         self.tx: ChildProcess | None = None
-        self.peer: dict = {}
+        self.peer: dict = {}         # the receiver's hello info
+        self.sender_info: dict = {}  # the sender's
         self._hello_pending = False
 
     def _argv(self, role: str, port: int) -> list[str]:
@@ -146,7 +147,7 @@ class WorkerPair(System):
         try:
             deadline = time.monotonic() + START_TIMEOUT
             hello = self.rx.read(deadline - time.monotonic())
-            self.tx.read(deadline - time.monotonic())
+            self.sender_info = self.tx.read(deadline - time.monotonic()).get("info", {})
             self.peer = hello.get("info", {})
             self._hello_pending = False
         except BaseException:
