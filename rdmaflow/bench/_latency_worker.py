@@ -139,6 +139,10 @@ class RdmaflowWorker:
 def make_worker(args):
     if args.system == "rdmaflow":
         return RdmaflowWorker(args.role, args.arena_bytes, args.busy_poll)
+    if args.system == "rdmaflow-profile":
+        from rdmaflow.bench.latency_profile import ProfileWorker
+
+        return ProfileWorker(args.role, args.arena_bytes, args.busy_poll)
     if args.system == "gloo":
         from rdmaflow.bench.baselines.gloo_latency import GlooLatencyWorker
 

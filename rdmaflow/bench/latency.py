@@ -66,7 +66,7 @@ from rdmaflow.bench.perftest import run_perftest_latency
 from rdmaflow.bench.transfer_systems import WorkerPair
 
 SYSTEMS = ("rdmaflow", "ucx_perftest", "nixl", "gloo", "tensorpipe")
-UCX_SYSTEMS = ("rdmaflow", "nixl")  # processes that get the transport's UCX environment
+UCX_SYSTEMS = ("rdmaflow", "rdmaflow-profile", "nixl")  # processes that get the transport's UCX environment
 TRANSPORTS = ("tcp", "sm")
 REFERENCE = "rdmaflow"
 RATIO_PEERS = ("ucx_perftest", "gloo", "nixl")
@@ -131,10 +131,12 @@ class LatencyPair(WorkerPair):
                 "--max-size", str(max(self.sizes)), "--arena-bytes", str(arena_bytes(self.sizes))]
         return argv + (["--busy-poll"] if self.busy_poll else [])
 
-    def measure(self, size: int, count: int, warmup: int, timeout: float, tag: int) -> dict[str, float]:
+    def exchange(self, size: int, count: int, tag: int, timeout: float, **extra: Any) -> tuple[dict, dict]:
+        """``count`` round trips: the sender's and the receiver's replies (``extra`` goes into
+        both commands); BenchError if wrong bytes arrived."""
         self.start()
         assert self.rx is not None and self.tx is not None
-        cmd = {"size": size, "count": warmup + count, "tag": tag, "timeout": timeout}
+        cmd = {"size": size, "count": count, "tag": tag, "timeout": timeout, **extra}
         deadline = time.monotonic() + timeout
         self.rx.send({"cmd": "pong", "peer": self.sender_info, **cmd})
         self.rx.read(min(timeout, 60.0))  # ready
@@ -143,6 +145,10 @@ class LatencyPair(WorkerPair):
         end = self.rx.read(deadline - time.monotonic() + 5.0)
         if res.get("bad") or end.get("bad"):
             raise BenchError(f"wrong bytes arrived ({'at the receiver' if end.get('bad') else 'at the sender'})")
+        return res, end
+
+    def measure(self, size: int, count: int, warmup: int, timeout: float, tag: int) -> dict[str, float]:
+        res, _ = self.exchange(size, warmup + count, tag, timeout)
         if len(res["one_way_us"]) != warmup + count:
             raise BenchError(f"expected {warmup + count} round trips, got {len(res['one_way_us'])}")
         return one_way_summary(res["one_way_us"][warmup:])
