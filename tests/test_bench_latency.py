@@ -30,7 +30,7 @@ def test_tcp_run_end_to_end_writes_csv_and_plot(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "rdmaflow", "bench", "latency", "--transport", "tcp", "--sizes", "8,1K",
          "--repeats", "2", "--iters", "20", "--out", str(tmp_path)],
-        cwd=ROOT, env=_env(marker), capture_output=True, text=True, timeout=230)
+        cwd=ROOT, env=_env(marker), capture_output=True, text=True, timeout=230, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert processes_with_env(marker) == [], "the benchmark left processes behind"
     assert "transport tcp" in p.stdout and "rdmaflow/ucx_perftest" in p.stdout and "rdmaflow/gloo" in p.stdout

@@ -327,9 +327,9 @@ def format_table(results: Mapping[Key, dict[str, Any]], transport: str, systems:
         if REFERENCE in systems:
             row += ["-" if (x := ratio(results, transport, size, REFERENCE, p)) is None else f"{x:.2f}" for p in peers]
         rows.append(row)
-    lines = [f"## transport {transport}: one-way latency, us: median (p10-p90) over round trips, median of "
-             f"{repeats} interleaved repeats; ratios of the medians (below 1: rdmaflow is faster)",
-             *text_table(head, rows)]
+    title = (f"## transport {transport}: one-way latency, us: median (p10-p90) over round trips, median of "
+             f"{repeats} interleaved repeats; ratios of the medians (below 1: rdmaflow is faster)")
+    lines = [title, *text_table(head, rows)]
     lines += [f"* {s}: failed: {msg}" for s, msg in notes.items()]
     lines += [f"{s}: not measured: {why}" for s, why in unavailable.items() if s in systems]
     return "\n".join(lines)

@@ -255,25 +255,29 @@ def _dist(vals: Sequence[float]) -> list[str]:
     return [f"{statistics.median(v):.1f}", f"{percentile(v, 0.1):.1f}", f"{percentile(v, 0.9):.1f}"]
 
 
+OVERLAP_NOTE = ("(phases overlap where a step ran before the previous one finished, e.g. the progress thread "
+                "delivered the flag before send() returned: then 'in flight' is negative)")
+
+
 def format_profile(transport: str, size: int, mode: str, ping: dict, pong: dict, warmup: int) -> str:
     samples = phase_samples(ping, pong, warmup)
     rt = ping["one_way_us"][warmup:]
     rows = [[name, *_dist(vals)] for name, vals in samples.items()]
     rows.append(["ping-pong: round trip / 2 (uninstrumented steps included)", *_dist(rt)])
-    lines = [f"## {transport}, {format_size(size)}, receiver {'spins on poll()' if mode == 'spin' else 'waits in recv()'}"
-             f": one transfer's phases, us (median, p10, p90 over {len(rt)} round trips, both directions)",
-             *text_table(["phase", "median", "p10", "p90"], rows)]
+    waits = "spins on poll()" if mode == "spin" else "waits in recv()"
+    title = (f"## {transport}, {format_size(size)}, receiver {waits}: one transfer's phases, us (median, p10, p90 "
+             f"over {len(rt)} round trips, both directions)")
+    lines = [title, *text_table(["phase", "median", "p10", "p90"], rows)]
     landed = [x for reply in (ping, pong) for x in reply["stamps"].get("landed", [])[warmup:]]
     if landed:
         seen = sum(not math.isnan(x) for x in landed)
         lines.append(f"spin mode: {seen} of {len(landed)} transfers landed while their receiver spun "
                      f"({SPIN_S * 1e6:.0f} us at most, yielding between looks)")
-    lines += ["(phases overlap where a step ran before the previous one finished, e.g. the progress thread "
-              "delivered the flag before send() returned: then 'in flight' is negative)", "",
+    lines += [OVERLAP_NOTE, "",
              "threads, per round trip (us of CPU, us waiting for a core, context switches voluntary/involuntary):"]
     for who, reply in (("sender", ping), ("receiver", pong)):
         for t in reply["threads"][:4]:
-            lines.append(f"  {who:>8} {t['name'][:28]:<28} cpu {t['cpu_ns'] / 1e3:7.1f}  waiting {t['wait_ns'] / 1e3:7.1f}"
+            lines.append(f"  {who:>8} {t['name'][:36]:<36} cpu {t['cpu_ns'] / 1e3:7.1f}  waiting {t['wait_ns'] / 1e3:7.1f}"
                          f"  switches {t['voluntary']:5.2f}/{t['involuntary']:5.2f}")
     return "\n".join(lines)
 
