@@ -10,7 +10,8 @@ Protocol: JSON lines. The worker's first line is its hello (``{"ok": true, "info
 receiver's info is what its sender needs, e.g. the rdmaflow endpoint or the gRPC address).
 Then each command read on stdin is answered on stdout:
 
-* receiver ``{"cmd": "recv", "size", "count", "window", "tag", "timeout"}``: sets up, answers
+* receiver ``{"cmd": "recv", "size", "count", "window", "tag", "timeout", "peer"}`` (``peer``:
+  the sender's hello info): sets up, answers
   ``{"ok": true, "ready": true}``, consumes ``count`` tensors (``tensor.max()`` each), then
   answers ``{"ok": true, "times": [...], "bad": n}``: the CLOCK_MONOTONIC instant at which
   each reduce_max finished, and how many maxima were wrong.
@@ -216,6 +217,10 @@ def make_worker(args):
         from rdmaflow.bench.baselines.gloo_transfer import GlooWorker
 
         return GlooWorker(system, role, args.transport, args.port, args.timeout)
+    if system == "nixl":
+        from rdmaflow.bench.baselines.nixl_transfer import NixlTransferWorker
+
+        return NixlTransferWorker(role, args.arena_bytes)
     if system == "memcpy":
         from rdmaflow.bench.baselines.memcpy import MemcpyWorker
 

@@ -468,6 +468,7 @@ STYLES: dict[str, tuple[str, str, str]] = {
     "grpc-protobuf": ("tab:blue", "v", "-"),
     "tensorpipe": ("tab:green", "D", "-"),
     "gloo": ("tab:purple", "P", "-"),
+    "nixl": ("tab:cyan", "*", "-"),
     "ddp": ("tab:purple", "P", "-"),
     "ucx-perftest-put": ("black", "x", "--"),
     "ucx_perftest": ("black", "x", "--"),

@@ -19,6 +19,9 @@ tensorpipe          ``torch.distributed.rpc`` (TensorPipe backend): ``rpc_async(
                     consume, args=(tensor,))``, pipelined: at most ``window`` calls in flight
 gloo                ``torch.distributed`` gloo ``isend``/``irecv``; the receiver keeps
                     ``window`` receives posted
+nixl                NIXL WRITE + notification per tensor into ``window`` registered slots,
+                    a notification back per consumed slot (:mod:`.baselines.nixl_transfer`);
+                    in the default list when NIXL is installed
 ucx-perftest-put    ``ucx_perftest ucp_put_bw`` (:func:`rdmaflow.bench.perftest.run_perftest`):
                     the UCX transport's own ceiling (bandwidth only; no per-transfer time)
 memcpy              single-thread ``dst.copy_(src)`` of the same size in one process: the
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import shutil
@@ -91,7 +95,7 @@ from rdmaflow.bench.transfer_systems import System, arena_bytes, make_system, wi
 __all__ = ["BenchError", "System", "add_arguments", "arena_bytes", "main", "make_system", "run", "window_of"]
 
 SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic", "grpc-protobuf",
-           "tensorpipe", "gloo", "ucx-perftest-put", "memcpy")
+           "tensorpipe", "gloo", "nixl", "ucx-perftest-put", "memcpy")
 TRANSPORTS = ("tcp", "sm")
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 QUICK_SIZES = "64K,1M"
@@ -126,9 +130,9 @@ ACCEPTANCE: tuple[tuple[tuple[str, ...], str, str, float], ...] = (
 
 #: What each system uses per transport (printed with the tables).
 PATHS = {
-    "tcp": {"rdmaflow": "UCX_TLS=tcp", "grpc-protobuf": "TCP 127.0.0.1",
+    "tcp": {"rdmaflow": "UCX_TLS=tcp (NIXL too)", "grpc-protobuf": "TCP 127.0.0.1",
             "tensorpipe": "uv transport, basic channel", "gloo": "TCP lo"},
-    "sm": {"rdmaflow": "UCX_TLS=cma,posix,self,tcp (puts/gets on cma)",
+    "sm": {"rdmaflow": "UCX_TLS=cma,posix,self,tcp (puts/gets on cma; NIXL too)",
            "grpc-protobuf": "unix domain socket",
            "tensorpipe": "shm transport, cma channel", "gloo": "TCP lo (gloo has no shm transport)"},
 }
@@ -425,11 +429,16 @@ def _parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
     return items
 
 
+def default_systems() -> list[str]:
+    """Every system, less NIXL where it is not installed (scripts/setup.sh installs it)."""
+    return [s for s in SYSTEMS if s != "nixl" or importlib.util.find_spec("nixl") is not None]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transport", default="both",
                     help="tcp, sm, a comma list, or both (default: both, tcp then sm)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"comma list (default: all): {','.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(default_systems()),
+                    help=f"comma list (default: all; nixl when it is installed): {','.join(SYSTEMS)}")
     ap.add_argument("--sizes", default=None,
                     help=f"tensor sizes in bytes, comma list (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES})")
     ap.add_argument("--repeats", type=int, default=None,
