@@ -3,6 +3,7 @@ its method. No timing assertions (this machine is shared and noisy)."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import pytest
 from conftest import processes_with_env
 
-from rdmaflow.bench import latency, perftest
+from rdmaflow.bench import latency, latency_profile, perftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (8, 1 << 10)
@@ -94,3 +95,30 @@ def test_rejects_bad_arguments(capsys):
     for argv in (["--transport", "ib"], ["--systems", "mpi"], ["--sizes", "0"], ["--repeats", "0"]):
         assert latency.run(ap.parse_args(argv)) == 2, argv
         assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_profile_times_every_phase_of_both_directions(tmp_path):
+    marker = os.urandom(8).hex()
+    p = subprocess.run(
+        [sys.executable, "-m", "rdmaflow", "bench", "latency", "--profile", "--transport", "sm", "--iters", "30",
+         "--out", str(tmp_path)],
+        cwd=ROOT, env=_env(marker), capture_output=True, text=True, timeout=170, check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert processes_with_env(marker) == []
+    with open(tmp_path / "latency_profile.json") as f:
+        doc = json.load(f)
+    assert set(doc) == {"sm/1024/wait", "sm/1024/spin"}
+    for run in doc.values():
+        n = 30 + run["warmup"]
+        for side in ("ping", "pong"):
+            stamps = run[side]["stamps"]
+            for name in ("send_call", "credit", "flag_post_start", "flag_post_end", "send_return", "recv_call",
+                         "wait_start", "flag_seen", "recv_return"):
+                assert len(stamps[name]) == n, (side, name)
+            assert any(t["name"] == "MainThread" and t["cpu_ns"] > 0 for t in run[side]["threads"])
+        samples = latency_profile.phase_samples(run["ping"], run["pong"], run["warmup"])
+        one_way = samples["one way: send() called -> recv() returned"]
+        assert len(one_way) == 2 * 30 and all(math.isfinite(v) and v > 0 for v in one_way)
+    for phase, _, _ in latency_profile.PHASES:
+        assert phase in p.stdout

@@ -128,9 +128,8 @@ class WorkerPair(System):
         if self.name in UCX_SYSTEMS:
             argv += ["--arena-bytes", str(arena_bytes(self.name, role, self.sizes, self.window,
                                                       self.max_inflight))]
-        if self.name in RDMAFLOW_SYSTEMS:
-            if self.busy_poll:
-                argv.append("--busy-poll")
+        if self.name in RDMAFLOW_SYSTEMS and self.busy_poll:
+            argv.append("--busy-poll")
         return argv
 
     def spawn(self) -> None:
