@@ -11,18 +11,11 @@ import sys
 
 import pytest
 from conftest import processes_with_env
+from test_bench_transfer import ROOT, _env
 
 from rdmaflow.bench import latency, latency_profile, perftest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (8, 1 << 10)
-
-
-def _env(marker: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["RDMAFLOW_TEST_MARK"] = marker
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 @pytest.mark.timeout(240)

@@ -34,10 +34,8 @@ checked in every measurement.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
-import signal
 import statistics
 import sys
 import time
@@ -45,9 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rdmaflow.bench.harness import (
-    BackgroundMeter,
     BenchError,
-    format_background,
+    for_each_transport,
     format_size,
     new_secret,
     parse_size,
@@ -55,6 +52,7 @@ from rdmaflow.bench.harness import (
     percentile,
     process_env,
     pyplot,
+    run_interleaved,
     save_figure,
     size_axis,
     style,
@@ -223,56 +221,21 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
     for name in systems:
         for size in sizes:
             results.setdefault((name, transport, size), new_cell(*iterations(size, iters, max_bytes)))
-    objs: dict[str, Any] = {}
-    failures_in_row: dict[str, int] = {}
-    try:
-        for name in systems:
-            objs[name] = make_system(name, transport, secret=secret, sizes=sizes, busy_poll=busy_poll,
-                                     timeout=timeout)
-        for obj in objs.values():  # start-ups overlap; failures show at first use
-            with contextlib.suppress(BenchError, OSError):
-                obj.spawn()
-        for name, obj in objs.items():
-            try:
-                obj.start()
-            except (BenchError, OSError) as e:
-                results[(name, transport, sizes[0])]["errors"].append(f"start: {e}")
-                obj.close()  # tried again at its first measurement
-            obj.pause()
-        tag = 0
-        for rep in range(repeats):
-            order = list(systems[rep % len(systems):]) + list(systems[:rep % len(systems)])
-            for size in sizes:
-                count, warm = iterations(size, iters, max_bytes)
-                for name in order:
-                    cell = results[(name, transport, size)]
-                    if failures_in_row.get(name, 0) >= 3:
-                        cell["errors"].append("skipped after 3 failures in a row")
-                        continue
-                    tag += 1
-                    t0 = time.monotonic()
-                    objs[name].resume()
-                    try:
-                        m = objs[name].measure(size, count, warm, timeout, tag)
-                    except (BenchError, RuntimeError, OSError, ValueError) as e:
-                        msg = " ".join(str(e).split())[:300]
-                        cell["errors"].append(msg)
-                        failures_in_row[name] = failures_in_row.get(name, 0) + 1
-                        log(f"[{transport} {rep + 1}/{repeats}] {name} {format_size(size)}: failed: {msg}")
-                        objs[name].close()  # restarted at its next measurement
-                        continue
-                    finally:
-                        objs[name].pause()
-                    failures_in_row[name] = 0
-                    for k in ("median_us", "p10_us", "p90_us"):
-                        if m[k] is not None:
-                            cell[k].append(m[k])
-                    log(f"[{transport} {rep + 1}/{repeats}] {name} {format_size(size)}: "
-                        f"{m['median_us']:.2f} us one way ({time.monotonic() - t0:.1f} s)")
-    finally:
-        for obj in objs.values():
-            with contextlib.suppress(Exception):
-                obj.close()
+    objs = {name: make_system(name, transport, secret=secret, sizes=sizes, busy_poll=busy_poll, timeout=timeout)
+            for name in systems}
+
+    def measure(name: str, size: int, tag: int) -> str:
+        m = objs[name].measure(size, *iterations(size, iters, max_bytes), timeout, tag)
+        cell = results[(name, transport, size)]
+        for k in ("median_us", "p10_us", "p90_us"):
+            if m[k] is not None:
+                cell[k].append(m[k])
+        return f"{m['median_us']:.2f} us one way"
+
+    def fail(name: str, size: int, msg: str) -> None:
+        results[(name, transport, size)]["errors"].append(msg)
+
+    run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size)
 
 
 # ------------------------------------------------------------------------------------------
@@ -348,12 +311,10 @@ def check_bars(results: Mapping[Key, dict[str, Any]], transports: Sequence[str])
 
 
 def format_bars(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["issue 12 bars (rdmaflow one-way time / peer's, median over median):"]
-    for r in rows:
-        x = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        lines.append(f"  {r['transport']:>3} {format_size(r['size']):>4}  rdmaflow / {r['peer']:<12} = {x:>7}"
-                     f"  (bar <= {r['bar']:g})  {r['verdict']}")
-    return "\n".join(lines)
+    cells = [[r["transport"], format_size(r["size"]), f"rdmaflow / {r['peer']}",
+              "-" if r["ratio"] is None else f"{r['ratio']:.2f}", f"<= {r['bar']:g}", r["verdict"]] for r in rows]
+    head = ["transport", "size", "one-way time", "ratio", "bar", "verdict"]
+    return "\n".join(["issue 12 bars (median over median):", *text_table(head, cells)])
 
 
 def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -465,68 +426,49 @@ def run(args: argparse.Namespace) -> int:
     unavailable: dict[str, str] = {}  # system -> why it cannot run here
     csv_path, png_path = os.path.join(args.out, CSV_NAME), os.path.join(args.out, PNG_NAME)
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
     started = time.monotonic()
-    interrupted = False
-    try:
-        for t in transports:
-            meter = BackgroundMeter()
-            bench_transport(t, systems, sizes, repeats=args.repeats, iters=args.iters, max_bytes=max_bytes,
-                            busy_poll=args.busy_poll, timeout=args.timeout, results=results, log=log,
-                            unavailable=unavailable)
-            print()
-            print(format_table(results, t, systems, sizes, args.repeats, unavailable), flush=True)
-            print(format_background(meter.report()), flush=True)
-            write_csv(csv_path, CSV_COLUMNS, csv_rows(results))
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\ninterrupted; every benchmark process was stopped", file=sys.stderr)
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    if not results:
-        return 130 if interrupted else 1
-    write_csv(csv_path, CSV_COLUMNS, csv_rows(results))
+
+    def run_one(t: str) -> None:
+        bench_transport(t, systems, sizes, repeats=args.repeats, iters=args.iters, max_bytes=max_bytes,
+                        busy_poll=args.busy_poll, timeout=args.timeout, results=results, log=log,
+                        unavailable=unavailable)
+
+    def table(t: str) -> str:
+        return format_table(results, t, systems, sizes, args.repeats, unavailable)
+
+    def save() -> None:
+        write_csv(csv_path, CSV_COLUMNS, csv_rows(results))
+
+    interrupted = for_each_transport(transports, run_one, table, save)
+    if results:
+        save()
+        summarize_run(results, transports, systems, sizes, png_path, header)
+        print(f"\nCSV: {csv_path}\nplot: {png_path}\nelapsed: {time.monotonic() - started:.0f} s")
+    if interrupted:
+        return 130
+    return 1 if not results or any(not c["median_us"] for c in results.values()) else 0
+
+
+def summarize_run(results: Mapping[Key, dict[str, Any]], transports: Sequence[str], systems: Sequence[str],
+                  sizes: Sequence[int], png_path: str, title: str) -> None:
+    """After the tables: issue 12's bars and the plot, over the transports that ran."""
     done = [t for t in transports if any(k[1] == t for k in results)]
     bars = check_bars(results, done)
     if bars:
-        print()
-        print(format_bars(bars))
+        print("\n" + format_bars(bars))
     try:
-        plot(png_path, results, done, systems, sizes, title=header)
+        plot(png_path, results, done, systems, sizes, title=title)
     except Exception as e:  # noqa: BLE001  (a plot problem must not lose the numbers)
         print(f"warning: could not write the plot: {e}", file=sys.stderr)
-    print(f"\nCSV: {csv_path}\nplot: {png_path}\nelapsed: {time.monotonic() - started:.0f} s")
-    if interrupted:
-        return 130
-    return 1 if any(not c["median_us"] for c in results.values()) else 0
-
-
-def _worker_main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="rdmaflow bench latency --worker")
-    ap.add_argument("system")
-    ap.add_argument("role")
-    ap.add_argument("--transport", default="tcp")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--max-size", type=int, default=1 << 20)
-    ap.add_argument("--arena-bytes", type=int, default=64 << 20)
-    ap.add_argument("--busy-poll", action="store_true")
-    args = ap.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    from rdmaflow.bench import _latency_worker, _transfer_worker
-
-    return _transfer_worker.serve(args, _latency_worker.make_worker)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        return _worker_main(argv[1:])
+        from rdmaflow.bench._latency_worker import make_worker
+        from rdmaflow.bench.transfer import worker_main
+
+        return worker_main(argv[1:], "rdmaflow bench latency --worker", make_worker)
     ap = argparse.ArgumentParser(prog="rdmaflow bench latency",
                                  description="One-way latency (ping-pong) of small transfers: rdmaflow next to "
                                              "ucx_perftest, NIXL, gloo and TensorPipe.")
