@@ -144,7 +144,9 @@ def counter_deltas(before: dict, after: dict, n: int) -> list[dict[str, Any]]:
     rows = []
     for tid, a in after.items():
         b = before.get(tid, {k: 0 for k in a})
-        rows.append({"tid": tid, "name": a["name"], **{k: (a[k] - b[k]) / max(1, n) for k in a if k != "name"}})
+        # A native thread's name says where it was blocked: whichever look caught it blocked.
+        name = a["name"] if "running" in b.get("name", "running") else b["name"]
+        rows.append({"tid": tid, "name": name, **{k: (a[k] - b[k]) / max(1, n) for k in a if k != "name"}})
     return sorted(rows, key=lambda r: -r["cpu_ns"])
 
 
