@@ -2,6 +2,7 @@
 its method. No timing assertions (this machine is shared and noisy)."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -83,7 +84,7 @@ def test_parse_perftest_latency():
 
 
 def test_rejects_bad_arguments(capsys):
-    ap = __import__("argparse").ArgumentParser()
+    ap = argparse.ArgumentParser()
     latency.add_arguments(ap)
     for argv in (["--transport", "ib"], ["--systems", "mpi"], ["--sizes", "0"], ["--repeats", "0"]):
         assert latency.run(ap.parse_args(argv)) == 2, argv
