@@ -4,6 +4,7 @@
     rdmaflow bench device [...]       Channel.memcpy bandwidth next to ucx_perftest
     rdmaflow bench transfer [...]     one-way tensor transfer next to gRPC, gloo, TensorPipe
     rdmaflow bench kv [...]           key-value requests of N keys next to one tensor
+    rdmaflow bench latency [...]      one-way latency of small transfers next to UCX, NIXL, gloo
     rdmaflow launch [...] script.py   start a parameter-server job with torchrun
     rdmaflow mount MOUNTPOINT [...]   a worker serving the job's model as files (FUSE)
 
@@ -30,6 +31,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "WRITE/READ bandwidth of Channel.memcpy next to ucx_perftest put/get"),
     "transfer": ("rdmaflow.bench.transfer",
                  "one-way tensor transfer, rdmaflow next to gRPC, TensorPipe, gloo, perftest"),
+    "latency": ("rdmaflow.bench.latency",
+                "one-way latency of small transfers (ping-pong), rdmaflow next to ucx_perftest, NIXL, gloo"),
     "train": ("rdmaflow.bench.train",
               "training throughput (batches/s), rdmaflow PS next to TensorPipe, gRPC, DDP, local"),
     "file": ("rdmaflow.bench.file",

@@ -211,3 +211,19 @@ def test_cell_budget_stops_slow_cells_at_three_repeats(monkeypatch):
     assert len(results[("rdmaflow-zerocopy", "sm", 1 << 20)]["gb_per_s"]) == 5
     assert "^ fewer repeats" in transfer.format_tables(results, "sm", ["rdmaflow-zerocopy", "grpc-protobuf"],
                                                        [1 << 20], 5)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not transfer.default_systems().count("nixl"), reason="NIXL is not installed (scripts/setup.sh)")
+def test_nixl_peer(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "rdmaflow.bench.transfer", "--quick", "--transport", "tcp,sm", "--systems", "nixl",
+         "--sizes", "4K,1M", "--out", str(tmp_path)],
+        cwd=ROOT, env=_env(os.urandom(8).hex()), capture_output=True, text=True, timeout=140)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(tmp_path / "transfer.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["transport"], int(r["size_bytes"])) for r in rows} == {
+        (t, n) for t in ("tcp", "sm") for n in (4 << 10, 1 << 20)}
+    for r in rows:  # every received tensor had the right max, or the status would say so
+        assert r["system"] == "nixl" and r["status"] == "ok" and float(r["gb_per_s"]) > 0, r

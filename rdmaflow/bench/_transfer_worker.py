@@ -10,7 +10,8 @@ Protocol: JSON lines. The worker's first line is its hello (``{"ok": true, "info
 receiver's info is what its sender needs, e.g. the rdmaflow endpoint or the gRPC address).
 Then each command read on stdin is answered on stdout:
 
-* receiver ``{"cmd": "recv", "size", "count", "window", "tag", "timeout"}``: sets up, answers
+* receiver ``{"cmd": "recv", "size", "count", "window", "tag", "timeout", "peer"}`` (``peer``:
+  the sender's hello info): sets up, answers
   ``{"ok": true, "ready": true}``, consumes ``count`` tensors (``tensor.max()`` each), then
   answers ``{"ok": true, "times": [...], "bad": n}``: the CLOCK_MONOTONIC instant at which
   each reduce_max finished, and how many maxima were wrong.
@@ -217,6 +218,10 @@ def make_worker(args):
         from rdmaflow.bench.baselines.gloo_transfer import GlooWorker
 
         return GlooWorker(system, role, args.transport, args.port, args.timeout)
+    if system == "nixl":
+        from rdmaflow.bench.baselines.nixl_transfer import NixlTransferWorker
+
+        return NixlTransferWorker(role, args.arena_bytes)
     if system == "memcpy":
         from rdmaflow.bench.baselines.memcpy import MemcpyWorker
 
@@ -224,7 +229,18 @@ def make_worker(args):
     raise ValueError(f"unknown system {system!r}")
 
 
-def serve(args) -> int:
+#: The commands a worker may have (a method each): bench transfer's, then bench latency's.
+COMMANDS = ("recv", "send", "memcpy", "ping", "pong")
+#: Commands whose handler takes a ``ready`` callback (it answers ``{"ok": true, "ready": true}``
+#: once set up, before the measured part).
+READY_COMMANDS = ("recv", "pong")
+
+
+def serve(args, make=None) -> int:
+    """Runs the worker ``make(args)`` (default :func:`make_worker`) on the JSON-lines protocol:
+    each command ``{"cmd": NAME, ...}`` is answered with what ``worker.NAME(cmd)`` returns
+    (``worker.NAME(cmd, ready)`` for :data:`READY_COMMANDS`). ``rdmaflow bench latency``
+    serves its workers with it too."""
     # Protocol lines go to a private copy of stdout; fd 1 becomes stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -235,7 +251,7 @@ def serve(args) -> int:
         proto.flush()
 
     try:
-        worker = make_worker(args)
+        worker = (make or make_worker)(args)
     except BaseException as e:  # noqa: BLE001  (reported, then the process exits)
         reply(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-2000:])
         return 1
@@ -251,14 +267,13 @@ def serve(args) -> int:
             if op == "exit":
                 break
             try:
-                if op == "recv":
-                    res = worker.recv(cmd, lambda: reply(ok=True, ready=True))
-                elif op == "send":
-                    res = worker.send(cmd)
-                elif op == "memcpy":
-                    res = worker.memcpy(cmd)
-                else:
+                handler = getattr(worker, op, None) if op in COMMANDS else None
+                if handler is None:
                     raise ValueError(f"unknown command {op!r}")
+                if op in READY_COMMANDS:
+                    res = handler(cmd, lambda: reply(ok=True, ready=True))
+                else:
+                    res = handler(cmd)
                 reply(ok=True, **res)
             except Exception as e:  # noqa: BLE001
                 reply(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc()[-2000:])

@@ -37,6 +37,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -421,6 +422,100 @@ class ChildProcess:
 
 
 # ------------------------------------------------------------------------------------------
+# Interleaved measurements of several systems
+
+#: What a failed measurement raises (a system's process died, timed out, answered nonsense).
+MEASUREMENT_ERRORS = (BenchError, RuntimeError, OSError, ValueError)
+
+
+def run_interleaved(systems: Mapping[str, Any], points: Sequence[Any], repeats: int,
+                    measure: Callable[[str, Any, int], str | None], fail: Callable[[str, Any, str], None],
+                    log: Callable[[str], None] = lambda s: None, label: str = "",
+                    point_label: Callable[[Any], str] = str) -> None:
+    """Measures every system at every point, ``repeats`` times, interleaved: for each repeat,
+    for each point, every system once, their order rotated by one each repeat, so that load
+    that comes and goes hits them alike.
+
+    ``systems``: name -> an object with ``spawn()``, ``start()``, ``pause()``, ``resume()``,
+    ``close()``. All are spawned first (start-ups overlap), then each is started and paused
+    until its turn; one that fails to start gets ``fail(name, points[0], "start: ...")`` and is
+    tried again at its first measurement. ``measure(name, point, tag)`` measures and records
+    (``tag`` counts measurements); it returns a line for ``log`` (None: nothing to say, e.g.
+    a cell it skipped). A measurement that raises one of :data:`MEASUREMENT_ERRORS` gets
+    ``fail(name, point, message)``, its system is closed (restarted at its next measurement),
+    and a system that failed 3 times in a row is skipped (``fail`` says so) for the rest.
+    Every system is closed at the end, however it ends."""
+    names = list(systems)
+    failures_in_row = dict.fromkeys(names, 0)
+    try:
+        for obj in systems.values():
+            with contextlib.suppress(BenchError, OSError):
+                obj.spawn()
+        for name, obj in systems.items():
+            try:
+                obj.start()
+            except (BenchError, OSError) as e:
+                fail(name, points[0], f"start: {e}")
+                obj.close()  # tried again at its first measurement
+            obj.pause()
+        tag = 0
+        for rep in range(repeats):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for point in points:
+                for name in order:
+                    if failures_in_row[name] >= 3:
+                        fail(name, point, "skipped after 3 failures in a row")
+                        continue
+                    tag += 1
+                    t0 = time.monotonic()
+                    systems[name].resume()
+                    try:
+                        line = measure(name, point, tag)
+                    except MEASUREMENT_ERRORS as e:
+                        msg = " ".join(str(e).split())[:300]
+                        fail(name, point, msg)
+                        failures_in_row[name] += 1
+                        log(f"[{label} {rep + 1}/{repeats}] {name} {point_label(point)}: failed: {msg}")
+                        systems[name].close()  # restarted at its next measurement
+                        continue
+                    finally:
+                        systems[name].pause()
+                    failures_in_row[name] = 0
+                    if line is not None:
+                        log(f"[{label} {rep + 1}/{repeats}] {name} {point_label(point)}: {line} ({time.monotonic() - t0:.1f} s)")
+    finally:
+        for obj in systems.values():
+            with contextlib.suppress(Exception):
+                obj.close()
+
+
+def for_each_transport(transports: Sequence[str], run_one: Callable[[str], None], table: Callable[[str], str],
+                       save: Callable[[], None]) -> bool:
+    """Runs ``run_one(transport)`` for each, then prints ``table(transport)`` and how busy the
+    rest of the machine was meanwhile (:class:`BackgroundMeter`), and calls ``save()`` (the
+    results so far survive a later failure). SIGTERM is a Ctrl-C meanwhile. Returns whether it
+    was interrupted (every benchmark process is stopped by then)."""
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for t in transports:
+            meter = BackgroundMeter()
+            run_one(t)
+            print()
+            print(table(t), flush=True)
+            print(format_background(meter.report()), flush=True)
+            save()
+    except KeyboardInterrupt:
+        print("\ninterrupted; every benchmark process was stopped", file=sys.stderr)
+        return True
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return False
+
+
+# ------------------------------------------------------------------------------------------
 # Output files
 
 
@@ -468,6 +563,7 @@ STYLES: dict[str, tuple[str, str, str]] = {
     "grpc-protobuf": ("tab:blue", "v", "-"),
     "tensorpipe": ("tab:green", "D", "-"),
     "gloo": ("tab:purple", "P", "-"),
+    "nixl": ("tab:cyan", "*", "-"),
     "ddp": ("tab:purple", "P", "-"),
     "ucx-perftest-put": ("black", "x", "--"),
     "ucx_perftest": ("black", "x", "--"),

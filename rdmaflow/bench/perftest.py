@@ -43,7 +43,8 @@ from typing import Any
 from rdmaflow._ucx import find_bin, ucx_env
 from rdmaflow.bench.harness import BenchError, ChildProcess, format_size, free_port, parse_size, parse_sizes, summarize
 
-__all__ = ["MEMORY_ALLOC", "OPS", "TRANSPORTS", "auto_iters", "perftest_series", "run_perftest", "ucx_env"]
+__all__ = ["LATENCY_ITERS", "MEMORY_ALLOC", "OPS", "TRANSPORTS", "auto_iters", "perftest_series", "run_perftest",
+           "run_perftest_latency", "ucx_env"]
 
 TRANSPORTS = ("tcp", "sm")
 
@@ -68,6 +69,9 @@ _MIN_ITERS = 16
 _MAX_ITERS = 200_000
 
 _STDERR_TAIL = 2000
+
+#: Round trips of one ucp_put_lat run when the caller names none.
+LATENCY_ITERS = 10_000
 
 
 def auto_iters(size_bytes: int) -> int:
@@ -99,37 +103,41 @@ def _tail(text: str, n: int = _STDERR_TAIL) -> str:
     return text if len(text) <= n else "..." + text[-n:]
 
 
-def _parse_bandwidth(stdout: str) -> float:
-    """Bytes/s from ``ucx_perftest -v -f`` output (CSV; bandwidth in MiB/s)."""
+def _last_row(stdout: str, column: str, what: str) -> dict[str, str]:
+    """The last result row of ``ucx_perftest -v -f`` output (CSV) whose header has ``column``."""
     header: list[str] | None = None
-    value: float | None = None
+    row: dict[str, str] | None = None
     for line in stdout.splitlines():
         cols = [c.strip() for c in line.strip().split(",")]
-        if "overall_bw" in cols:
+        if column in cols:
             header = cols
             continue
         if header and len(cols) == len(header):
             try:
-                value = float(cols[header.index("overall_bw")])
+                float(cols[header.index(column)])
             except ValueError:
                 continue
-    if value is None:
-        raise RuntimeError(f"could not find a bandwidth result in ucx_perftest output:\n{_tail(stdout)}")
-    return value * 1024.0 * 1024.0
+            row = dict(zip(header, cols))
+    if row is None:
+        raise RuntimeError(f"could not find a {what} result in ucx_perftest output:\n{_tail(stdout)}")
+    return row
+
+
+def _parse_bandwidth(stdout: str) -> float:
+    """Bytes/s from ``ucx_perftest -v -f`` output (CSV; bandwidth in MiB/s)."""
+    return float(_last_row(stdout, "overall_bw", "bandwidth")["overall_bw"]) * 1024.0 * 1024.0
+
+
+def _parse_latency(stdout: str) -> dict[str, float]:
+    """One-way latency in seconds from ``ucx_perftest -v -f`` output of a latency test: its
+    typical latency (the column ``50.0_percentile_lat``, microseconds) and ``avg_lat``."""
+    row = _last_row(stdout, "avg_lat", "latency")
+    typical = next((k for k in row if k.endswith("_percentile_lat")), "avg_lat")
+    return {"median_s": float(row[typical]) * 1e-6, "avg_s": float(row["avg_lat"]) * 1e-6}
 
 
 def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = None,
-                 timeout: float = 60.0, port: int | None = None, *,
-                 warmup: int | None = None,
-                 memory: str = "thp",
-                 server_addr: str = "127.0.0.1",
-                 net_device: str | None = None,
-                 server_env: Mapping[str, str] | None = None,
-                 client_env: Mapping[str, str] | None = None,
-                 extra_args: Sequence[str] = (),
-                 server_args: Sequence[str] = (),
-                 server_popen: Callable[..., Any] | None = None,
-                 client_popen: Callable[..., Any] | None = None) -> float:
+                 timeout: float = 60.0, port: int | None = None, **kwargs: Any) -> float:
     """Run one ucx_perftest server/client pair and return bandwidth in bytes/s.
 
     ``op`` is "put" (``ucp_put_bw``) or "get" (``ucp_get -O 32``); the
@@ -147,6 +155,33 @@ def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = N
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {sorted(OPS)}")
+    test, op_args = OPS[op]
+    return _parse_bandwidth(_client_output(transport, test, op_args, size_bytes, iters, timeout, port, **kwargs))
+
+
+def run_perftest_latency(transport: str, size_bytes: int, iters: int | None = None,
+                         timeout: float = 60.0, port: int | None = None, **kwargs: Any) -> dict[str, float]:
+    """One ``ucx_perftest -t ucp_put_lat`` pair (ping-pong of puts, each side polling on the
+    last byte of its buffer): ``{"median_s", "avg_s"}``, the one-way latency in seconds
+    (ucx_perftest halves the round trip of its ping-pong tests itself). Arguments as
+    :func:`run_perftest`; ``iters`` defaults to :data:`LATENCY_ITERS`."""
+    out = _client_output(transport, "ucp_put_lat", (), size_bytes, iters or LATENCY_ITERS, timeout, port, **kwargs)
+    return _parse_latency(out)
+
+
+def _client_output(transport: str, test: str, op_args: Sequence[str], size_bytes: int, iters: int | None,
+                   timeout: float, port: int | None, *,
+                   warmup: int | None = None,
+                   memory: str = "thp",
+                   server_addr: str = "127.0.0.1",
+                   net_device: str | None = None,
+                   server_env: Mapping[str, str] | None = None,
+                   client_env: Mapping[str, str] | None = None,
+                   extra_args: Sequence[str] = (),
+                   server_args: Sequence[str] = (),
+                   server_popen: Callable[..., Any] | None = None,
+                   client_popen: Callable[..., Any] | None = None) -> str:
+    """The client's stdout of one ucx_perftest pair running ``test``."""
     if memory not in MEMORY_ALLOC:
         raise ValueError(f"unknown memory {memory!r}; expected one of {sorted(MEMORY_ALLOC)}")
     size_bytes = int(size_bytes)
@@ -161,7 +196,6 @@ def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = N
         base["UCX_ALLOC_PRIO"] = MEMORY_ALLOC[memory]
     senv = {**base, **(server_env or {})}
     cenv = {**base, **(client_env or {})}
-    test, op_args = OPS[op]
     fixed_port = port is not None
 
     def left() -> float:
@@ -196,7 +230,7 @@ def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = N
                 if code is None:
                     raise BenchError(
                         f"ucx_perftest client timed out after {timeout:.1f}s "
-                        f"({transport} {op} {size_bytes} B x {iters}); client stderr:\n"
+                        f"({transport} {test} {size_bytes} B x {iters}); client stderr:\n"
                         f"{client.stderr_tail(_STDERR_TAIL)}\nserver stderr:\n{server.stderr_tail(_STDERR_TAIL)}")
                 err = client.stderr_tail(1 << 20)
                 # Listen socket seen but accept not reachable yet (e.g. netns address still
@@ -210,10 +244,10 @@ def run_perftest(transport: str, op: str, size_bytes: int, iters: int | None = N
             if code != 0:
                 raise BenchError(
                     f"ucx_perftest client failed with code {code} "
-                    f"({transport} {op} {size_bytes} B); client stderr:\n{_tail(err + out)}\n"
+                    f"({transport} {test} {size_bytes} B); client stderr:\n{_tail(err + out)}\n"
                     f"server stderr:\n{server.stderr_tail(_STDERR_TAIL)}")
             server.wait(min(left(), 10.0))  # the result is in hand; a server still there is killed
-            return _parse_bandwidth(out)
+            return out
         finally:
             for proc in (client, server):
                 if proc is not None:

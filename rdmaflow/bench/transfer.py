@@ -19,6 +19,9 @@ tensorpipe          ``torch.distributed.rpc`` (TensorPipe backend): ``rpc_async(
                     consume, args=(tensor,))``, pipelined: at most ``window`` calls in flight
 gloo                ``torch.distributed`` gloo ``isend``/``irecv``; the receiver keeps
                     ``window`` receives posted
+nixl                NIXL WRITE + notification per tensor into ``window`` registered slots,
+                    a notification back per consumed slot (:mod:`.baselines.nixl_transfer`);
+                    in the default list when NIXL is installed
 ucx-perftest-put    ``ucx_perftest ucp_put_bw`` (:func:`rdmaflow.bench.perftest.run_perftest`):
                     the UCX transport's own ceiling (bandwidth only; no per-transfer time)
 memcpy              single-thread ``dst.copy_(src)`` of the same size in one process: the
@@ -57,11 +60,10 @@ Method:
 from __future__ import annotations
 
 import argparse
-import contextlib
+import importlib.util
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -70,15 +72,15 @@ from typing import Any
 
 from rdmaflow._ucx import ucx_env
 from rdmaflow.bench.harness import (
-    BackgroundMeter,
     BenchError,
-    format_background,
+    for_each_transport,
     format_size,
     median_ratio,
     new_secret,
     parse_size,
     parse_sizes,
     pyplot,
+    run_interleaved,
     save_figure,
     size_axis,
     style,
@@ -91,7 +93,7 @@ from rdmaflow.bench.transfer_systems import System, arena_bytes, make_system, wi
 __all__ = ["BenchError", "System", "add_arguments", "arena_bytes", "main", "make_system", "run", "window_of"]
 
 SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic", "grpc-protobuf",
-           "tensorpipe", "gloo", "ucx-perftest-put", "memcpy")
+           "tensorpipe", "gloo", "nixl", "ucx-perftest-put", "memcpy")
 TRANSPORTS = ("tcp", "sm")
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
 QUICK_SIZES = "64K,1M"
@@ -126,9 +128,9 @@ ACCEPTANCE: tuple[tuple[tuple[str, ...], str, str, float], ...] = (
 
 #: What each system uses per transport (printed with the tables).
 PATHS = {
-    "tcp": {"rdmaflow": "UCX_TLS=tcp", "grpc-protobuf": "TCP 127.0.0.1",
+    "tcp": {"rdmaflow": "UCX_TLS=tcp (NIXL too)", "grpc-protobuf": "TCP 127.0.0.1",
             "tensorpipe": "uv transport, basic channel", "gloo": "TCP lo"},
-    "sm": {"rdmaflow": "UCX_TLS=cma,posix,self,tcp (puts/gets on cma)",
+    "sm": {"rdmaflow": "UCX_TLS=cma,posix,self,tcp (puts/gets on cma; NIXL too)",
            "grpc-protobuf": "unix domain socket",
            "tensorpipe": "shm transport, cma channel", "gloo": "TCP lo (gloo has no shm transport)"},
 }
@@ -172,14 +174,11 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
     """Fills ``results`` for one transport; see the module doc for the method."""
     secret = new_secret()
     sock_dir = tempfile.mkdtemp(prefix="rdmaflow-bench-")
-    objs: dict[str, System] = {}
-    failures_in_row: dict[str, int] = {}
     try:
-        for name in systems:
-            objs[name] = make_system(name, transport, secret=secret, sizes=sizes, window=window,
-                                     max_inflight=max_inflight, busy_poll=busy_poll,
-                                     sock_dir=sock_dir, timeout=timeout,
-                                     torch_threads=torch_threads, reduce=reduce)
+        objs = {name: make_system(name, transport, secret=secret, sizes=sizes, window=window,
+                                  max_inflight=max_inflight, busy_poll=busy_poll, sock_dir=sock_dir,
+                                  timeout=timeout, torch_threads=torch_threads, reduce=reduce)
+                for name in systems}
         for size in sizes:
             count = iterations(size, target_bytes, min_iters, max_iters)
             for name in systems:
@@ -187,60 +186,26 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                     "gb_per_s": [], "p50_us": [], "errors": [], "iters": count,
                     "warmup": warmup_of(count), "window": window_of(size, window, max_inflight),
                     "seconds": 0.0})
-        # Start every pair up front (their start-ups overlap); failures show at first use.
-        for obj in objs.values():
-            with contextlib.suppress(BenchError, OSError):
-                obj.spawn()
-        # Then wait for each to be up, and stop it until its turn (see System.pause).
-        for name, obj in objs.items():
-            try:
-                obj.start()
-            except (BenchError, OSError) as e:
-                results[(name, transport, sizes[0])]["errors"].append(f"start: {e}")
-                obj.close()  # tried again at its first measurement
-            obj.pause()
-        tag = 0
-        for rep in range(repeats):
-            order = list(systems[rep % len(systems):]) + list(systems[:rep % len(systems)])
-            for size in sizes:
-                count = iterations(size, target_bytes, min_iters, max_iters)
-                warm = warmup_of(count)
-                win = window_of(size, window, max_inflight)
-                for name in order:
-                    cell = results[(name, transport, size)]
-                    if failures_in_row.get(name, 0) >= 3:
-                        cell["errors"].append("skipped after 3 failures in a row")
-                        continue
-                    if len(cell["gb_per_s"]) >= MIN_REPEATS and cell["seconds"] >= cell_budget:
-                        continue  # a slow cell (gRPC at 1G): MIN_REPEATS repeats are enough
-                    tag += 1
-                    t0 = time.monotonic()
-                    objs[name].resume()
-                    try:
-                        m = objs[name].measure(size, count, warm, win,
-                                               measurement_timeout(size, count, timeout), tag)
-                    except (BenchError, RuntimeError, OSError, ValueError) as e:
-                        msg = " ".join(str(e).split())[:300]
-                        cell["errors"].append(msg)
-                        failures_in_row[name] = failures_in_row.get(name, 0) + 1
-                        log(f"[{transport} {rep + 1}/{repeats}] {name} {format_size(size)}: "
-                            f"failed: {msg}")
-                        objs[name].close()  # restarted at its next measurement
-                        continue
-                    finally:
-                        objs[name].pause()
-                    failures_in_row[name] = 0
-                    cell["seconds"] += time.monotonic() - t0
-                    cell["gb_per_s"].append(m["gb_per_s"])
-                    if m["p50_us"] is not None:
-                        cell["p50_us"].append(m["p50_us"])
-                    p50 = "" if m["p50_us"] is None else f", p50 {m['p50_us']:.1f} us"
-                    log(f"[{transport} {rep + 1}/{repeats}] {name} {format_size(size)}: "
-                        f"{m['gb_per_s']:.3f} GB/s{p50} ({time.monotonic() - t0:.1f} s)")
+
+        def measure(name: str, size: int, tag: int) -> str | None:
+            cell = results[(name, transport, size)]
+            if len(cell["gb_per_s"]) >= MIN_REPEATS and cell["seconds"] >= cell_budget:
+                return None  # a slow cell (gRPC at 1G): MIN_REPEATS repeats are enough
+            count = iterations(size, target_bytes, min_iters, max_iters)
+            t0 = time.monotonic()
+            m = objs[name].measure(size, count, warmup_of(count), window_of(size, window, max_inflight),
+                                   measurement_timeout(size, count, timeout), tag)
+            cell["seconds"] += time.monotonic() - t0
+            cell["gb_per_s"].append(m["gb_per_s"])
+            if m["p50_us"] is not None:
+                cell["p50_us"].append(m["p50_us"])
+            return f"{m['gb_per_s']:.3f} GB/s" + ("" if m["p50_us"] is None else f", p50 {m['p50_us']:.1f} us")
+
+        def fail(name: str, size: int, msg: str) -> None:
+            results[(name, transport, size)]["errors"].append(msg)
+
+        run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size)
     finally:
-        for obj in objs.values():
-            with contextlib.suppress(Exception):
-                obj.close()
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -425,11 +390,16 @@ def _parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
     return items
 
 
+def default_systems() -> list[str]:
+    """Every system, less NIXL where it is not installed (scripts/setup.sh installs it)."""
+    return [s for s in SYSTEMS if s != "nixl" or importlib.util.find_spec("nixl") is not None]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transport", default="both",
                     help="tcp, sm, a comma list, or both (default: both, tcp then sm)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help=f"comma list (default: all): {','.join(SYSTEMS)}")
+    ap.add_argument("--systems", default=",".join(default_systems()),
+                    help=f"comma list (default: all; nixl when it is installed): {','.join(SYSTEMS)}")
     ap.add_argument("--sizes", default=None,
                     help=f"tensor sizes in bytes, comma list (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES})")
     ap.add_argument("--repeats", type=int, default=None,
@@ -499,34 +469,26 @@ def run(args: argparse.Namespace) -> int:
     csv_path = os.path.join(args.out, CSV_NAME)
     png_path = os.path.join(args.out, PNG_NAME)
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
     started = time.monotonic()
-    interrupted = False
-    try:
-        for t in transports:
-            meter = BackgroundMeter()
-            bench_transport(t, systems, sizes, repeats=repeats, target_bytes=target,
-                            min_iters=args.min_iters, max_iters=max_iters, window=args.window,
-                            max_inflight=max_inflight, busy_poll=args.busy_poll,
-                            timeout=args.timeout, torch_threads=args.torch_threads,
-                            results=results, log=log, reduce=not args.no_reduce,
-                            cell_budget=args.cell_budget if args.cell_budget > 0 else float("inf"))
-            bg = meter.report()
-            print()
-            print(format_tables(results, t, systems, sizes, repeats), flush=True)
-            print(format_background(bg), flush=True)
-            write_csv(csv_path, CSV_COLUMNS, csv_rows(results))
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\ninterrupted; every benchmark process was stopped", file=sys.stderr)
-    finally:
-        signal.signal(signal.SIGTERM, old)
+
+    def run_one(t: str) -> None:
+        bench_transport(t, systems, sizes, repeats=repeats, target_bytes=target,
+                        min_iters=args.min_iters, max_iters=max_iters, window=args.window,
+                        max_inflight=max_inflight, busy_poll=args.busy_poll,
+                        timeout=args.timeout, torch_threads=args.torch_threads,
+                        results=results, log=log, reduce=not args.no_reduce,
+                        cell_budget=args.cell_budget if args.cell_budget > 0 else float("inf"))
+
+    def save() -> None:
+        write_csv(csv_path, CSV_COLUMNS, csv_rows(results))
+
+    def table(t: str) -> str:
+        return format_tables(results, t, systems, sizes, repeats)
+
+    interrupted = for_each_transport(transports, run_one, table, save)
     if not results:
         return 130 if interrupted else 1
-    write_csv(csv_path, CSV_COLUMNS, csv_rows(results))
+    save()
     done = [t for t in transports if any(k[1] == t for k in results)]
     rows = acceptance(results, done)
     if rows:
@@ -546,8 +508,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _worker_main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="rdmaflow bench transfer --worker")
+def worker_main(argv: Sequence[str], prog: str, make: Callable | None = None) -> int:
+    """A worker process of ``bench transfer`` (or, with its ``make``, of ``bench latency``):
+    parses the options its driver passes and serves :mod:`rdmaflow.bench._transfer_worker`'s
+    protocol."""
+    ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("system")
     ap.add_argument("role")
     ap.add_argument("--transport", default="tcp")
@@ -555,6 +520,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     ap.add_argument("--sock-dir", default=tempfile.gettempdir())
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--arena-bytes", type=int, default=64 << 20)
+    ap.add_argument("--max-size", type=int, default=1 << 20)
     ap.add_argument("--busy-poll", action="store_true")
     ap.add_argument("--torch-threads", type=int, default=1)
     args = ap.parse_args(argv)
@@ -563,13 +529,13 @@ def _worker_main(argv: Sequence[str]) -> int:
     torch.set_num_threads(args.torch_threads)
     from rdmaflow.bench import _transfer_worker
 
-    return _transfer_worker.serve(args)
+    return _transfer_worker.serve(args, make)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        return _worker_main(argv[1:])
+        return worker_main(argv[1:], "rdmaflow bench transfer --worker")
     ap = argparse.ArgumentParser(
         prog="rdmaflow bench transfer",
         description="One-way tensor transfer with reduce_max at the receiver: rdmaflow next to "

@@ -3,7 +3,7 @@
 Each is a :class:`System` with ``measure(size, count, warmup, window, timeout, tag)``:
 
 * :class:`WorkerPair`: a sender and a receiver process of one system (the rdmaflow modes,
-  gRPC, TensorPipe, gloo), ``python -m rdmaflow.bench.transfer --worker SYSTEM ROLE``
+  gRPC, TensorPipe, gloo, NIXL), ``python -m rdmaflow.bench.transfer --worker SYSTEM ROLE``
   (:mod:`rdmaflow.bench._transfer_worker` has the protocol), driven by JSON lines;
 * :class:`Memcpy`: one process timing ``dst.copy_(src)``, the machine's ceiling;
 * :class:`Perftest`: ``ucx_perftest`` put (:func:`rdmaflow.bench.perftest.run_perftest`),
@@ -22,6 +22,8 @@ from rdmaflow.bench.harness import BenchError, ChildProcess, free_port, process_
 from rdmaflow.bench.perftest import run_perftest
 
 RDMAFLOW_SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic")
+#: Systems whose processes run on UCX with the transport's environment and get an --arena-bytes.
+UCX_SYSTEMS = (*RDMAFLOW_SYSTEMS, "nixl")
 START_TIMEOUT = 90.0
 
 
@@ -40,6 +42,10 @@ def arena_bytes(system: str, role: str, sizes: Sequence[int], window: int, max_i
     def slot(s: int) -> int:
         return (s + 255) // 256 * 256
 
+    if system == "nixl":  # one registered buffer, reused by every size: no control blocks
+        if role == "receiver":
+            return max(window_of(s, window, max_inflight) * s for s in sizes)
+        return max(sizes)
     if role == "receiver" and system == "rdmaflow-dynamic":
         need = max(slot(s) for s in sizes)
     elif role == "receiver" or system == "rdmaflow-copy":
@@ -112,18 +118,19 @@ class WorkerPair(System):
         self.torch_threads = torch_threads
         self.rx: ChildProcess | None = None
         self.tx: ChildProcess | None = None
-        self.peer: dict = {}
+        self.peer: dict = {}         # the receiver's hello info
+        self.sender_info: dict = {}  # the sender's
         self._hello_pending = False
 
     def _argv(self, role: str, port: int) -> list[str]:
         argv = [sys.executable, "-m", "rdmaflow.bench.transfer", "--worker", self.name, role,
                 "--transport", self.transport, "--port", str(port), "--sock-dir", self.sock_dir,
                 "--timeout", str(self.timeout), "--torch-threads", str(self.torch_threads)]
-        if self.name in RDMAFLOW_SYSTEMS:
+        if self.name in UCX_SYSTEMS:
             argv += ["--arena-bytes", str(arena_bytes(self.name, role, self.sizes, self.window,
                                                       self.max_inflight))]
-            if self.busy_poll:
-                argv.append("--busy-poll")
+        if self.name in RDMAFLOW_SYSTEMS and self.busy_poll:
+            argv.append("--busy-poll")
         return argv
 
     def spawn(self) -> None:
@@ -147,7 +154,7 @@ class WorkerPair(System):
         try:
             deadline = time.monotonic() + START_TIMEOUT
             hello = self.rx.read(deadline - time.monotonic())
-            self.tx.read(deadline - time.monotonic())
+            self.sender_info = self.tx.read(deadline - time.monotonic()).get("info", {})
             self.peer = hello.get("info", {})
             self._hello_pending = False
         except BaseException:
@@ -160,7 +167,7 @@ class WorkerPair(System):
         cmd = {"size": size, "count": warmup + count, "window": window, "tag": tag,
                "timeout": timeout, "reduce": self.reduce}
         deadline = time.monotonic() + timeout
-        self.rx.send({"cmd": "recv", **cmd})
+        self.rx.send({"cmd": "recv", "peer": self.sender_info, **cmd})
         self.rx.read(min(timeout, 60.0))  # ready
         self.tx.send({"cmd": "send", "peer": self.peer, **cmd})
         self.tx.read(deadline - time.monotonic())
@@ -235,8 +242,8 @@ class Perftest(System):
 def system_env(name: str, transport: str, secret: str, torch_threads: int) -> dict[str, str]:
     """rdmaflow's processes get the transport's UCX environment and the job secret; the others
     take their transport from their own options (``--transport``), on loopback."""
-    rdma = name in RDMAFLOW_SYSTEMS
-    env = process_env(transport if rdma else None, secret=secret if rdma else None, threads=torch_threads)
+    ucx = name in UCX_SYSTEMS
+    env = process_env(transport if ucx else None, secret=secret if ucx else None, threads=torch_threads)
     env.update(GLOO_SOCKET_IFNAME="lo", TP_SOCKET_IFNAME="lo")
     return env
 

@@ -2,7 +2,11 @@
 
 ``rdmaflow bench transfer`` (one-way tensor transfer; each module a worker class driven by
 :mod:`rdmaflow.bench._transfer_worker`): :mod:`.grpc_transfer`, :mod:`.tensorpipe_transfer`,
-:mod:`.gloo_transfer`, :mod:`.memcpy`.
+:mod:`.gloo_transfer`, :mod:`.nixl_transfer`, :mod:`.memcpy`.
+
+``rdmaflow bench latency`` (ping-pong; each a worker class driven by
+:mod:`rdmaflow.bench._latency_worker`): :mod:`.gloo_latency`, :mod:`.tensorpipe_latency`,
+:mod:`.nixl_latency`. Both NIXL peers set their agent up with :mod:`.nixl_agent`.
 
 ``rdmaflow bench train`` (one process of a training job; each module a ``run(cfg, me, wd)``
 listed in :mod:`rdmaflow.bench.train_systems`): :mod:`.local`, :mod:`.ddp`,
