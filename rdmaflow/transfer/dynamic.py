@@ -131,13 +131,8 @@ class DynamicSender(Sender):
         nbytes = tensor.numel() * tensor.element_size()
         src, off = tensor, 0
         if nbytes:
-            off = None if self.mode == "copy" else self.arena.offset_of(tensor)
+            off = self._arena_offset(tensor)
             if off is None:
-                if self.mode == "zerocopy":
-                    raise InvalidArgumentError(
-                        "zero-copy send needs a tensor that lives in the registered arena: allocate it "
-                        "with device.empty(shape, dtype), or use mode='copy'"
-                    )
                 src = self.arena.empty(tuple(tensor.shape), tensor.dtype)
                 src.copy_(tensor)
                 off = self.arena.offset_of(src)

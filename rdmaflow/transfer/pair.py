@@ -254,6 +254,17 @@ class Sender(Endpoint):
                 raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
         return (k - 1) % self.depth
 
+    def _arena_offset(self, tensor: torch.Tensor) -> int | None:
+        """Where ``tensor`` lives in the arena, or None when it must be staged (mode "copy", or
+        "auto" with a tensor outside the arena); mode "zerocopy" refuses such a tensor."""
+        off = None if self.mode == "copy" else self.arena.offset_of(tensor)
+        if off is None and self.mode == "zerocopy":
+            raise InvalidArgumentError(
+                "zero-copy send needs a tensor that lives in the registered arena: allocate it "
+                "with device.empty(shape, dtype), or use mode='copy'"
+            )
+        return off
+
     def _post_flag(self, k: int, slot: int):
         """fence, then WRITE k into the receiver's flag of ``slot``: the flag never lands before the payload."""
         self._flag_src[slot].set(k)

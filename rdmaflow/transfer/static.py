@@ -144,13 +144,8 @@ class StaticSender(Sender):
             prev[0].result(deadline.left())  # its source buffer may be reused now
         keep = tensor
         if self.nbytes:
-            off = None if self.mode == "copy" else self.arena.offset_of(tensor)
+            off = self._arena_offset(tensor)
             if off is None:
-                if self.mode == "zerocopy":
-                    raise InvalidArgumentError(
-                        "zero-copy send needs a tensor that lives in the registered arena: allocate it "
-                        "with device.empty(shape, dtype), or use mode='copy'"
-                    )
                 if self._staging[slot] is None:
                     self._staging[slot] = self.arena.empty(self.shape, self.dtype)
                 self._staging[slot].copy_(tensor)
