@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from rdmaflow import READ, WRITE, RdmaflowError, RemoteRegion, wait_all
+from rdmaflow import READ, WRITE, PeerError, RdmaflowError, RemoteRegion, wait_all
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps import checkpoint
 from rdmaflow.ps.context import profile_stream
@@ -139,7 +139,7 @@ class Shard:
         self.saved = self.start
         self._reply_futs: list = [[] for _ in range(self.nw)]
         for w in range(self.nw):
-            self.reply(w, self.start + 1)
+            self._to_worker(w, self.reply, w, self.start + 1)
 
     def fingerprint(self) -> dict:
         return {"spec": spec_digest(self.spec), "policy": self.config["policy"],
@@ -211,6 +211,20 @@ class Shard:
         self.stats.setdefault("dead", []).append(w)
         return True
 
+    def _to_worker(self, w: int, send, *args) -> bool:
+        """Runs one part of a reply to worker w; False once w is dead. A worker can die between
+        its push and the reply to it (the WRITE then raises PeerError on its failed channel):
+        that worker is dropped like one found dead while waiting, so the survivors go on."""
+        if w in self.dead:
+            return False
+        try:
+            send(*args)
+            return True
+        except PeerError:
+            if self._worker_died(w):
+                return False
+            raise
+
     def _wait_push(self, w: int, t: int) -> int | None:
         """The push flag of worker w once it reaches t; None if the worker died."""
         def too_late():
@@ -269,7 +283,7 @@ class Shard:
             ws = sorted(flags)
             for w in ws:
                 self.applied[w] = t
-                self._reply_begin(w)
+                self._to_worker(w, self._reply_begin, w)
             for k, (lo, hi) in enumerate(self.spans):
                 agg = self.aggregate[lo:hi]
                 if len(ws) == 1:
@@ -284,11 +298,10 @@ class Shard:
                     agg.mul_(1.0 / len(ws))
                 self.apply_chunk(k, agg)
                 for w in ws:
-                    if w not in self.dead:
-                        self._reply_chunk(w, t + 1, k + 1)
+                    self._to_worker(w, self._reply_chunk, w, t + 1, k + 1)
             if not self.spans:
                 for w in ws:
-                    self._reply_chunk(w, t + 1, 0)
+                    self._to_worker(w, self._reply_chunk, w, t + 1, 0)
             self.stats["steps"] += 1
             self.stats["replies"] += len(ws)
             prof["update_and_send"] += time.monotonic() - t1
@@ -331,7 +344,7 @@ class Shard:
                 gap = max(self.applied[w], r if self.switching else 0) - slowest
                 if not bounded or gap <= self.staleness:
                     self.stats["max_gap"] = max(self.stats["max_gap"], gap)
-                    self.reply(w, r + 1)
+                    self._to_worker(w, self.reply, w, r + 1)
                     self.answered[w] = r
                     waiting.discard(w)
                     progressed = True
