@@ -103,7 +103,8 @@ class DistributedOptimizer:
     applies each gradient on arrival), ``"bounded"`` (async, but no worker runs more than
     ``staleness`` steps ahead of the slowest). ``policy``: ``"block"`` (blocks of
     ``block_bytes`` spread over the shards, iRDMA) or ``"variable"`` (whole variables
-    round-robin, Xue et al.). The optimizer's algorithm and hyperparameters run on the shards.
+    in contiguous runs balanced by bytes, Xue et al.; a shard's many small tensors move in
+    one WRITE). The optimizer's algorithm and hyperparameters run on the shards.
 
     ``overlap`` (default on) pushes each gradient block as backward produces it and lets the
     next forward start on the layers whose weights have arrived (sync), or computes on one

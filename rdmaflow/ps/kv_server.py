@@ -73,7 +73,8 @@ class KVShard:
         self.raw = raw
         self.stored = raw[: L.elements * L.itemsize].view(spec.dtype)  # every value, packed in key order
         self.key_tensor = spec.key_tensor[self.js] if self.n else spec.key_tensor[:0]
-        self.offsets = L.offsets.tolist()  # for the per-key handler
+        self.offsets = L.offsets.tolist()  # for the per-key handler and _where
+        self.numels = L.numels.tolist()
         self.push_flags = words(raw, L.push_flag, self.nw)
         self.pull_flags = words(raw, L.pull_flag, self.nw)
         self.ack_src = words(raw, L.ack_src, self.nw)
@@ -123,30 +124,38 @@ class KVShard:
             raise ShardFailure(f"a request names {count} keys; shard {self.id} holds {self.n}")
         return self.raw[area + U64 : area + U64 * (1 + count)].view(torch.int64)
 
-    def _elements(self, rows: torch.Tensor) -> torch.Tensor:
+    def _where(self, rows: torch.Tensor) -> slice | torch.Tensor:
+        """Where the values of ``rows`` (in that order) lie in ``stored``: a slice when the rows
+        are consecutive (one key, every key, a dense range: no index to build or scatter), else
+        the positions of their elements."""
+        n = len(rows)
+        if n == 0:
+            return slice(0, 0)
+        first, last = int(rows[0]), int(rows[-1])
+        if last - first == n - 1 and (n <= 2 or bool((rows[1:] - rows[:-1] == 1).all())):
+            return slice(self.offsets[first], self.offsets[last] + self.numels[last])
         L = self.layout
         return element_index(L.offsets, L.numels, rows, self.spec.width)
+
+    @staticmethod
+    def _count(where: slice | torch.Tensor) -> int:
+        return where.stop - where.start if isinstance(where, slice) else len(where)
 
     def _apply(self, w: int) -> None:
         """Applies worker w's push request, every key of it, before anything else happens."""
         L = self.layout
         rows = self._request(L.push(w))
         at = L.push(w) + U64 * (1 + len(rows))
-        if self.n and len(rows) == self.n and bool((rows == torch.arange(self.n)).all()):
-            elems = None  # every key in order: the request's values are the stored array's layout
-            count = L.elements
-        else:
-            elems = self._elements(rows)
-            count = len(elems)
-        pushed = self.raw[at : at + count * L.itemsize].view(self.spec.dtype)
+        where = self._where(rows)
+        pushed = self.raw[at : at + self._count(where) * L.itemsize].view(self.spec.dtype)
         if self.handler is not None:
             self._apply_per_key(w, rows, pushed)
         elif self.batch_handler is not None:
-            self._apply_batch(w, rows, elems, pushed)
-        elif elems is None:
-            self.stored.add_(pushed)
+            self._apply_batch(w, rows, where, pushed)
+        elif isinstance(where, slice):
+            self.stored[where].add_(pushed)
         else:
-            self.stored.index_add_(0, elems, pushed)
+            self.stored.index_add_(0, where, pushed)
         self.stats["pushes"] += len(rows)
         self.stats["requests"] += 1
 
@@ -165,16 +174,16 @@ class KVShard:
             at += numel
             self._store_returned(ret, stored, f"key {key}")
 
-    def _apply_batch(self, w: int, rows: torch.Tensor, elems, pushed: torch.Tensor) -> None:
-        stored = self.stored if elems is None else self.stored.index_select(0, elems)
+    def _apply_batch(self, w: int, rows: torch.Tensor, where, pushed: torch.Tensor) -> None:
+        stored = self.stored[where] if isinstance(where, slice) else self.stored.index_select(0, where)
         try:
             ret = self.batch_handler(self.key_tensor.index_select(0, rows), stored, pushed)
         except Exception as e:
             raise ShardFailure(f"the kv batch handler raised on a request of {len(rows)} keys from worker {w}: "
                                f"{e!r}") from e
         self._store_returned(ret, stored, f"a request of {len(rows)} keys")
-        if elems is not None:
-            self.stored.index_copy_(0, elems, stored)
+        if not isinstance(where, slice):
+            self.stored.index_copy_(0, where, stored)
 
     @staticmethod
     def _store_returned(ret, stored: torch.Tensor, what: str) -> None:
@@ -194,9 +203,13 @@ class KVShard:
         L, wl = self.layout, self.spec.worker
         rows = self._request(L.pull(w))
         src = self.raw[L.reply(w) : L.reply(w) + L.value_stride].view(self.spec.dtype)
-        elems = self._elements(rows)
-        torch.index_select(self.stored, 0, elems, out=src[: len(elems)])
-        futs = [self._post(w, self.base + L.reply(w), wl.landing[self.id], len(elems) * L.itemsize)]
+        where = self._where(rows)
+        count = self._count(where)
+        if isinstance(where, slice):
+            src[:count].copy_(self.stored[where])
+        else:
+            torch.index_select(self.stored, 0, where, out=src[:count])
+        futs = [self._post(w, self.base + L.reply(w), wl.landing[self.id], count * L.itemsize)]
         self.workers[w]["channel"].fence()
         self.reply_flag_src[w] = seq
         futs.append(self._post(w, self.base + L.word(L.reply_flag_src, w), wl.reply + U64 * self.id, U64))

@@ -2,7 +2,11 @@
 
 Two placement policies:
 
-- ``"variable"``: whole variables round-robin over the shards (Xue et al. §5.2).
+- ``"variable"``: whole variables, never cut (Xue et al. §5.2), in contiguous runs balanced by
+  bytes: shard s holds the variables whose middle element falls in the s-th 1/S of the flat
+  buffer. A shard's variables are then adjacent in the workers' buffers as in its own, so a
+  step moves them in one WRITE per shard and chunk however many small tensors the model has
+  (round-robin, the older placement, scattered them: one WRITE per variable).
 - ``"block"``: the flat parameter space cut into fixed-size blocks spread evenly over the
   shards (iRDMA §IV-C); a block may span variables.
 
@@ -19,6 +23,12 @@ from rdmaflow import InvalidArgumentError
 from rdmaflow.transfer import FLOAT_DTYPES, dtype_name
 
 POLICIES = ("variable", "block")
+# Part of a checkpoint's fingerprint: where the units lie changed with it (2: "variable" went from
+# round-robin to contiguous runs), so a checkpoint of another placement is refused, not misread.
+PLACEMENT_VERSION = 2
+# A unit this large is pushed on its own as soon as backward produces it; smaller ones wait in
+# their shard's batch until it is this large, or until step(), and go as one WRITE per run.
+BATCH_BYTES = 256 << 10
 DEFAULT_BLOCK_BYTES = 1 << 20
 # Weights are delivered in chunks, each followed by a fence and a progress flag: enough chunks
 # that the next forward can start early, few enough that the fences stay cheap.
@@ -126,6 +136,28 @@ class Plan:
                            "block_bytes": self.block_bytes, "dtype": self.dtype, "total": self.total})
 
 
+@dataclass(frozen=True)
+class Run:
+    """Units adjacent both in the worker's flat buffer and in their shard's weights: one WRITE."""
+    offset: int        # elements, inside the worker's flat buffer
+    shard_offset: int  # elements, inside the shard's weights
+    numel: int
+
+
+def runs_of(units: Sequence[Unit]) -> list[Run]:
+    """Units of one shard merged into maximal runs, in worker-buffer order."""
+    out: list[Run] = []
+    for u in sorted(units, key=lambda u: u.offset):
+        if u.numel == 0:
+            continue
+        last = out[-1] if out else None
+        if last and last.offset + last.numel == u.offset and last.shard_offset + last.numel == u.shard_offset:
+            out[-1] = Run(last.offset, last.shard_offset, last.numel + u.numel)
+        else:
+            out.append(Run(u.offset, u.shard_offset, u.numel))
+    return out
+
+
 def make_plan(spec: list[dict], num_shards: int, policy: str = "block",
               block_bytes: int = DEFAULT_BLOCK_BYTES) -> Plan:
     if policy not in POLICIES:
@@ -153,7 +185,7 @@ def make_plan(spec: list[dict], num_shards: int, policy: str = "block",
     shard_fill = [0] * num_shards
     if policy == "variable":
         for i, p in enumerate(params):
-            s = i % num_shards
+            s = min(num_shards - 1, (2 * p.offset + p.numel) * num_shards // (2 * total)) if total else 0
             units.append(Unit(i, s, p.offset, p.numel, shard_fill[s], p.name))
             shard_fill[s] += p.numel
     else:

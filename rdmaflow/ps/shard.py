@@ -14,7 +14,7 @@ from rdmaflow import READ, WRITE, PeerError, RdmaflowError, RemoteRegion, wait_a
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps import checkpoint
 from rdmaflow.ps.context import profile_stream
-from rdmaflow.ps.layout import MIN_CHUNK_BYTES, make_plan, spec_digest
+from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest
 from rdmaflow.ps.optim import build_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
@@ -33,7 +33,7 @@ class Shard:
         self.id = ctx.role.index
         self.store = ctx.store
         self.dev = ctx.device
-        self.stats = {"steps": 0, "max_gap": 0, "applied": [], "replies": 0}
+        self.stats = {"steps": 0, "max_gap": 0, "applied": [], "replies": 0, "reply_writes": 0}
         self.dead: set[int] = set()
 
     # -- setup --------------------------------------------------------------------------------
@@ -54,6 +54,7 @@ class Shard:
         self.plan = make_plan(spec, role.num_shards, self.config["policy"], int(self.config["block_bytes"]))
         self.units = self.plan.units_of(self.id)
         self.chunks = self.plan.chunks_of(self.id, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES))
+        self.chunk_runs = [runs_of(chunk) for chunk in self.chunks]  # one WRITE each
         self.dtype = FLOAT_DTYPES[self.plan.dtype]
         self.itemsize = self.plan.itemsize
         n = self.plan.shard_numel(self.id)
@@ -131,7 +132,8 @@ class Shard:
             w0 = self.workers[0]
             isz, src = self.itemsize, w0["base"] + w0["layout"].params_at(0)
             futs = [w0["channel"].memcpy(arena.region, self.base + L.weights + u.shard_offset * isz,
-                                         w0["remote"], src + u.offset * isz, u.numel * isz, READ) for u in self.units]
+                                         w0["remote"], src + u.offset * isz, u.numel * isz, READ)
+                    for u in runs_of(self.units)]
             wait_all(futs, self.ctx.timeout)
         self.applied = [self.start] * self.nw
         self.answered = [self.start] * self.nw
@@ -144,7 +146,7 @@ class Shard:
     def fingerprint(self) -> dict:
         return {"spec": spec_digest(self.spec), "policy": self.config["policy"],
                 "block_bytes": int(self.config["block_bytes"]), "num_shards": self.role.num_shards,
-                "optimizer": self.config["optim"]["name"]}
+                "optimizer": self.config["optim"]["name"], "placement": PLACEMENT_VERSION}
 
     def save(self, step: int) -> None:
         if not self.ckpt_dir or step <= self.saved:
@@ -176,9 +178,11 @@ class Shard:
         dst = info["base"] + wl.params_at(version - 1)
         isz = self.itemsize
         futs = self._reply_futs[w]
-        for u in (self.chunks[k - 1] if k else []):
+        runs = self.chunk_runs[k - 1] if k else []
+        for u in runs:
             futs.append(ch.memcpy(self.region, self.base + self.layout.weights + u.shard_offset * isz,
                                   remote, dst + u.offset * isz, u.numel * isz, WRITE))
+        self.stats["reply_writes"] += len(runs)
         futs.append(self._flag(w, k, progress(version, k)))
 
     def _flag(self, w: int, k: int, value: int):

@@ -29,7 +29,15 @@ from tqdm import tqdm
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.context import profile_stream
-from rdmaflow.ps.layout import MIN_CHUNK_BYTES, describe_difference, make_plan, spec_entries, spec_of
+from rdmaflow.ps.layout import (
+    BATCH_BYTES,
+    MIN_CHUNK_BYTES,
+    describe_difference,
+    make_plan,
+    runs_of,
+    spec_entries,
+    spec_of,
+)
 from rdmaflow.ps.optim import describe_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
@@ -173,6 +181,10 @@ class Worker:
         self._pending = list(self._unit_need)
         self._push_futs: list[list] = [[], []]  # of finished steps, per gradient buffer
         self._cur_futs: list = []                # of this step's units
+        # Per shard, the small units waiting for one WRITE per run (docs/parameter-server.md).
+        self._batch: list[set[int]] = [set() for _ in range(self.role.num_shards)]
+        self._batch_bytes = [0] * self.role.num_shards
+        self.push_writes = 0                     # gradient WRITEs posted, flags not counted
         self._fired: set[int] = set()
         self._hooks = []
         self._pull_timer: threading.Timer | None = None
@@ -337,14 +349,31 @@ class Worker:
                     self._push_unit(u, self.step_count + 1)
 
     def _push_unit(self, u: int, t: int) -> None:
+        """Queues unit u's gradient for step t in its shard's batch; the batch is written once
+        it holds BATCH_BYTES (a large unit goes at once), or by push(). Caller holds the lock."""
         unit = self.units[u]
-        sh = self.shards[unit.shard]
-        isz = self.itemsize
-        slot = sh["base"] + sh["layout"].gslot(self.id, t) + unit.shard_offset * isz
-        f = sh["channel"].memcpy(self.region, self.base + self.layout.grads_at(self.gbuf) + unit.offset * isz,
-                                 sh["remote"], slot, unit.numel * isz, WRITE)
-        self._cur_futs.append(f)
+        s = unit.shard
+        if u not in self._batch[s]:
+            self._batch[s].add(u)
+            self._batch_bytes[s] += unit.numel * self.itemsize
         self._pushed.add(u)
+        if self._batch_bytes[s] >= BATCH_BYTES:
+            self._write_batch(s, t)
+
+    def _write_batch(self, s: int, t: int) -> None:
+        """One WRITE per run of adjacent units in shard s's batch, into its slot for step t."""
+        if not self._batch[s]:
+            return
+        sh, isz = self.shards[s], self.itemsize
+        src = self.base + self.layout.grads_at(self.gbuf)
+        dst = sh["base"] + sh["layout"].gslot(self.id, t)
+        runs = runs_of([self.units[u] for u in self._batch[s]])
+        for r in runs:
+            self._cur_futs.append(sh["channel"].memcpy(self.region, src + r.offset * isz, sh["remote"],
+                                                       dst + r.shard_offset * isz, r.numel * isz, WRITE))
+        self.push_writes += len(runs)
+        self._batch[s].clear()
+        self._batch_bytes[s] = 0
 
     def _wait_pushes(self, buf: int) -> None:
         for f in self._push_futs[buf]:
@@ -366,6 +395,7 @@ class Worker:
                     self._push_unit(u, t)
             futs = []
             for s, sh in enumerate(self.shards):
+                self._write_batch(s, t)
                 ch = sh["channel"]
                 ch.fence()
                 self.push_src[s].fill_(t)

@@ -7,6 +7,7 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
     optim ("sgd" | "adam"), lr              -> the torch optimizer (see make_optimizer)
     steps, batch, seed                      -> worker w's batch of step t is make_batch(seed, w, t, batch)
     out                                     -> directory for the results (below)
+    model     "many": every process builds the many-small-tensors model (make_model)
     variant   {worker: "extra"|"names"|"shape"|"dtype"}: that worker builds a different model
     setup_after_store_gone {worker: seconds}: that worker creates its DistributedOptimizer only
               once the job's store is unreachable (or after that many seconds)
@@ -43,10 +44,31 @@ import torch
 IN, HIDDEN, OUT = 8, 16, 2
 
 
+MANY = 60  # scale-and-shift layers of the "many" model: 2 * 60 + 4 tensors, most of 16 floats
+
+
+class ScaleShift(torch.nn.Module):
+    """h * (1 + a) + b, elementwise: two small tensors per layer."""
+
+    def __init__(self, n: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.a = torch.nn.Parameter(0.1 * torch.randn(n, generator=g))
+        self.b = torch.nn.Parameter(0.1 * torch.randn(n, generator=g))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * (1 + self.a) + self.b
+
+
 def make_model(seed: int, variant: str | None = None) -> torch.nn.Module:
     """The job's model; ``variant`` builds a model that differs from it (an extra layer, other
-    parameter names, a different shape, a different dtype)."""
+    parameter names, a different shape, a different dtype), or "many": the same MLP with MAX
+    scale-and-shift layers between, a model of many small tensors."""
     torch.manual_seed(seed)
+    if variant == "many":
+        return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
+                                   *[ScaleShift(HIDDEN, seed * 1000 + i) for i in range(MANY)],
+                                   torch.nn.Linear(HIDDEN, OUT))
     if variant == "extra":
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT),
                                     torch.nn.Linear(OUT, OUT))
@@ -132,7 +154,7 @@ def main() -> None:
     ctx = res
     w = ctx.role.index
     seed = int(cfg.get("seed", 0))
-    model = make_model(seed, (cfg.get("variant") or {}).get(str(w)))
+    model = make_model(seed, (cfg.get("variant") or {}).get(str(w)) or cfg.get("model"))
     linger = (cfg.get("setup_after_store_gone") or {}).get(str(w))
     if linger:
         # Joins late: once the process serving the job's store has exited (bounded).
@@ -193,7 +215,8 @@ def main() -> None:
     opt.close()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.save({"params": params, "losses": losses, "observed_gap": observed_gap, "steps": opt.step_count,
-                "start": start, "bubbles": list(getattr(opt.worker, "bubbles", []))},
+                "start": start, "bubbles": list(getattr(opt.worker, "bubbles", [])),
+                "push_writes": opt.worker.push_writes},
                os.path.join(out, f"worker{w}.pt"))
     if cfg.get("stats_from_store") and w == 0:
         # The shards publish their statistics in the store when the job ends (Shard.run).
