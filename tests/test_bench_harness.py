@@ -1,4 +1,4 @@
-"""The benchmark harness (rdmaflow.bench.harness): child processes for real, output files,
+"""The benchmark harness (rdmaflow.bench.harness, .processes, .plots): child processes for real, output files,
 ratio tables and plots on known numbers."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 import pytest
 
 from rdmaflow.bench import harness as h
+from rdmaflow.bench import plots, processes
 
 ECHO = textwrap.dedent("""
     import json, sys
@@ -43,21 +44,21 @@ def _alive(pid: int) -> bool:
 
 
 def test_child_process_json_lines():
-    p = h.ChildProcess([sys.executable, "-c", ECHO], os.environ, "echo")
+    p = processes.ChildProcess([sys.executable, "-c", ECHO], os.environ, "echo")
     try:
         assert p.read(30)["hello"] == 1
         p.send({"cmd": "echo", "x": [1, 2]})
         assert p.read(30)["echo"] == [1, 2]
         p.send({"cmd": "fail"})
-        with pytest.raises(h.BenchError, match="echo: asked to fail"):
+        with pytest.raises(processes.BenchError, match="echo: asked to fail"):
             p.read(30)
         t0 = time.monotonic()
-        with pytest.raises(h.BenchError, match="did not answer within"):
+        with pytest.raises(processes.BenchError, match="did not answer within"):
             p.read(0.3)  # nothing comes: bounded
         assert time.monotonic() - t0 < 5
         assert "to stderr" in p.stderr_tail()
         p.send({"cmd": "die"})
-        with pytest.raises(h.BenchError, match=r"exited \(code 7\)"):
+        with pytest.raises(processes.BenchError, match=r"exited \(code 7\)"):
             p.read(30)
     finally:
         p.close()
@@ -65,12 +66,12 @@ def test_child_process_json_lines():
 
 
 def test_child_process_close_and_log(tmp_path):
-    p = h.ChildProcess([sys.executable, "-c", ECHO], os.environ, "echo")
+    p = processes.ChildProcess([sys.executable, "-c", ECHO], os.environ, "echo")
     p.read(30)
     p.close(grace=10)
     assert p.poll() == 0  # it left on {"cmd": "exit"}, not by the kill
     log = str(tmp_path / "out.log")
-    q = h.ChildProcess([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
+    q = processes.ChildProcess([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
                        os.environ, "logged", stdin=False, log=log)
     assert q.wait(30) == 0
     assert "out" in q.output() and "err" in q.stderr_tail()
@@ -83,7 +84,7 @@ def test_child_process_dies_with_its_parent():
     # not reach it) and is then SIGKILLed: the kernel must kill the child too.
     parent = textwrap.dedent("""
         import sys, time
-        from rdmaflow.bench.harness import ChildProcess
+        from rdmaflow.bench.processes import ChildProcess
         c = ChildProcess([sys.executable, "-c", "import time; time.sleep(120)"], {}, "sleeper", stdin=False)
         print(c.pid, flush=True)
         time.sleep(120)
@@ -108,15 +109,15 @@ def test_child_process_dies_with_its_parent():
 
 
 def test_free_port_and_process_env():
-    port = h.free_port()
+    port = processes.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
-    env = h.process_env("tcp", base={"PATH": "/bin"}, secret="s3", threads=2)
+    env = processes.process_env("tcp", base={"PATH": "/bin"}, secret="s3", threads=2)
     assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "lo"
     assert env["RDMAFLOW_JOB_SECRET"] == "s3" and env["OMP_NUM_THREADS"] == "2" and env["PATH"] == "/bin"
-    plain = h.process_env(base={"PATH": "/bin"})
+    plain = processes.process_env(base={"PATH": "/bin"})
     assert "UCX_TLS" not in plain and plain["PYTHONUNBUFFERED"] == "1"
-    assert len({h.new_secret() for _ in range(4)}) == 4
+    assert len({processes.new_secret() for _ in range(4)}) == 4
 
 
 def test_parse_sizes_and_ratios():
@@ -159,15 +160,15 @@ def test_measurements_table_csv_and_plot(tmp_path):
     with open(tmp_path / "d.json") as f:
         assert json.load(f) == {"x": 3, "path": str(tmp_path)}
     png = str(tmp_path / "m.png")
-    h.line_plot(png, m, xlabel="size", ylabel="GB/s", sizes=True, logy=True, title="a title")
+    plots.line_plot(png, m, xlabel="size", ylabel="GB/s", sizes=True, logy=True, title="a title")
     assert os.path.getsize(png) > 0
 
 
 def test_styles_and_background_meter():
-    assert h.style("rdmaflow") == h.style("rdmaflow-zerocopy")
-    assert h.style("no-such-system")[0] is None
-    meter = h.BackgroundMeter()
+    assert plots.style("rdmaflow") == plots.style("rdmaflow-zerocopy")
+    assert plots.style("no-such-system")[0] is None
+    meter = processes.BackgroundMeter()
     sum(range(10 ** 5))
     bg = meter.report()
     assert bg["wall_s"] > 0 and bg["other_cpus"] >= 0 and bg["cpus"] >= 1
-    assert "background:" in h.format_background(bg)
+    assert "background:" in processes.format_background(bg)

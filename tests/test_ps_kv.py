@@ -629,3 +629,19 @@ def test_batched_request_is_checked_and_cut_by_shard():
     assert Request(sparse, torch.tensor([1 << 40, 5]), None, "pull", values_optional=True).j.tolist() == [1, 0]
     with pytest.raises(rdmaflow.InvalidArgumentError, match="key 6 was not declared"):
         Request(sparse, torch.tensor([6]), None, "pull", values_optional=True)
+
+
+def test_bench_kv_runs_and_writes_its_outputs(tmp_path):
+    """A smoke run of `rdmaflow bench kv` (no timing is asserted): every cell of both systems and
+    both operations is measured, the issue's bar lines are printed, the CSV and plot written."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "kv", "--quick", "--transport", "sm",
+                        "--keys", "1,100", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "sm keys push / sm tensor push at N=100" in r.stdout, r.stdout
+    rows = (out / "kv.csv").read_text().splitlines()
+    cells = {tuple(line.split(",")[1:3]) for line in rows[1:]}
+    assert cells == {(what, n) for what in ("keys push", "keys pull", "tensor push", "tensor pull")
+                     for n in ("1", "100")}, rows
+    assert (out / "kv.png").stat().st_size > 0

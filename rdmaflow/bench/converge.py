@@ -88,16 +88,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rdmaflow._ucx import ucx_env
-from rdmaflow.bench.harness import (
-    BenchError,
-    ChildProcess,
-    free_port,
-    new_secret,
-    pyplot,
-    save_figure,
-    style,
-    write_csv,
-)
+from rdmaflow.bench.harness import write_csv
+from rdmaflow.bench.plots import pyplot, save_figure, style
+from rdmaflow.bench.processes import BenchError, ChildProcess, free_port, new_secret
 
 SYSTEMS = ("rdmaflow", "ddp")
 TRANSPORTS = ("tcp", "sm")

@@ -50,11 +50,8 @@ from typing_extensions import Self
 
 from rdmaflow._ucx import ucx_env, with_tcp
 from rdmaflow.bench.harness import (
-    ChildProcess,
-    environ,
     format_size,
     median_ratio,
-    new_secret,
     paired_ratio,
     parse_size,
     parse_sizes,
@@ -62,6 +59,7 @@ from rdmaflow.bench.harness import (
     write_csv,
 )
 from rdmaflow.bench.perftest import run_perftest
+from rdmaflow.bench.processes import ChildProcess, environ, new_secret
 
 DEFAULT_SIZES = "64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "1M,16M"

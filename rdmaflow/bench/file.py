@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from rdmaflow.bench import harness as h
+from rdmaflow.bench import plots, processes
 
 BARS = [("file-qd32", "file-qd1", 1.5), ("file-qd32", "python-api", 0.3)]
 BAR_POINT = 1 << 20
@@ -46,26 +47,26 @@ def _declaration(path: str, nbytes: int) -> None:
                    "optimizer": {"name": "SGD", "lr": 0.001}}, f)
 
 
-def _start_job(argv: list[str], label: str, transport: str, logdir: str) -> list[h.ChildProcess]:
+def _start_job(argv: list[str], label: str, transport: str, logdir: str) -> list[processes.ChildProcess]:
     """A shard (rank 0) and a worker (rank 1), each running ``argv``."""
-    port, secret, procs = h.free_port(), h.new_secret(), []
+    port, secret, procs = processes.free_port(), processes.new_secret(), []
     for rank, role in enumerate(("shard", "worker")):
-        env = h.process_env(transport, secret=secret, threads=1)
+        env = processes.process_env(transport, secret=secret, threads=1)
         env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDMAFLOW_SHARDS_PER_NODE="1")
-        procs.append(h.ChildProcess([sys.executable, *argv], env, f"{label}-{role}", stdin=False,
+        procs.append(processes.ChildProcess([sys.executable, *argv], env, f"{label}-{role}", stdin=False,
                                     log=os.path.join(logdir, f"{label}-{role}.log")))
     return procs
 
 
-def _wait_mounted(path: str, procs: list[h.ChildProcess]) -> None:
+def _wait_mounted(path: str, procs: list[processes.ChildProcess]) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while not os.path.exists(os.path.join(path, "model.json")):
         for p in procs:
             if p.poll() is not None:
-                raise h.BenchError(f"{p.label} exited ({p.poll()}):\n{p.output()[-2000:]}")
+                raise processes.BenchError(f"{p.label} exited ({p.poll()}):\n{p.output()[-2000:]}")
         if time.monotonic() > deadline:
-            raise h.BenchError(f"the file view did not mount within {START_TIMEOUT:.0f} s")
+            raise processes.BenchError(f"the file view did not mount within {START_TIMEOUT:.0f} s")
         time.sleep(0.1)
 
 
@@ -78,12 +79,12 @@ def file_step(fds: tuple[int, int], nbytes: int, block: int, pool: ThreadPoolExe
     def put(at: int) -> None:
         n = min(block, nbytes - at)
         if os.pwrite(grad, payload[:n], at) != n:
-            raise h.BenchError("short write")
+            raise processes.BenchError("short write")
 
     def get(at: int) -> None:
         n = min(block, nbytes - at)
         if len(os.pread(weights, n, at)) != n:
-            raise h.BenchError("short read")
+            raise processes.BenchError("short read")
 
     run = (lambda f: list(pool.map(f, offsets))) if pool else (lambda f: [f(o) for o in offsets])
     t0 = time.perf_counter()
@@ -152,7 +153,7 @@ def run(args) -> int:
                            "api", args.transport, args.out)
         try:
             if procs[1].wait(START_TIMEOUT + 60 * api_steps) != 0:
-                raise h.BenchError(f"the Python API worker failed:\n{procs[1].output()[-2000:]}")
+                raise processes.BenchError(f"the Python API worker failed:\n{procs[1].output()[-2000:]}")
             times = [json.loads(line)["step_s"] for line in procs[1].output().splitlines()
                      if line.startswith('{"step_s"')]
         finally:
@@ -172,7 +173,7 @@ def run(args) -> int:
     for b in bars:
         print(f"{b['num']} / {b['den']} at {h.format_size(b['point'])}: {b['ratio'] and round(b['ratio'], 2)} "
               f"(bar {b['bar']}): {b['verdict']}")
-    h.line_plot(os.path.join(args.out, "file.png"), m, xlabel="request size", ylabel="GB/s", sizes=True,
+    plots.line_plot(os.path.join(args.out, "file.png"), m, xlabel="request size", ylabel="GB/s", sizes=True,
                 title="Training step through the file view: synchronous (qd 1) and asynchronous (qd 32) I/O "
                       "next to the Python API (iRDMA Figure 5)")
     return 0

@@ -1,14 +1,15 @@
-"""What every ``rdmaflow bench`` harness shares: sizes, summaries, processes, output files,
-ratio tables, plots and the machine's background load.
+"""What every ``rdmaflow bench`` harness shares to measure and report: sizes, summaries, ratio
+tables, interleaved repeats, output files. The processes it starts are in
+:mod:`rdmaflow.bench.processes`, the plots in :mod:`rdmaflow.bench.plots`.
 
 A benchmark module (``rdmaflow.bench.X``, listed in ``rdmaflow.cli.BENCHMARKS``) has
 ``add_arguments(parser)`` and ``run(args) -> int``; with this module a new one needs little
 of its own beyond the measurement::
 
-    from rdmaflow.bench import harness as h
+    from rdmaflow.bench import harness as h, plots, processes
 
-    env = h.process_env("tcp", secret=h.new_secret())             # a transport's environment
-    peer = h.ChildProcess([sys.executable, "-m", "my.peer"], env, "peer")  # JSON lines
+    env = processes.process_env("tcp", secret=processes.new_secret())  # a transport's environment
+    peer = processes.ChildProcess([sys.executable, "-m", "my.peer"], env, "peer")  # JSON lines
     info = peer.read(60)                                           # its hello, bounded
     m = h.Measurements("GB/s")
     for rep in range(repeats):
@@ -17,7 +18,7 @@ of its own beyond the measurement::
     peer.close()
     h.write_csv(path, h.MEASUREMENT_COLUMNS, m.rows())
     print(h.ratio_table(m, "rdmaflow", point_label=h.format_size))
-    h.line_plot(png, m, xlabel="size", ylabel="GB/s", sizes=True)
+    plots.line_plot(png, m, xlabel="size", ylabel="GB/s", sizes=True)
 
 Standard library only at import (matplotlib is imported by the plotting functions), so the
 tools built on it run without the C++ extension.
@@ -26,24 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import ctypes
 import json
 import math
 import os
-import queue
 import re
-import secrets
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow._ucx import ucx_env
+from rdmaflow.bench.processes import BackgroundMeter, BenchError, format_background
 
 # ------------------------------------------------------------------------------------------
 # Sizes
@@ -213,215 +208,6 @@ def check_bars(m: Measurements, bars: Iterable[tuple[str, str, float]], points: 
 
 
 # ------------------------------------------------------------------------------------------
-# Processes
-
-
-class BenchError(RuntimeError):
-    """A benchmark process, or a measurement, failed."""
-
-
-def new_secret() -> str:
-    """A fresh RDMAFLOW_JOB_SECRET."""
-    return secrets.token_hex(16)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now. Racy by nature (released before the user binds it):
-    a user that fails to bind retries with a new one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-_libc: Any = None
-
-
-def die_with_parent() -> None:
-    """For ``preexec_fn``: the kernel SIGKILLs the child when this process dies, even if it is
-    SIGKILLed (PR_SET_PDEATHSIG survives exec, also ``ip netns exec``)."""
-    global _libc
-    with contextlib.suppress(Exception):
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def process_env(transport: str | None = None, *, base: Mapping[str, str] | None = None,
-                net_device: str | None = None, secret: str | None = None,
-                threads: int | None = None) -> dict[str, str]:
-    """The environment of a benchmark process: :func:`rdmaflow._ucx.ucx_env` of ``transport``
-    (a plain copy of ``base``, default ``os.environ``, without one), ``RDMAFLOW_JOB_SECRET``
-    and ``OMP_NUM_THREADS`` when given, and unbuffered Python output."""
-    env = ucx_env(transport, base, net_device=net_device) if transport else dict(os.environ if base is None else base)
-    if secret is not None:
-        env["RDMAFLOW_JOB_SECRET"] = secret
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-@contextlib.contextmanager
-def environ(env: Mapping[str, str]):
-    """Temporarily makes ``os.environ`` equal ``env`` (UCX reads it when a context is made)."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-class ChildProcess:
-    """A process a benchmark started. It runs in its own session, so that killing its group
-    reaches whatever it started; the kernel kills it if this process dies
-    (:func:`die_with_parent`); its stdout lines are queued and the tail of its stderr kept;
-    every wait is bounded.
-
-    ``stdin``: a pipe for :meth:`send` (JSON lines), else /dev/null. ``log``: a path; stdout
-    and stderr go to that file instead of pipes (read it with :meth:`output`). ``popen``: what
-    starts it (default ``subprocess.Popen``; e.g. ``rdmaflow.testing.netns.Host.popen`` runs it
-    in a network namespace); it must take Popen's keyword arguments.
-    """
-
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str], label: str, *, stdin: bool = True,
-                 log: str | None = None, popen: Callable[..., subprocess.Popen] | None = None) -> None:
-        self.label = label
-        self.log = log
-        self.lines: queue.Queue = queue.Queue()
-        self._err: list[str] = []
-        popen = popen or subprocess.Popen
-        kw: dict[str, Any] = {"env": dict(env), "stdin": subprocess.PIPE if stdin else subprocess.DEVNULL,
-                              "text": True, "errors": "replace", "start_new_session": True,
-                              "preexec_fn": die_with_parent}
-        if log is not None:
-            with open(log, "w") as f:
-                self.proc = popen(list(argv), stdout=f, stderr=subprocess.STDOUT, **kw)
-            self.lines.put(None)
-            return
-        self.proc = popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
-        threading.Thread(target=self._pump_out, daemon=True).start()
-        self._err_pump = threading.Thread(target=self._pump_err, daemon=True)
-        self._err_pump.start()
-
-    def _pump_out(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def _pump_err(self) -> None:
-        for line in self.proc.stderr:
-            self._err.append(line)
-            del self._err[:-200]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def wait(self, timeout: float) -> int | None:
-        """Its exit status, or None if it still runs after ``timeout`` seconds."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.proc.wait(max(0.001, timeout))
-        return None
-
-    def output(self) -> str:
-        """What it wrote to ``log`` so far ("" without one)."""
-        if self.log is None:
-            return ""
-        try:
-            with open(self.log, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def stderr_tail(self, n: int = 1500) -> str:
-        """The last ``n`` characters of its stderr (of its log with ``log``)."""
-        if self.log is None and not self._err and self.proc.poll() is not None:
-            self._err_pump.join(0.5)  # an exited process: let the pump catch up
-        text = ("".join(self._err) if self.log is None else self.output()).strip()
-        return text if len(text) <= n else "..." + text[-n:]
-
-    def send(self, obj: Mapping[str, Any]) -> None:
-        """One JSON line on its stdin."""
-        try:
-            self.proc.stdin.write(json.dumps(obj) + "\n")
-            self.proc.stdin.flush()
-        except (OSError, ValueError, AttributeError) as e:
-            raise BenchError(f"{self.label} is gone ({e}); stderr: {self.stderr_tail()}") from None
-
-    def readline(self, timeout: float) -> str:
-        """Its next stdout line; BenchError if none comes within ``timeout`` or it exited."""
-        try:
-            line = self.lines.get(timeout=max(0.001, timeout))
-        except queue.Empty:
-            raise BenchError(f"{self.label} did not answer within {timeout:.0f} s") from None
-        if line is None:
-            self.lines.put(None)
-            time.sleep(0.2)  # let the stderr pump catch up
-            raise BenchError(f"{self.label} exited (code {self.proc.poll()}); stderr: {self.stderr_tail()}")
-        return line
-
-    def read(self, timeout: float) -> dict:
-        """Its next stdout line as a JSON object whose "ok" is true; BenchError otherwise."""
-        line = self.readline(timeout)
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            raise BenchError(f"{self.label} wrote {line.strip()[:200]!r}") from None
-        if not isinstance(msg, dict) or not msg.get("ok"):
-            raise BenchError(f"{self.label}: {msg.get('error') if isinstance(msg, dict) else msg}")
-        return msg
-
-    def drain(self, timeout: float) -> list[str]:
-        """Every stdout line left, up to its end (bounded: a grandchild may hold the pipe)."""
-        out: list[str] = []
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.001, end - time.monotonic()))
-            except queue.Empty:
-                return out
-            if line is None:
-                self.lines.put(None)
-                return out
-            out.append(line)
-
-    def signal(self, sig: int) -> None:
-        """Sends ``sig`` to its process group, if it still runs."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILLs its process group (whatever it started goes too) and reaps it (bounded)."""
-        p = self.proc
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(5)
-        for f in (p.stdin, p.stdout, p.stderr):
-            with contextlib.suppress(Exception):
-                if f is not None:
-                    f.close()
-
-    def close(self, grace: float = 3.0, exit_message: Mapping[str, Any] | None = None) -> None:
-        """Asks it to exit (``exit_message``, default ``{"cmd": "exit"}``, when it has a stdin
-        pipe; a stopped process is continued first), waits ``grace`` seconds, then kills."""
-        if self.proc.poll() is None:
-            self.signal(signal.SIGCONT)
-            if self.proc.stdin is not None:
-                with contextlib.suppress(BenchError):
-                    self.send(exit_message or {"cmd": "exit"})
-            self.wait(grace)
-        self.kill()
-
-
-# ------------------------------------------------------------------------------------------
 # Interleaved measurements of several systems
 
 #: What a failed measurement raises (a system's process died, timed out, answered nonsense).
@@ -546,158 +332,3 @@ def write_json(path: str, doc: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1, default=str)
     os.replace(tmp, path)
-
-
-# ------------------------------------------------------------------------------------------
-# Plots
-
-#: system -> (color, marker, line style), the same in every benchmark's plots.
-STYLES: dict[str, tuple[str, str, str]] = {
-    "rdmaflow": ("tab:red", "o", "-"),
-    "rdmaflow-zerocopy": ("tab:red", "o", "-"),
-    "rdmaflow-tcp": ("tab:red", "o", "-"),
-    "rdmaflow-copy": ("tab:orange", "s", "-"),
-    "rdmaflow-sm": ("tab:orange", "s", "-"),
-    "rdmaflow-dynamic": ("tab:brown", "^", "-"),
-    "grpc": ("tab:blue", "v", "-"),
-    "grpc-protobuf": ("tab:blue", "v", "-"),
-    "tensorpipe": ("tab:green", "D", "-"),
-    "gloo": ("tab:purple", "P", "-"),
-    "nixl": ("tab:cyan", "*", "-"),
-    "ddp": ("tab:purple", "P", "-"),
-    "ucx-perftest-put": ("black", "x", "--"),
-    "ucx_perftest": ("black", "x", "--"),
-    "local": ("grey", "x", "--"),
-    "memcpy": ("grey", "", ":"),
-}
-
-
-def style(system: str) -> tuple[str | None, str, str]:
-    """(color, marker, line style) of ``system``; matplotlib's next color for an unknown one."""
-    return STYLES.get(system, (None, "o", "-"))
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: str, title: str = "", *, wrap: int | None = None, fontsize: int = 8,
-                dpi: int = 100) -> None:
-    """Titles ``fig`` (wrapped at ``wrap`` characters, default about 13 per inch of width),
-    lays it out, writes ``path`` (making its directory) and closes it."""
-    if title:
-        import textwrap
-
-        width = wrap or max(40, int(fig.get_figwidth() * 13))
-        fig.suptitle("\n".join(textwrap.wrap(title, width)), fontsize=fontsize)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
-
-
-def size_axis(ax: Any, sizes: Sequence[int]) -> None:
-    """A log2 x axis with a tick labelled "64K", "1M", ... at each size."""
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(sizes))
-    ax.set_xticklabels([format_size(s) for s in sizes], rotation=45)
-
-
-def line_plot(path: str, m: Measurements, *, xlabel: str, ylabel: str, sizes: bool = False,
-              logy: bool = False, title: str = "") -> None:
-    """One line per system through its medians, a band from min to max; numeric points on
-    the x axis (``sizes``: byte sizes on a log2 axis)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for system in m.systems:
-        color, mark, ls = style(system)
-        pts = [(p, summarize(m.values(system, p))) for p in m.points if m.values(system, p)]
-        xs = [p for p, _ in pts]
-        ax.plot(xs, [s["median"] for _, s in pts], marker=mark or None, linestyle=ls, color=color,
-                label=system, ms=4)
-        ax.fill_between(xs, [s["min"] for _, s in pts], [s["max"] for _, s in pts], color=color,
-                        alpha=0.15, linewidth=0)
-    if sizes:
-        size_axis(ax, m.points)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, path, title)
-
-
-# ------------------------------------------------------------------------------------------
-# The machine's background load
-
-
-def _cpu_split(root: int) -> tuple[float, float]:
-    """(CPU seconds of ``root``, its live descendants and the children they reaped; CPU
-    seconds of kernel threads)."""
-    tck = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        cpu = sum(int(x) for x in fields[11:15]) / tck  # utime stime cutime cstime
-        stats[int(d)] = (int(fields[1]), cpu)
-    kids: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        kids.setdefault(ppid, []).append(pid)
-    mine, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in stats:
-            mine += stats[pid][1]
-        todo.extend(kids.get(pid, []))
-    kthreads = sum(cpu for pid, (ppid, cpu) in stats.items() if pid == 2 or ppid == 2)
-    return mine, kthreads
-
-
-def _proc_stat() -> list[float]:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    return [x / os.sysconf("SC_CLK_TCK") for x in v]  # user nice system idle iowait irq softirq steal
-
-
-class BackgroundMeter:
-    """How much CPU others used while the benchmark ran: the noise in its numbers.
-
-    ``report()``: ``other_cpus``, user and system time of processes outside the benchmark's
-    process tree (kernel threads excluded); ``kernel_cpus``, kernel threads, interrupts and
-    softirqs (the benchmark's own loopback traffic lands there too); ``steal_cpus``, time the
-    hypervisor gave to other guests. All in CPUs busy (CPU-seconds per second)."""
-
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-        self.stat0 = _proc_stat()
-        self.mine0, self.kthreads0 = _cpu_split(os.getpid())
-
-    def report(self) -> dict[str, float]:
-        wall = max(1e-9, time.monotonic() - self.t0)
-        st = [b - a for a, b in zip(self.stat0, _proc_stat())]
-        mine, kthreads = _cpu_split(os.getpid())
-        kthreads -= self.kthreads0
-        others = max(0.0, st[0] + st[1] + st[2] - (mine - self.mine0) - kthreads)
-        return {"wall_s": wall, "other_cpu_s": others, "other_cpus": others / wall,
-                "kernel_cpus": (kthreads + st[5] + st[6]) / wall, "steal_cpus": st[7] / wall,
-                "cpus": float(os.cpu_count() or 1)}
-
-
-def format_background(bg: Mapping[str, float]) -> str:
-    text = (f"background: other processes used {bg['other_cpu_s']:.0f} CPU-s in {bg['wall_s']:.0f} s "
-            f"({bg['other_cpus']:.2f} of {bg['cpus']:.0f} cores); kernel threads + softirq "
-            f"{bg['kernel_cpus']:.2f} cores, steal {bg['steal_cpus']:.2f}")
-    return text + ("  <- noisy: other processes were busy" if bg["other_cpus"] > 0.1 else "  (quiet)")

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 from rdmaflow.bench import harness as h
+from rdmaflow.bench import plots, processes
 
 TRANSPORTS = ("tcp", "sm")
 DEFAULT_KEYS = "1,10,100,1000,10000"
@@ -90,17 +91,17 @@ def bench_transport(transport: str, counts: list[int], args: argparse.Namespace,
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
-    secret = h.new_secret()
+    secret = processes.new_secret()
     argv = [sys.executable, "-m", "rdmaflow.bench.kv", "--job-process", "--keys", ",".join(map(str, counts)),
             "--repeats", str(args.repeats), "--iters", str(args.iters), "--warmup", str(args.warmup)]
     procs = []
     try:
         for rank, label in enumerate(("kv shard", "kv worker")):
-            env = h.process_env(transport, secret=secret, threads=1)
+            env = processes.process_env(transport, secret=secret, threads=1)
             env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RDMAFLOW_SHARDS_PER_NODE="1",
                        TORCHELASTIC_USE_AGENT_STORE="True")
-            procs.append(h.ChildProcess(argv, env, label, stdin=False))
+            procs.append(processes.ChildProcess(argv, env, label, stdin=False))
         worker = procs[1]
         deadline = time.monotonic() + args.timeout
         worker.read(max(1.0, deadline - time.monotonic()))  # ready
@@ -135,7 +136,7 @@ def report(m: h.Measurements, transports: list[str], counts: list[int]) -> list[
 
 def plot(path: str, m: h.Measurements) -> None:
     """Median ms against N on log-log axes, a line per transport, operation and form."""
-    plt = h.pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for system in m.systems:
         pts = [(n, h.summarize(m.values(system, n))["median"]) for n in m.points if m.values(system, n)]
@@ -147,7 +148,7 @@ def plot(path: str, m: h.Measurements) -> None:
     ax.set_ylabel("ms per call + wait (median)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    h.save_figure(fig, path, "rdmaflow bench kv: N keys in one request next to one tensor of the same bytes")
+    plots.save_figure(fig, path, "rdmaflow bench kv: N keys in one request next to one tensor of the same bytes")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     for t in transports:
         try:
             bench_transport(t, counts, args, m)
-        except h.BenchError as e:
+        except processes.BenchError as e:
             print(f"error: transport {t}: {e}", file=sys.stderr)
             status = 1
     bars = report(m, transports, counts)

@@ -43,24 +43,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rdmaflow.bench.harness import (
-    BenchError,
     for_each_transport,
     format_size,
-    new_secret,
     parse_size,
     parse_sizes,
     percentile,
-    process_env,
-    pyplot,
     run_interleaved,
-    save_figure,
-    size_axis,
-    style,
     summarize,
     text_table,
     write_csv,
 )
 from rdmaflow.bench.perftest import run_perftest_latency
+from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
+from rdmaflow.bench.processes import BenchError, new_secret, process_env
 from rdmaflow.bench.transfer_systems import WorkerPair
 
 SYSTEMS = ("rdmaflow", "ucx_perftest", "nixl", "gloo", "tensorpipe")
@@ -463,17 +458,16 @@ def summarize_run(results: Mapping[Key, dict[str, Any]], transports: Sequence[st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        from rdmaflow.bench._latency_worker import make_worker
-        from rdmaflow.bench.transfer import worker_main
+    from rdmaflow.bench.transfer import main_with_workers
 
-        return worker_main(argv[1:], "rdmaflow bench latency --worker", make_worker)
-    ap = argparse.ArgumentParser(prog="rdmaflow bench latency",
-                                 description="One-way latency (ping-pong) of small transfers: rdmaflow next to "
-                                             "ucx_perftest, NIXL, gloo and TensorPipe.")
-    add_arguments(ap)
-    return run(ap.parse_args(argv))
+    def make_worker():
+        from rdmaflow.bench._latency_worker import make_worker
+
+        return make_worker
+
+    return main_with_workers(argv, "rdmaflow bench latency",
+                             "One-way latency (ping-pong) of small transfers: rdmaflow next to "
+                             "ucx_perftest, NIXL, gloo and TensorPipe.", add_arguments, run, make_worker)
 
 
 if __name__ == "__main__":

@@ -43,16 +43,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from rdmaflow.bench._latency_worker import RdmaflowWorker, clock, other, round_trips, wrong
-from rdmaflow.bench.harness import (
-    BackgroundMeter,
-    BenchError,
-    format_background,
-    format_size,
-    new_secret,
-    percentile,
-    text_table,
-    write_json,
-)
+from rdmaflow.bench.harness import format_size, percentile, text_table, write_json
+from rdmaflow.bench.processes import BackgroundMeter, BenchError, format_background, new_secret
 
 MODES = ("wait", "spin")
 DEFAULT_SIZE = 1 << 10

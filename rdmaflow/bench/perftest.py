@@ -41,7 +41,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from rdmaflow._ucx import find_bin, ucx_env
-from rdmaflow.bench.harness import BenchError, ChildProcess, format_size, free_port, parse_size, parse_sizes, summarize
+from rdmaflow.bench.harness import format_size, parse_size, parse_sizes, summarize
+from rdmaflow.bench.processes import BenchError, ChildProcess, free_port
 
 __all__ = ["LATENCY_ITERS", "MEMORY_ALLOC", "OPS", "TRANSPORTS", "auto_iters", "perftest_series", "run_perftest",
            "run_perftest_latency", "ucx_env"]

@@ -78,7 +78,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow.bench.harness import BackgroundMeter, format_background, percentile, verdict, write_csv, write_json
+from rdmaflow.bench.harness import percentile, verdict, write_csv, write_json
+from rdmaflow.bench.processes import BackgroundMeter, format_background
 from rdmaflow.bench.train_cells import (
     PROC_MODULE,
     RDMAFLOW_SYSTEMS,

@@ -3,7 +3,7 @@ their results (:mod:`rdmaflow.bench.train` has the method and the output).
 
 A cell is one short training job ``(system, model, batch, workers, shards)``. Its processes
 are ``python -m rdmaflow.bench._train_proc`` (see there for the contract), each a
-:class:`rdmaflow.bench.harness.ChildProcess` (own process group, dies with the driver), with
+:class:`rdmaflow.bench.processes.ChildProcess` (own process group, dies with the driver), with
 torchrun's variables, a fresh job secret and the cell's configuration as JSON in
 ``RDMAFLOW_TRAIN_CFG``; with ``hosts`` (:class:`rdmaflow.testing.netns.Hosts`) worker ``i``
 and shard ``i`` run in host ``i``.
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rdmaflow.bench.harness import ChildProcess, free_port, new_secret, process_env
+from rdmaflow.bench.processes import ChildProcess, free_port, new_secret, process_env
 
 PS_SYSTEMS = ("rdmaflow", "rdmaflow-copy", "tensorpipe", "grpc")
 RDMAFLOW_SYSTEMS = ("rdmaflow", "rdmaflow-copy")

@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow.bench.harness import pyplot, save_figure, style
+from rdmaflow.bench.plots import pyplot, save_figure, style
 from rdmaflow.bench.train_cells import Config, Key, cell_key, lookup
 
 PNG_BARS = "throughput.png"

@@ -72,22 +72,18 @@ from typing import Any
 
 from rdmaflow._ucx import ucx_env
 from rdmaflow.bench.harness import (
-    BenchError,
     for_each_transport,
     format_size,
     median_ratio,
-    new_secret,
     parse_size,
     parse_sizes,
-    pyplot,
     run_interleaved,
-    save_figure,
-    size_axis,
-    style,
     summarize,
     verdict,
     write_csv,
 )
+from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
+from rdmaflow.bench.processes import BenchError, new_secret
 from rdmaflow.bench.transfer_systems import System, arena_bytes, make_system, window_of
 
 __all__ = ["BenchError", "System", "add_arguments", "arena_bytes", "main", "make_system", "run", "window_of"]
@@ -533,13 +529,22 @@ def worker_main(argv: Sequence[str], prog: str, make: Callable | None = None) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return main_with_workers(argv, "rdmaflow bench transfer",
+                             "One-way tensor transfer with reduce_max at the receiver: rdmaflow next to "
+                             "gRPC, TensorPipe, gloo, ucx_perftest and memcpy (Xue et al. Figure 8).",
+                             add_arguments, run)
+
+
+def main_with_workers(argv: Sequence[str] | None, prog: str, description: str,
+                      add_arguments: Callable[[argparse.ArgumentParser], None], run: Callable[[Any], int],
+                      make_worker: Callable[[], Callable] | None = None) -> int:
+    """The entry point of a benchmark whose peers are transfer workers (``bench transfer``,
+    ``bench latency``): ``--worker ...`` serves as one (``make_worker()`` gives its ``make``),
+    anything else runs the benchmark."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
-        return worker_main(argv[1:], "rdmaflow bench transfer --worker")
-    ap = argparse.ArgumentParser(
-        prog="rdmaflow bench transfer",
-        description="One-way tensor transfer with reduce_max at the receiver: rdmaflow next to "
-                    "gRPC, TensorPipe, gloo, ucx_perftest and memcpy (Xue et al. Figure 8).")
+        return worker_main(argv[1:], f"{prog} --worker", make_worker() if make_worker else None)
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -18,8 +18,8 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from rdmaflow.bench.harness import BenchError, ChildProcess, free_port, process_env
 from rdmaflow.bench.perftest import run_perftest
+from rdmaflow.bench.processes import BenchError, ChildProcess, free_port, process_env
 
 RDMAFLOW_SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic")
 #: Systems whose processes run on UCX with the transport's environment and get an --arena-bytes.
