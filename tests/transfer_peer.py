@@ -244,9 +244,8 @@ def main() -> None:
                           f["src_off"], f["src_region"])
         cell = torch.frombuffer(s._records, dtype=torch.uint8, count=len(rec), offset=slot * dyn.RECORD_BYTES)
         cell.copy_(torch.frombuffer(bytearray(rec), dtype=torch.uint8))
-        s.channel.memcpy(arena.region, s._records.offset + slot * dyn.RECORD_BYTES, s.remote,
-                         s.r_base + s.r_data + slot * s.r_stride, len(rec), rdmaflow.WRITE)
-        s._post_flag(k, slot).result(cmd.get("timeout", DEFAULT_TIMEOUT))
+        s._post(k, slot, s._records.offset + slot * dyn.RECORD_BYTES, s.r_base + s.r_data + slot * s.r_stride,
+                len(rec)).result(cmd.get("timeout", DEFAULT_TIMEOUT))
         s.seq = k
         return {"seq": k, "record": {k2: v for k2, v in f.items()}}
 

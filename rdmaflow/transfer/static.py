@@ -17,11 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-from rdmaflow import WRITE, Future, InvalidArgumentError
+from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
 from rdmaflow.deadline import Deadline
-from rdmaflow.transfer.common import KIND_STATIC, check_tensor
+from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
-from rdmaflow.transfer.pair import Receiver, Sender
+from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE
+from rdmaflow.transfer.pair import CLOSED, Receiver, Sender
 
 MODES = ("auto", "zerocopy", "copy")
 
@@ -65,10 +66,11 @@ class StaticReceiver(Receiver):
         """Waits for the next transfer and returns the tensor it landed in (no copy)."""
         timeout = self.timeout if timeout == -1.0 else timeout
         deadline = Deadline(timeout)
-        if self.acked < self.seq:
-            self._ack(self.seq, deadline)  # the previous tensor is consumed by now
         k = self.seq + 1
-        slot = self._wait_flag(k, deadline)
+        if self._sender is None:  # the first transfer: its sender introduces itself
+            slot = self._wait_flag(k, deadline)
+        else:  # the previous tensor is consumed by now: its ack, then the wait, in one call
+            slot = self._await(k, deadline, self.seq if self.acked < self.seq else 0)
         self.seq = k
         return self._views[slot]
 
@@ -138,23 +140,53 @@ class StaticSender(Sender):
     def _send(self, tensor: torch.Tensor, timeout: float | None) -> Future:
         deadline = Deadline(timeout)
         k = self.seq + 1
+        if self._direct is not None:
+            if self.mode == "zerocopy":
+                self._arena_offset(tensor)  # refuses a tensor outside the arena, as on every path
+            elif self.mode == "copy" and self.nbytes:  # the paper's RDMA.cp: staged first, always
+                tensor = self._stage(tensor, 0)
+            self._send_direct(k, tensor.data_ptr(), deadline)
+            self.seq = k
+            return self._done
         slot = self._wait_credit(k, deadline)
         prev = self._pending[slot]
         if prev is not None:
             prev[0].result(deadline.left())  # its source buffer may be reused now
-        keep = tensor
+        keep, off = tensor, 0
         if self.nbytes:
             off = self._arena_offset(tensor)
             if off is None:
-                if self._staging[slot] is None:
-                    self._staging[slot] = self.arena.empty(self.shape, self.dtype)
-                self._staging[slot].copy_(tensor)
-                keep = self._staging[slot]
+                keep = self._stage(tensor, slot)
                 off = self.arena.offset_of(keep)
-            self.channel.memcpy(self.arena.region, off, self.remote,
-                                self.r_base + self.r_data + slot * self.r_stride, self.nbytes,
-                                WRITE)
-        f = self._post_flag(k, slot)
+        f = self._post(k, slot, off, self.r_base + self.r_data + slot * self.r_stride, self.nbytes)
         self._pending[slot] = (f, keep)
         self.seq = k
         return f
+
+    def _stage(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
+        """``tensor`` copied into registered staging memory of ``slot``."""
+        if self._staging[slot] is None:
+            self._staging[slot] = self.arena.empty(self.shape, self.dtype)
+        self._staging[slot].copy_(tensor)
+        return self._staging[slot]
+
+    def _send_direct(self, k: int, source: int, deadline: Deadline) -> None:
+        """Same host: credit, copy from ``source`` into the slot and the flag's release store, all
+        on this thread in one call into the core (one per WAIT_SLICE while waiting for credit).
+        The copy is the transfer itself: a tensor outside the arena needs no staging."""
+        slot = (k - 1) % self.depth
+        need = k - self.depth
+        data, flag = self.r_base + self.r_data + slot * self.r_stride, self.r_base + FLAG_STRIDE * slot
+        while True:
+            code = self._direct.send_slot(self.ack.address, need, CLOSED, data, source, self.nbytes, flag, k,
+                                          deadline.slice(WAIT_SLICE))
+            if code == OK:
+                return
+            if code == RECEIVER_CLOSED:
+                raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
+            what = (f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
+                    f"(a sender never overwrites a slot its receiver has not consumed)")
+            if code == PEER_FAILED:
+                raise PeerError(f"{what}: peer {self.remote_endpoint} failed")
+            if deadline.passed():
+                raise TimeoutError(f"timed out {what}")
