@@ -404,7 +404,7 @@ enum class WaitStatus : int {
 
 // Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins for
 // an adaptive time (per thread: about four times the last waits that ended while spinning,
-// between 5 and 200 us), then yields the core a few times, then sleeps with a backoff of
+// between 20 and 250 us), then yields the core a few times, then sleeps with a backoff of
 // 1, 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be
 // null) is looked at while sleeping. timeout_s < 0: none.
 WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Channel* peer);

@@ -12,12 +12,12 @@ namespace {
 // The spin budget adapts per thread: a wait that ended while spinning sets it to four times
 // what that wait took (within the bounds); a wait that had to sleep halves it. A ping-pong
 // partner that answers in microseconds is seen in microseconds; an idle waiter stops burning
-// the core after kMinSpinNs.
-constexpr int64_t kMinSpinNs = 5'000;
-constexpr int64_t kMaxSpinNs = 200'000;
+// the core after kMinSpinNs. (A sleep, however short, costs the timer slack: tens of us.)
+constexpr int64_t kMinSpinNs = 20'000;
+constexpr int64_t kMaxSpinNs = 250'000;
 constexpr int kYields = 20;
 constexpr long kMaxSleepUs = 50;  // an idle wait wakes at most every 50 us
-thread_local int64_t spin_budget_ns = 20'000;
+thread_local int64_t spin_budget_ns = 50'000;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

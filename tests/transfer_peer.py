@@ -213,6 +213,30 @@ def main() -> None:
             s.wait_consumed(timeout=timeout)
         return {"sent": sent, "seq": s.seq}
 
+    def race(cmd) -> dict:
+        """n rounds of: send tensor i (int64, filled with i + 1) on sender ``out``, then receive
+        on receiver ``in`` and check that it holds i + 1 in every element. Buffers are arena
+        tensors refilled as soon as their previous send completed, so each side runs as fast
+        as its credits allow."""
+        s, r = senders[cmd["out"]], receivers[cmd["in"]]
+        timeout = cmd.get("timeout", DEFAULT_TIMEOUT)
+        bufs = [dev.empty(s.shape, torch.int64) for _ in range(2)]
+        futs: list = [None] * 2
+        bad = None
+        for i in range(cmd["n"]):
+            j = i % 2
+            if futs[j] is not None:
+                futs[j].result(timeout)
+            bufs[j].fill_(i + 1)
+            futs[j] = s.send(bufs[j], timeout=timeout)
+            t = r.recv(timeout=timeout)
+            lo, hi = int(t.min()), int(t.max())
+            if bad is None and not lo == hi == i + 1:
+                bad = {"i": i, "min": lo, "max": hi}
+        r.release()
+        s.wait_consumed(timeout=timeout)
+        return {"rounds": cmd["n"], "direct": s._direct is not None, "first_mismatch": bad}
+
     def forge(cmd) -> dict:
         """Writes a metadata record (valid, then altered by ``set``) + its flag, as a sender would."""
         s = senders.get(cmd["name"])
@@ -277,6 +301,8 @@ def main() -> None:
                 reply(ok=True, **receive(cmd))
             elif op == "send":
                 reply(ok=True, **send(cmd))
+            elif op == "race":
+                reply(ok=True, **race(cmd))
             elif op == "forge":
                 reply(ok=True, **forge(cmd))
             elif op == "publish_raw":

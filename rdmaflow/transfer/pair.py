@@ -75,6 +75,7 @@ class Receiver(Endpoint):
         self.flags = [Word.at(raw, FLAG_STRIDE * i) for i in range(depth)]
         self._flag_addrs = [w.address for w in self.flags]
         self.ctl_ready = Word.at(raw, self.ctl_off)
+        self._ctl_addr = self.ctl_ready.address
         # Registered sources for ack WRITEs; a cell is reused only after its WRITE completed.
         self._ack_block = self.arena.allocate(8 * ACK_CELLS)
         self._ack_futures: list = [None] * ACK_CELLS
@@ -140,22 +141,29 @@ class Receiver(Endpoint):
             )
         return self.sender_channel
 
-    def _await(self, k: int, deadline: Deadline, ack: int = 0) -> int:
+    def _await(self, k: int, timeout: float | Deadline | None, ack: int = 0) -> int:
         """Waits for transfer ``k`` from the connected sender, first handing back transfer
-        ``ack`` (0: none) when that is owed; one call into the core per WAIT_SLICE."""
+        ``ack`` (0: none) when that is owed; one call into the core per WAIT_SLICE. Returns
+        the slot."""
         channel, _, ack_off = self._sender
         window = self._ack_window if ack else None
         if ack and window is None:
-            self._ack(ack, deadline)
+            self._ack(ack, timeout if isinstance(timeout, Deadline) else Deadline(timeout))
         slot = (k - 1) % self.depth
+        if isinstance(timeout, Deadline):
+            deadline, first = timeout, timeout.slice(WAIT_SLICE)
+        else:
+            first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
+            deadline = None
+        code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel, first, window,
+                            ack_off, ack)
+        if window is not None:
+            self.acked = ack
+        if code == OK:
+            return slot
+        if deadline is None:
+            deadline = Deadline(None if timeout is None else timeout - first)
         while True:
-            code = receive_slot(self._flag_addrs[slot], k, self.ctl_ready.address, self._generation, channel,
-                                deadline.slice(WAIT_SLICE), window, ack_off, ack)
-            if window is not None:
-                self.acked = ack
-                window = None
-            if code == OK:
-                return slot
             if code == PEER_FAILED:
                 raise PeerError(f"waiting for transfer {k} on '{self.name}': peer {channel.remote_endpoint} failed")
             if code == OTHER_SENDER or self.ctl_ready.get() != self._generation:
@@ -167,6 +175,10 @@ class Receiver(Endpoint):
                 raise RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
             if deadline.passed():
                 raise TimeoutError(f"timed out waiting for transfer {k} on '{self.name}'")
+            code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel,
+                                deadline.slice(WAIT_SLICE))
+            if code == OK:
+                return slot
 
     def _wait_flag(self, k: int, deadline: Deadline) -> int:
         if self._sender is not None:

@@ -64,13 +64,13 @@ class StaticReceiver(Receiver):
 
     def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
         """Waits for the next transfer and returns the tensor it landed in (no copy)."""
-        timeout = self.timeout if timeout == -1.0 else timeout
-        deadline = Deadline(timeout)
+        if timeout == -1.0:
+            timeout = self.timeout
         k = self.seq + 1
         if self._sender is None:  # the first transfer: its sender introduces itself
-            slot = self._wait_flag(k, deadline)
+            slot = self._wait_flag(k, Deadline(timeout))
         else:  # the previous tensor is consumed by now: its ack, then the wait, in one call
-            slot = self._await(k, deadline, self.seq if self.acked < self.seq else 0)
+            slot = self._await(k, timeout, self.seq if self.acked < self.seq else 0)
         self.seq = k
         return self._views[slot]
 
@@ -94,6 +94,11 @@ class StaticSender(Sender):
         self._declared = (None if shape is None else _shape(shape), dtype)
         super().__init__(device, remote_endpoint, name, qp_idx, timeout)
         self._staging: list = [None] * self.depth
+        # Where each slot's data and flag are in the receiver's region, and this sender's ack word.
+        self._slot_at = [self.r_base + self.r_data + i * self.r_stride for i in range(self.depth)]
+        self._flag_at = [self.r_base + FLAG_STRIDE * i for i in range(self.depth)]
+        self._ack_addr = self.ack.address
+        self._arena_lo, self._arena_hi = self.arena.base, self.arena.base + self.arena.nbytes
 
     def _validate(self, meta: dict) -> None:
         shape, code, nbytes = meta.get("shape"), meta.get("dtype"), meta.get("nbytes")
@@ -125,29 +130,31 @@ class StaticSender(Sender):
         """Writes ``tensor`` into the receiver's next slot, then its flag.
 
         Returns a future that completes when both are visible at the receiver. With zero copy
-        the tensor is read in place: do not modify it before the future completes.
+        the tensor is read in place: do not modify it before the future completes. On one
+        host (the same-host path) the copy is made before ``send`` returns, and so is the future.
         """
-        timeout = self.timeout if timeout == -1.0 else timeout
+        if timeout == -1.0:
+            timeout = self.timeout
+        if not (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
+                and tensor.is_cpu and tensor.is_contiguous()):
+            self._refuse(tensor)
+        with self._send_lock:
+            if self._direct is not None:
+                return self._send_direct(tensor, timeout)
+            return self._send(tensor, timeout)
+
+    def _refuse(self, tensor) -> None:
+        """Raises InvalidArgumentError naming why ``tensor`` cannot be sent (returns if it can)."""
         check_tensor(tensor)
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
             raise InvalidArgumentError(
                 f"tensor {describe(tuple(tensor.shape), tensor.dtype)} does not match receiver "
                 f"'{self.name}' ({describe(self.shape, self.dtype)})"
             )
-        with self._send_lock:
-            return self._send(tensor, timeout)
 
     def _send(self, tensor: torch.Tensor, timeout: float | None) -> Future:
         deadline = Deadline(timeout)
         k = self.seq + 1
-        if self._direct is not None:
-            if self.mode == "zerocopy":
-                self._arena_offset(tensor)  # refuses a tensor outside the arena, as on every path
-            elif self.mode == "copy" and self.nbytes:  # the paper's RDMA.cp: staged first, always
-                tensor = self._stage(tensor, 0)
-            self._send_direct(k, tensor.data_ptr(), deadline)
-            self.seq = k
-            return self._done
         slot = self._wait_credit(k, deadline)
         prev = self._pending[slot]
         if prev is not None:
@@ -170,23 +177,37 @@ class StaticSender(Sender):
         self._staging[slot].copy_(tensor)
         return self._staging[slot]
 
-    def _send_direct(self, k: int, source: int, deadline: Deadline) -> None:
-        """Same host: credit, copy from ``source`` into the slot and the flag's release store, all
-        on this thread in one call into the core (one per WAIT_SLICE while waiting for credit).
-        The copy is the transfer itself: a tensor outside the arena needs no staging."""
+    def _send_direct(self, tensor: torch.Tensor, timeout: float | None) -> Future:
+        """Same host: the credit, the copy into the slot and the flag's release store, all on
+        this thread in one call into the core. The copy is the transfer itself: a tensor
+        outside the arena needs no staging (mode "copy" stages anyway: the paper's RDMA.cp)."""
+        k = self.seq + 1
+        source = tensor.data_ptr()
+        if self.mode != "auto" and self.nbytes:
+            if self.mode == "copy":
+                source = self._stage(tensor, 0).data_ptr()
+            elif not self._arena_lo <= source <= self._arena_hi - self.nbytes:
+                self._arena_offset(tensor)  # refuses a tensor outside the arena, as on every path
         slot = (k - 1) % self.depth
+        first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
+        code = self._direct.send_slot(self._ack_addr, k - self.depth, CLOSED, self._slot_at[slot], source,
+                                      self.nbytes, self._flag_at[slot], k, first)
+        if code != OK:
+            self._send_direct_waiting(code, k, slot, source, Deadline(None if timeout is None else timeout - first))
+        self.seq = k
+        return self._done
+
+    def _send_direct_waiting(self, code: int, k: int, slot: int, source: int, deadline: Deadline) -> None:
+        """The rest of a direct send whose first call found no credit: one call per WAIT_SLICE."""
         need = k - self.depth
-        data, flag = self.r_base + self.r_data + slot * self.r_stride, self.r_base + FLAG_STRIDE * slot
-        while True:
-            code = self._direct.send_slot(self.ack.address, need, CLOSED, data, source, self.nbytes, flag, k,
-                                          deadline.slice(WAIT_SLICE))
-            if code == OK:
-                return
+        what = (f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
+                f"(a sender never overwrites a slot its receiver has not consumed)")
+        while code != OK:
             if code == RECEIVER_CLOSED:
                 raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
-            what = (f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
-                    f"(a sender never overwrites a slot its receiver has not consumed)")
             if code == PEER_FAILED:
                 raise PeerError(f"{what}: peer {self.remote_endpoint} failed")
             if deadline.passed():
                 raise TimeoutError(f"timed out {what}")
+            code = self._direct.send_slot(self._ack_addr, need, CLOSED, self._slot_at[slot], source, self.nbytes,
+                                          self._flag_at[slot], k, deadline.slice(WAIT_SLICE))
