@@ -375,20 +375,33 @@ PYBIND11_MODULE(_core, m) {
           "nothing written).");
 
   m.def(
+      "wait_word",
+      [](uintptr_t address, uint64_t value, double timeout, const std::shared_ptr<Channel>& peer,
+         bool drive) {
+        py::gil_scoped_release nogil;
+        return int(wait_word(address, value, timeout, peer.get(), drive));
+      },
+      py::arg("address"), py::arg("value"), py::arg("timeout"), py::arg("peer") = py::none(),
+      py::arg("drive") = false,
+      "Waits until the 8-byte word at address is >= value, watching peer (and progressing its "
+      "worker with drive). Returns a WaitStatus code (0 ok, 1 timeout, 2 peer failed).");
+
+  m.def(
       "receive_slot",
       [](uintptr_t flag_address, uint64_t seq, uintptr_t ctl_address, uint64_t generation,
          const std::shared_ptr<Channel>& peer, double timeout,
-         const std::shared_ptr<DirectWindow>& ack, int64_t ack_offset, uint64_t ack_value) {
+         const std::shared_ptr<DirectWindow>& ack, int64_t ack_offset, uint64_t ack_value,
+         bool drive) {
         size_t ao = check_offset(ack_offset, "ack_offset");
         py::gil_scoped_release nogil;
         return int(receive_slot(flag_address, seq, ctl_address, generation, peer.get(), timeout,
-                                ack.get(), ao, ack_value));
+                                ack.get(), ao, ack_value, drive));
       },
       py::arg("flag_address"), py::arg("seq"), py::arg("ctl_address"), py::arg("generation"),
       py::arg("peer"), py::arg("timeout"), py::arg("ack") = py::none(), py::arg("ack_offset") = 0,
-      py::arg("ack_value") = 0,
+      py::arg("ack_value") = 0, py::arg("drive") = false,
       "A receiver's recv of transfer seq: the ack through `ack` (None: none here), the wait on "
-      "the flag, the checks. Returns a WaitStatus code (0 ok, 1 timeout, 2 peer failed, "
+      "the flag (progressing the peer channel's worker with drive), the checks. Returns a WaitStatus code (0 ok, 1 timeout, 2 peer failed, "
       "4 another sender, 5 a later transfer in the flag).");
 
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena",

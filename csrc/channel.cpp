@@ -116,6 +116,11 @@ std::shared_ptr<Channel> Device::channel(const std::string& remote_endpoint, int
   return ch;
 }
 
+void Channel::progress_now() const {
+  auto dev = dev_.lock();
+  if (dev && !dev->closed()) thread_->progress_now();
+}
+
 std::string Channel::remote_endpoint() const { return peer_->endpoint; }
 
 std::string Channel::error() const {
@@ -206,7 +211,7 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
     t->track(op);
     if (!path.same_host(t, op)) path.ucx(t, op);
   };
-  if (!t->post(std::move(task))) {
+  if (!t->post_inline(std::move(task))) {
     unpost(op);
     throw Error(ErrorKind::Closed, "device is closed");
   }
@@ -262,7 +267,7 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
     t->track(word);
     if (!word_path.same_host(t, word)) word_path.ucx(t, word);
   };
-  if (!t->post(std::move(task))) {
+  if (!t->post_inline(std::move(task))) {
     if (data) unpost(data);
     unpost(word);
     throw Error(ErrorKind::Closed, "device is closed");
@@ -273,7 +278,7 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
 void Channel::fence() {
   open_device();
   ProgressThread* t = thread_;
-  if (!t->post([t] { ucp_worker_fence(t->handle()); }))
+  if (!t->post_inline([t] { ucp_worker_fence(t->handle()); }))
     throw Error(ErrorKind::Closed, "device is closed");
 }
 
@@ -286,7 +291,7 @@ Future Channel::flush(Callback cb) {
   op->fut = fut;
   op->ch = shared_from_this();
   ProgressThread* t = thread_;
-  if (!t->post([op, t] {
+  if (!t->post_inline([op, t] {
         Channel* ch = op->ch.get();
         t->track(op);
         op->pending = 1;

@@ -77,9 +77,9 @@ WaitStatus DirectWindow::send_slot(uintptr_t ack_addr, int64_t need, uint64_t cl
 
 WaitStatus receive_slot(uintptr_t flag_addr, uint64_t k, uintptr_t ctl_addr, uint64_t generation,
                         const Channel* peer, double timeout_s, DirectWindow* ack, size_t ack_off,
-                        uint64_t ack_value) {
+                        uint64_t ack_value, bool drive) {
   if (ack) ack->store_word(ack_off, ack_value);
-  WaitStatus st = wait_word(flag_addr, k, timeout_s, peer);
+  WaitStatus st = wait_word(flag_addr, k, timeout_s, peer, drive);
   if (st != WaitStatus::Ok) return st;
   if (__atomic_load_n(reinterpret_cast<const uint64_t*>(ctl_addr), __ATOMIC_ACQUIRE) != generation)
     return WaitStatus::OtherSender;

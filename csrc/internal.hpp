@@ -1,8 +1,11 @@
 // The core's internal types, shared by its .cpp files and never seen by the bindings.
 //
-// Threading rule: every UCX call on a worker happens on that worker's ProgressThread; other
-// threads hand it closures through post() and wake it with ucp_worker_signal. No UCX lock is
-// taken on the data path. Fields marked "progress thread" are touched by that thread only.
+// Threading rule: every UCX call on a worker is made by whoever drives it, holding its
+// ProgressThread's worker lock (UCX's serialized mode): the progress thread each loop, a caller
+// posting data-path work when the worker is free (post_inline), or a receiver progressing
+// it while it waits (progress_now). Otherwise threads hand the progress thread closures through
+// post() and wake it with ucp_worker_signal. Fields marked "progress thread" are touched only
+// under that lock.
 #pragma once
 
 #include <atomic>
@@ -129,6 +132,13 @@ class ProgressThread {
   void start();
   void stop();  // closes endpoints, fails what is left, joins the thread
   bool post(std::function<void()> fn);  // false once the thread has stopped
+  // Data-path work (memcpy, fence, flush): runs fn on the caller's thread when no one drives
+  // the worker (after the commands queued before it), so a transfer leaves without waiting
+  // for the progress thread to wake; else post(fn). The caller must hold no core lock.
+  bool post_inline(std::function<void()> fn);
+  // Progresses the worker on the caller's thread unless someone else drives it: a waiting
+  // receiver applies incoming puts itself (tcp) instead of waiting for the progress thread.
+  void progress_now();
   ucp_worker_h handle() const { return w_; }
   const std::string& address() const { return addr_; }
   int index() const { return idx_; }
@@ -144,6 +154,8 @@ class ProgressThread {
 
  private:
   void loop();
+  // One round of driving the worker, with the lock held: commands, flushes, UCX progress.
+  bool drive();
   bool run_commands();
   void flush_dirty();
   void op_done(Op* op);
@@ -156,6 +168,9 @@ class ProgressThread {
   std::thread thr_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> sleeping_{false};
+  std::mutex wm_;                     // the worker lock
+  bool stopped_ = false;              // under wm_: the worker takes no more work
+  static thread_local const ProgressThread* driving_;  // the worker this thread drives, if any
   std::mutex qm_;
   bool accepting_ = true;
   std::vector<std::function<void()>> q_;

@@ -51,6 +51,54 @@ bool ProgressThread::post(std::function<void()> fn) {
   return true;
 }
 
+thread_local const ProgressThread* ProgressThread::driving_ = nullptr;
+
+namespace {
+// Marks the current thread as the driver of a worker while the worker lock is held.
+struct Driving {
+  explicit Driving(const ProgressThread*& slot, const ProgressThread* t) : slot_(slot) { slot_ = t; }
+  ~Driving() { slot_ = nullptr; }
+  const ProgressThread*& slot_;
+};
+}  // namespace
+
+bool ProgressThread::post_inline(std::function<void()> fn) {
+  if (driving_ != nullptr || !wm_.try_lock()) return post(std::move(fn));
+  std::unique_lock<std::mutex> held(wm_, std::adopt_lock);
+  {
+    std::lock_guard<std::mutex> lk(qm_);
+    if (!accepting_ || stopped_) return false;
+  }
+  {
+    Driving d(driving_, this);
+    run_commands();  // what was posted before fn runs before it
+    fn();
+    drive();
+  }
+  // The progress thread is not woken: what was started here completes on the next driving of
+  // the worker, by a waiter or by the progress thread, which the worker's wakeup fd (armed
+  // before it slept) wakes when the peer answers. On two cores a wake-up per transfer costs
+  // more than it saves.
+  return true;
+}
+
+void ProgressThread::progress_now() {
+  if (driving_ != nullptr || !wm_.try_lock()) return;
+  std::unique_lock<std::mutex> held(wm_, std::adopt_lock);
+  if (stopped_) return;
+  Driving d(driving_, this);
+  drive();
+}
+
+bool ProgressThread::drive() {
+  bool did = run_commands();
+  flush_dirty();
+  unsigned n = 0;
+  while (ucp_worker_progress(w_) != 0) ++n;
+  flush_dirty();
+  return did || n;
+}
+
 bool ProgressThread::run_commands() {
   if (qsize_.load(std::memory_order_seq_cst) == 0) return false;
   std::vector<std::function<void()>> batch;
@@ -137,20 +185,28 @@ void ProgressThread::loop() {
   const auto& cfg = dev_->config();
   auto idle_since = Clock::now();
   for (;;) {
-    bool did = run_commands();
-    flush_dirty();
-    unsigned n = 0;
-    while (ucp_worker_progress(w_) != 0) ++n;
-    flush_dirty();
-    if (did || n) {
+    bool did;
+    {
+      std::lock_guard<std::mutex> held(wm_);
+      Driving d(driving_, this);
+      did = drive();
+      if (!did && stop_.load() && qsize_.load() == 0) {
+        stopped_ = true;
+        break;
+      }
+    }
+    if (did) {
       idle_since = Clock::now();
       continue;
     }
-    if (stop_.load() && qsize_.load() == 0) break;
     if (cfg.busy_poll) continue;
     if (seconds_since(idle_since) * 1e6 < cfg.spin_us) continue;
     // Sleep on the wakeup fd until UCX has an event or another thread posts work.
-    ucs_status_t st = ucp_worker_arm(w_);
+    ucs_status_t st;
+    {
+      std::lock_guard<std::mutex> held(wm_);
+      st = ucp_worker_arm(w_);
+    }
     if (st == UCS_ERR_BUSY) continue;
     sleeping_.store(true, std::memory_order_seq_cst);
     if (qsize_.load(std::memory_order_seq_cst) == 0 && !stop_.load()) {
@@ -158,7 +214,8 @@ void ProgressThread::loop() {
       poll(&pfd, 1, 100);
     }
     sleeping_.store(false, std::memory_order_seq_cst);
-    idle_since = Clock::now();
+    // No spinning after a wake-up that finds nothing to do (a waiting receiver may have
+    // progressed the worker already): only work restarts the spin window.
   }
 }
 

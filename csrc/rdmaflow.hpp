@@ -8,9 +8,11 @@
 //   MemRegion    local memory registered with UCX; its descriptor carries address, length,
 //                packed remote key and owner, with a MAC made with the job secret.
 //   RemoteRegion a peer's region parsed from its descriptor; authenticated on first use.
-//   Channel      (peer, qp_idx): operations posted on it run in order on the progress thread
-//                qp_idx % num_cqs, against the peer's thread qp_idx % peer_num_cqs.
-//   Future       completes exactly once, on a progress thread:
+//   Channel      (peer, qp_idx): operations posted on it run in order on worker
+//                qp_idx % num_cqs (by its progress thread, or by the posting thread when the
+//                worker is free), against the peer's worker qp_idx % peer_num_cqs.
+//   DirectWindow a same-host peer's region written by the caller's own thread: no worker.
+//   Future       completes exactly once, on the thread driving the worker:
 //                  WRITE  when the data is visible at the destination (put + endpoint flush,
 //                         or the same-host copy followed by a full fence);
 //                  READ   when the data is in the local region;
@@ -186,6 +188,9 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // memory on this host and the same-host path is on; null otherwise. Authenticates and
   // validates `remote` like memcpy (it may wait for the owner's answer).
   std::shared_ptr<DirectWindow> direct_window(const std::shared_ptr<RemoteRegion>& remote);
+  // Progresses the channel's worker on the caller's thread unless another thread drives it:
+  // over tcp a put is applied by the target's progress, so a waiting receiver applies it.
+  void progress_now() const;
   int qp_idx() const { return qp_; }
   std::string remote_endpoint() const;
   bool failed() const { return failed_.load(); }
@@ -406,8 +411,10 @@ enum class WaitStatus : int {
 // an adaptive time (per thread: about four times the last waits that ended while spinning,
 // between 20 and 250 us), then yields the core a few times, then sleeps with a backoff of
 // 1, 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be
-// null) is looked at while sleeping. timeout_s < 0: none.
-WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Channel* peer);
+// null) is looked at while sleeping; with `drive`, the waiter also progresses peer's worker
+// between looks (Channel::progress_now). timeout_s < 0: none.
+WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Channel* peer,
+                     bool drive = false);
 // wait_word without a peer; false on timeout.
 bool wait_u64_at_least(uintptr_t addr, uint64_t value, double timeout_s);
 
@@ -443,12 +450,13 @@ class DirectWindow {
 
 // A receiver's recv of transfer k on any transport, as one call: first, when ack is given,
 // the ack of a consumed transfer (ack->store_word(ack_off, ack_value)); then wait_word on the
-// slot's flag at flag_addr (watching peer); then the checks that the flag holds exactly k
+// slot's flag at flag_addr (watching peer, and driving its worker with `drive`: when the
+// sender's puts need this side's progress); then the checks that the flag holds exactly k
 // (Mismatch) and that the word at ctl_addr still holds the generation of the sender that
 // introduced itself (OtherSender).
 WaitStatus receive_slot(uintptr_t flag_addr, uint64_t k, uintptr_t ctl_addr, uint64_t generation,
                         const Channel* peer, double timeout_s, DirectWindow* ack, size_t ack_off,
-                        uint64_t ack_value);
+                        uint64_t ack_value, bool drive);
 
 std::string ucx_version();
 std::string ucs_error(ucs_status_t st);

@@ -32,7 +32,9 @@ inline int64_t ns_since(Clock::time_point t0) {
 }
 }  // namespace
 
-WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Channel* peer) {
+WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Channel* peer,
+                     bool drive) {
+  drive = drive && peer;
   auto* p = reinterpret_cast<const uint64_t*>(addr);
   auto ready = [&] { return __atomic_load_n(p, __ATOMIC_ACQUIRE) >= value; };
   if (ready()) return WaitStatus::Ok;
@@ -47,6 +49,7 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
       }
       cpu_relax();
     }
+    if (drive) peer->progress_now();
     if (ns_since(t0) >= budget) break;
   }
   spin_budget_ns = std::max<int64_t>(spin_budget_ns / 2, kMinSpinNs);
@@ -58,6 +61,7 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
     // On a machine with few cores the writer (or the progress thread applying its puts) may
     // need this core: yield first, then sleep with a short capped backoff, so a wait neither
     // starves the writer nor oversleeps the word (docs/benchmarks.md has the figures).
+    if (drive) peer->progress_now();
     if (yields < kYields) {
       ++yields;
       std::this_thread::yield();

@@ -11,7 +11,7 @@ from rdmaflow import _ucx
 
 _ucx.load()
 
-from rdmaflow._core import Direction, DirectWindow, receive_slot, ucx_version, wait_u64_at_least
+from rdmaflow._core import Direction, DirectWindow, receive_slot, ucx_version, wait_u64_at_least, wait_word
 from rdmaflow.arena import Arena
 from rdmaflow.device import Channel, Device, Future, MemRegion, RemoteRegion, SameHost, wait_all
 from rdmaflow.errors import (
@@ -56,4 +56,5 @@ __all__ = [
     "ucx_version",
     "wait_all",
     "wait_u64_at_least",
+    "wait_word",
 ]

@@ -5,12 +5,14 @@ The same ping-pong as ``bench latency`` (two processes, a ``StaticSender``/``Sta
 pair each way, zero copy, depth 1), with every step of a transfer timestamped on
 CLOCK_MONOTONIC, which both processes share:
 
-* sender: ``send()`` called; the credit granted (``_wait_credit`` returned); the flag's post
-  begins (``_post_flag`` called: the payload WRITE is posted by then) and ends; ``send()``
+* sender: ``send()`` called; the credit granted (``_wait_credit`` returned); the post of
+  payload, fence and flag begins and ends (``_post``: one command; on one host
+  ``_send_direct``: credit, copy and flag store in one call into the core); ``send()``
   returned. The transfer's Python methods are wrapped on the instances; a step whose method
   no longer exists is reported as not measured.
-* receiver: ``recv()`` called; its ack of the previous transfer (``_ack``); its wait for the
-  flag begins and ends (``_wait_flag``); ``recv()`` returned. In ``spin`` mode the receiver
+* receiver: ``recv()`` called; its ack of the previous transfer (``_ack``, over UCX); its
+  wait for the flag begins and ends (``_await``, which on one host also stores the ack);
+  ``recv()`` returned. In ``spin`` mode the receiver
   first spins on ``poll()`` (yielding the core between looks, for at most ``SPIN_S``), so a
   flag that lands meanwhile is seen at once, with no sleep and no wake-up.
 
@@ -22,9 +24,9 @@ Phases of one transfer (both directions pooled; ``flag seen`` minus ``send() ret
 difference between the two processes' clocks, the same CLOCK_MONOTONIC):
 
   send: to credit        send() called -> credit granted (argument checks, ack word read)
-  send: payload posted   credit -> _post_flag called (previous future, payload memcpy posted)
-  send: fence + flag     _post_flag: fence and the flag's WRITE handed to the progress thread
-  send: return           _post_flag returned -> send() returned
+  send: payload posted   credit -> _post called (the previous future of the slot)
+  send: fence + flag     _post (payload, fence, flag: one command) or _send_direct (one host)
+  send: return           the post returned -> send() returned
   in flight              send() returned -> the receiver's wait saw the flag: the progress
                          thread picks the posts up, UCX moves them, the peer's progress (tcp)
                          applies them, the receiver's thread wakes up
@@ -157,10 +159,11 @@ class ProfileWorker(RdmaflowWorker):
             w = self.stamps.wrap
             w(s, "send", "send_call", "send_return")
             w(s, "_wait_credit", None, "credit")
-            w(s, "_post_flag", "flag_post_start", "flag_post_end")
+            w(s, "_post", "flag_post_start", "flag_post_end")  # over UCX: payload, fence, flag: one command
+            w(s, "_send_direct", "flag_post_start", "flag_post_end")  # same host: credit, copy, flag: one call
             w(r, "recv", "recv_call", "recv_return")
             w(r, "_ack", "ack_start", "ack_end")
-            w(r, "_wait_flag", "wait_start", "flag_seen")
+            w(r, "_await", "wait_start", "flag_seen")  # its ack too, on the same-host path
         return s, r, src
 
     def _receive(self, r, spin: bool):

@@ -13,7 +13,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rdmaflow import Channel, InvalidArgumentError, PeerError, RdmaflowError, TimeoutError, wait_u64_at_least
+from rdmaflow import (
+    Channel,
+    InvalidArgumentError,
+    PeerError,
+    RdmaflowError,
+    TimeoutError,
+    wait_u64_at_least,
+    wait_word,
+)
 from rdmaflow.deadline import Deadline
 
 WAIT_SLICE = 0.05   # seconds between looks at the peer while a word has not arrived
@@ -56,7 +64,7 @@ class Word:
 def wait_flag(word: Word, value: int, deadline: Deadline, what: str, *, peer: Peer = None,
               give_up: Callable[[], bool] | None = None, abort_reason: Callable[[], str | None] | None = None,
               aborted: type[Exception] = RdmaflowError, on_timeout: Callable[[], None] | None = None,
-              poll: float = WAIT_SLICE) -> bool:
+              poll: float = WAIT_SLICE, drive: bool = False) -> bool:
     """Waits until ``word >= value`` and returns True; ``what`` names the wait in errors.
 
     Each time ``poll`` seconds pass without the word, it looks, in this order, at:
@@ -68,9 +76,19 @@ def wait_flag(word: Word, value: int, deadline: Deadline, what: str, *, peer: Pe
       ``aborted("the job was aborted: <reason>")``;
     - the deadline: ``on_timeout()`` raises, or returns to make this return False; without
       it, TimeoutError("timed out {what}").
+
+    ``drive`` (with ``peer`` a Channel): the wait progresses the channel's worker itself, for a
+    word the peer WRITEs over a transport whose puts this side's progress applies (tcp).
     """
     last_abort_check = time.monotonic()
-    while not word.wait_at_least(value, deadline.slice(poll)):
+    driven = peer if drive and isinstance(peer, Channel) else None
+
+    def arrived(t: float | None) -> bool:
+        if driven is None:
+            return word.wait_at_least(value, t)
+        return wait_word(word.address, value, -1.0 if t is None else t, driven, True) == OK
+
+    while not arrived(deadline.slice(poll)):
         if peer is not None:
             channel = peer() if callable(peer) else peer
             if channel is not None and channel.failed:

@@ -155,8 +155,9 @@ class Receiver(Endpoint):
         else:
             first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
             deadline = None
+        drive = self._ack_window is None  # the sender's puts are applied by this side's progress
         code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel, first, window,
-                            ack_off, ack)
+                            ack_off, ack, drive)
         if window is not None:
             self.acked = ack
         if code == OK:
@@ -176,7 +177,7 @@ class Receiver(Endpoint):
             if deadline.passed():
                 raise TimeoutError(f"timed out waiting for transfer {k} on '{self.name}'")
             code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel,
-                                deadline.slice(WAIT_SLICE))
+                                deadline.slice(WAIT_SLICE), drive=drive)
             if code == OK:
                 return slot
 
@@ -307,7 +308,8 @@ class Sender(Endpoint):
         if need > 0:
             wait_flag(self.ack, need, deadline,
                       f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
-                      f"(a sender never overwrites a slot its receiver has not consumed)", peer=self.channel)
+                      f"(a sender never overwrites a slot its receiver has not consumed)", peer=self.channel,
+                      drive=True)
             if self.ack.get() >= CLOSED:
                 raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
         return (k - 1) % self.depth
