@@ -474,7 +474,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& endpoint, int num_cqs, int qps_per_peer,
                        const std::string& secret, bool busy_poll, int spin_us,
                        double connect_timeout, double rpc_timeout, bool data_error_handling,
-                       SameHost same_host, int copy_threads) {
+                       SameHost same_host, int copy_threads, bool inline_posts) {
              DeviceConfig c;
              c.endpoint = endpoint;
              c.num_cqs = num_cqs;
@@ -487,6 +487,7 @@ PYBIND11_MODULE(_core, m) {
              c.data_error_handling = data_error_handling;
              c.same_host = same_host;
              c.copy_threads = copy_threads;
+             c.inline_posts = inline_posts;
              py::gil_scoped_release nogil;
              return Device::create(c);
            }),
@@ -498,7 +499,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("rpc_timeout") = defaults.rpc_timeout,
            py::arg("data_error_handling") = defaults.data_error_handling,
            py::arg("same_host") = defaults.same_host,
-           py::arg("copy_threads") = defaults.copy_threads)
+           py::arg("copy_threads") = defaults.copy_threads,
+           py::arg("inline_posts") = defaults.inline_posts)
       .def_property_readonly("endpoint", &Device::endpoint)
       .def_property_readonly("uuid", &Device::uuid)
       .def_property_readonly("num_cqs", &Device::num_cqs)

@@ -63,7 +63,7 @@ struct Driving {
 }  // namespace
 
 bool ProgressThread::post_inline(std::function<void()> fn) {
-  if (driving_ != nullptr || !wm_.try_lock()) return post(std::move(fn));
+  if (!dev_->config().inline_posts || driving_ != nullptr || !wm_.try_lock()) return post(std::move(fn));
   std::unique_lock<std::mutex> held(wm_, std::adopt_lock);
   {
     std::lock_guard<std::mutex> lk(qm_);

@@ -70,6 +70,9 @@ struct DeviceConfig {
   // Threads that share one large mapped copy (the progress thread and copy_threads - 1
   // helpers, which sleep when idle): a single core cannot reach the memory bandwidth.
   int copy_threads = 1;
+  // Data-path posts run on the caller's thread when the worker is free (ProgressThread::
+  // post_inline); off: always handed to the progress thread.
+  bool inline_posts = true;
 };
 
 // Completion state shared by the issuer and the progress thread.

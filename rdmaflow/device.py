@@ -24,6 +24,7 @@ from rdmaflow.errors import InvalidArgumentError
 SECRET_ENV = "RDMAFLOW_JOB_SECRET"
 SAME_HOST_ENV = "RDMAFLOW_SAME_HOST"
 COPY_THREADS_ENV = "RDMAFLOW_COPY_THREADS"
+INLINE_POSTS_ENV = "RDMAFLOW_INLINE_POSTS"
 
 _callback_thread: threading.Thread | None = None
 _callback_lock = threading.Lock()
@@ -62,6 +63,15 @@ def _same_host(same_host: bool | SameHost | None) -> SameHost:
     return modes[env]
 
 
+def _inline_posts(inline_posts: bool | None) -> bool:
+    if inline_posts is not None:
+        return bool(inline_posts)
+    env = os.environ.get(INLINE_POSTS_ENV, "1").strip()
+    if env not in ("0", "1"):
+        raise InvalidArgumentError(f"{INLINE_POSTS_ENV} must be 0 or 1, got {env!r}")
+    return env == "1"
+
+
 def _copy_threads(copy_threads: int | None) -> int:
     if copy_threads is not None:
         return int(copy_threads)
@@ -95,6 +105,10 @@ class Device(_core.Device):
     ``$RDMAFLOW_COPY_THREADS``, else this process's share of the cores:
     ``cpu_count // LOCAL_WORLD_SIZE``, at most 2); the helpers sleep when idle.
 
+    ``inline_posts`` (default ``$RDMAFLOW_INLINE_POSTS``, else on): a memcpy, fence or flush
+    makes its UCX calls on the caller's thread when the worker is free, instead of handing them
+    to the progress thread (docs/architecture.md, "Threads"); off is for measuring the difference.
+
     A device is a context manager: leaving the ``with`` block closes it.
     """
 
@@ -112,11 +126,13 @@ class Device(_core.Device):
         data_error_handling: bool = False,
         same_host: bool | SameHost | None = None,
         copy_threads: int | None = None,
+        inline_posts: bool | None = None,
     ):
         super().__init__(endpoint, num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
                          busy_poll=bool(busy_poll), spin_us=int(spin_us), connect_timeout=float(connect_timeout),
                          rpc_timeout=float(rpc_timeout), data_error_handling=bool(data_error_handling),
-                         same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads))
+                         same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads),
+                         inline_posts=_inline_posts(inline_posts))
         _start_callback_thread()
 
     def __enter__(self) -> Self:

@@ -382,6 +382,18 @@ class Worker:
 
     def push(self, t: int) -> list:
         """Pushes what backward has not pushed yet, then each shard's push flag behind a fence."""
+        try:
+            return self._push(t)
+        except PeerError:
+            # A shard found dead while posting (not while waiting): name it, like a wait would.
+            for s, sh in enumerate(self.shards):
+                if sh["channel"].failed:
+                    msg = f"shard {s} at {sh['ep']} died while worker {self.id} pushed step {t}"
+                    self.store.abort(msg)
+                    raise PeerError(msg) from None
+            raise
+
+    def _push(self, t: int) -> list:
         with self._lock:
             if not self.overlap:
                 for i in range(len(self._params)):
