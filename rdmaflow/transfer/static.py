@@ -42,6 +42,7 @@ class StaticReceiver(Receiver):
     """
 
     kind = KIND_STATIC
+    header_bytes = 0  # bounded transfers: the actual shape, before the data in each slot
 
     def __init__(self, device, name: str, shape: Sequence[int] | int, dtype: torch.dtype,
                  depth: int = 1, timeout: float | None = 60.0):
@@ -54,10 +55,10 @@ class StaticReceiver(Receiver):
             numel *= s
         self.nbytes = numel * self.itemsize
         meta = {"shape": list(self.shape), "dtype": dtype_code(dtype), "nbytes": self.nbytes}
-        super().__init__(device, name, depth, self.nbytes, meta, timeout)
+        super().__init__(device, name, depth, self.header_bytes + self.nbytes, meta, timeout)
         self._views = []
         for i in range(depth):
-            start = self.data_off + i * self.slot_stride
+            start = self.data_off + i * self.slot_stride + self.header_bytes
             raw = self._raw[start : start + self.nbytes] if self.nbytes else self._raw[start:start]
             self._views.append(raw.view(dtype).view(self.shape))
 
@@ -70,6 +71,10 @@ class StaticReceiver(Receiver):
         k = self.seq + 1
         slot = self._wait_flag(k, deadline)
         self.seq = k
+        return self._landed(slot, k)
+
+    def _landed(self, slot: int, k: int) -> torch.Tensor:
+        """The tensor transfer ``k`` wrote into ``slot``."""
         return self._views[slot]
 
 
@@ -82,6 +87,7 @@ class StaticSender(Sender):
     """
 
     kind = KIND_STATIC
+    header_bytes = 0
 
     def __init__(self, device, remote_endpoint: str, name: str, shape: Sequence[int] | int | None = None,
                  dtype: torch.dtype | None = None, mode: str = "auto", qp_idx: int = 0,
@@ -106,7 +112,7 @@ class StaticSender(Sender):
         for s in self.shape:
             numel *= s
         want = numel * self.dtype.itemsize
-        if nbytes != want or self.r_stride < want:
+        if nbytes != want or self.r_stride < self.header_bytes + want:
             raise InvalidArgumentError(
                 f"the header published as '{self.name}' says {nbytes!r} bytes for {describe(self.shape, self.dtype)} "
                 f"({want} bytes) in slots of {self.r_stride}"
@@ -127,13 +133,19 @@ class StaticSender(Sender):
         """
         timeout = self.timeout if timeout == -1.0 else timeout
         check_tensor(tensor)
+        self._check_shape(tensor)
+        with self._send_lock:
+            return self._send(tensor, timeout)
+
+    def _check_shape(self, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
             raise InvalidArgumentError(
                 f"tensor {describe(tuple(tensor.shape), tensor.dtype)} does not match receiver "
                 f"'{self.name}' ({describe(self.shape, self.dtype)})"
             )
-        with self._send_lock:
-            return self._send(tensor, timeout)
+
+    def _write_size(self, slot: int, k: int, tensor: torch.Tensor) -> None:
+        """Bounded transfers write the tensor's actual shape here; a static one has none to write."""
 
     def _send(self, tensor: torch.Tensor, timeout: float | None) -> Future:
         deadline = Deadline(timeout)
@@ -143,17 +155,19 @@ class StaticSender(Sender):
         if prev is not None:
             prev[0].result(deadline.left())  # its source buffer may be reused now
         keep = tensor
-        if self.nbytes:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
             off = self._arena_offset(tensor)
             if off is None:
-                if self._staging[slot] is None:
+                if self._staging[slot] is None:  # at the maxima for a bounded transfer
                     self._staging[slot] = self.arena.empty(self.shape, self.dtype)
-                self._staging[slot].copy_(tensor)
-                keep = self._staging[slot]
+                keep = self._staging[slot].view(-1)[: tensor.numel()].view(tensor.shape)
+                keep.copy_(tensor)
                 off = self.arena.offset_of(keep)
             self.channel.memcpy(self.arena.region, off, self.remote,
-                                self.r_base + self.r_data + slot * self.r_stride, self.nbytes,
+                                self.r_base + self.r_data + slot * self.r_stride + self.header_bytes, nbytes,
                                 WRITE)
+        self._write_size(slot, k, tensor)
         f = self._post_flag(k, slot)
         self._pending[slot] = (f, keep)
         self.seq = k
