@@ -140,10 +140,16 @@ def _numel(shape) -> int:
 
 
 def _example_numel(val) -> int:
+    """Elements of the example; a data-dependent dimension counts at its bound where the graph
+    asserts one (e.g. a mask's rows: at most the rows masked), else as 1."""
     n = 1
-    for d in val.shape:
-        n *= int(d.node.hint) if isinstance(d, torch.SymInt) and d.node.hint is not None else (
-            int(d) if isinstance(d, int) else 1)
+    for d, (_, hi) in zip(val.shape, dim_ranges(val)):
+        if isinstance(d, int):
+            n *= d
+        elif d.node.hint is not None:
+            n *= int(d.node.hint)
+        else:
+            n *= hi if hi is not None else 1
     return n
 
 
