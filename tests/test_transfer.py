@@ -32,16 +32,8 @@ from transfer_peer import (
 
 import rdmaflow
 from rdmaflow.arena import ALIGNMENT
-from rdmaflow.transfer import (
-    Arena,
-    BoundedReceiver,
-    BoundedSender,
-    DynamicReceiver,
-    DynamicSender,
-    StaticReceiver,
-    StaticSender,
-    wait_any,
-)
+from rdmaflow.transfer import Arena, DynamicReceiver, DynamicSender, StaticReceiver, StaticSender, wait_any
+from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
 
 KiB, MiB = 1 << 10, 1 << 20
 ArenaFullError = rdmaflow.ArenaFullError

@@ -127,15 +127,9 @@ def main() -> None:
     import struct
 
     import rdmaflow
-    from rdmaflow.transfer import (
-        BoundedReceiver,
-        BoundedSender,
-        DynamicReceiver,
-        DynamicSender,
-        StaticReceiver,
-        StaticSender,
-    )
+    from rdmaflow.transfer import DynamicReceiver, DynamicSender, StaticReceiver, StaticSender
     from rdmaflow.transfer import dynamic as dyn
+    from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
 
     dev = rdmaflow.Device(f"{os.environ.get('RDMAFLOW_TEST_HOST', '127.0.0.1')}:0")
     arena = dev.create_arena(int(os.environ.get("RDMAFLOW_TEST_ARENA", str(64 << 20))))
