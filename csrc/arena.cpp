@@ -1,5 +1,4 @@
-// Arena: the allocator over one registered region, and wait_u64_at_least, the flag wait that
-// readers of arena memory poll with.
+// Arena: the allocator over one registered region.
 #include <algorithm>
 #include <thread>
 
@@ -95,39 +94,6 @@ size_t Arena::num_allocations() const {
 size_t Arena::num_free_blocks() const {
   std::lock_guard<std::mutex> lk(m_);
   return free_by_off_.size();
-}
-
-// Sleeps of at most kMaxSleepUs between looks once the spinning and yielding are done.
-constexpr long kMaxSleepUs = 50;
-
-bool wait_u64_at_least(uintptr_t addr, uint64_t value, double timeout_s) {
-  auto* p = reinterpret_cast<const uint64_t*>(addr);
-  auto ready = [&] { return __atomic_load_n(p, __ATOMIC_ACQUIRE) >= value; };
-  for (int i = 0; i < 2000; ++i) {
-    if (ready()) return true;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
-  auto t0 = Clock::now();
-  long sleep_us = 1;
-  int yields = 0;
-  while (!ready()) {
-    if (timeout_s >= 0 && seconds_since(t0) > timeout_s) return ready();
-    // On a machine with few cores the writer (or the progress thread applying its puts) may
-    // need this core: yield first, then sleep with a short capped backoff, so a wait neither
-    // starves the writer nor oversleeps the flag (docs/benchmarks.md has the figures).
-    if (yields < 50) {
-      ++yields;
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-      sleep_us = std::min<long>(sleep_us * 2, kMaxSleepUs);
-    }
-  }
-  return true;
 }
 
 }  // namespace rdmaflow

@@ -302,9 +302,94 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("callback") = py::none(),
           "Completes when every WRITE posted before it is visible at the peer.")
+      .def(
+          "write_flagged",
+          [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t local_offset,
+             const std::shared_ptr<RemoteRegion>& remote, int64_t remote_offset, int64_t nbytes,
+             int64_t word_offset, uint64_t value, int64_t word_remote_offset, py::object callback) {
+            size_t lo = check_offset(local_offset, "local_offset");
+            size_t ro = check_offset(remote_offset, "remote_offset");
+            size_t n = check_offset(nbytes, "nbytes");
+            size_t wo = check_offset(word_offset, "word_offset");
+            size_t wro = check_offset(word_remote_offset, "word_remote_offset");
+            Callback cb = make_callback(callback);
+            try {
+              return ch.write_flagged(local, lo, remote, ro, n, wo, value, wro, std::move(cb));
+            } catch (...) {
+              if (!callback.is_none()) Py_DECREF(callback.ptr());
+              throw;
+            }
+          },
+          py::arg("local_region"), py::arg("local_offset"), py::arg("remote_region"),
+          py::arg("remote_offset"), py::arg("nbytes"), py::arg("word_offset"), py::arg("value"),
+          py::arg("word_remote_offset"), py::arg("callback") = py::none(),
+          "One command: WRITE nbytes, fence, then store value at local word_offset and WRITE "
+          "it to word_remote_offset. The future completes when both are visible at the peer.")
+      .def("direct_window", &Channel::direct_window, py::arg("remote_region"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The peer's region written by the caller's thread (same host, shared memory), or "
+           "None where it cannot be mapped.")
       .def_property_readonly("qp_idx", &Channel::qp_idx)
       .def_property_readonly("remote_endpoint", &Channel::remote_endpoint)
       .def_property_readonly("failed", &Channel::failed);
+
+  py::class_<DirectWindow, std::shared_ptr<DirectWindow>>(
+      m, "DirectWindow",
+      "A same-host peer's region mapped here and written by the caller's own thread: a call "
+      "returns when its stores are done; data written before store_word() is visible to a "
+      "reader that loads that word with acquire semantics.")
+      .def_property_readonly("nbytes", &DirectWindow::length)
+      .def(
+          "write",
+          [](DirectWindow& w, int64_t offset, uintptr_t address, int64_t nbytes) {
+            size_t o = check_offset(offset, "offset");
+            size_t n = check_offset(nbytes, "nbytes");
+            py::gil_scoped_release nogil;
+            w.write(o, reinterpret_cast<const void*>(address), n);
+          },
+          py::arg("offset"), py::arg("address"), py::arg("nbytes"),
+          "Copies nbytes from address (this process's memory) to the peer's region at offset.")
+      .def(
+          "store_word",
+          [](DirectWindow& w, int64_t offset, uint64_t value) {
+            w.store_word(check_offset(offset, "offset"), value);
+          },
+          py::arg("offset"), py::arg("value"), "A release store of an 8-byte word at offset.")
+      .def(
+          "send_slot",
+          [](DirectWindow& w, uintptr_t ack_address, int64_t need, uint64_t closed_value,
+             int64_t data_offset, uintptr_t source, int64_t nbytes, int64_t flag_offset,
+             uint64_t seq, double timeout) {
+            size_t d = check_offset(data_offset, "data_offset");
+            size_t n = check_offset(nbytes, "nbytes");
+            size_t f = check_offset(flag_offset, "flag_offset");
+            py::gil_scoped_release nogil;
+            return int(w.send_slot(ack_address, need, closed_value, d,
+                                   reinterpret_cast<const void*>(source), n, f, seq, timeout));
+          },
+          py::arg("ack_address"), py::arg("need"), py::arg("closed_value"),
+          py::arg("data_offset"), py::arg("source"), py::arg("nbytes"), py::arg("flag_offset"),
+          py::arg("seq"), py::arg("timeout"),
+          "A static pair's send: waits for ack >= need, copies, stores seq into the flag. "
+          "Returns a WaitStatus code (0 sent; 1 timeout, 2 peer failed, 3 receiver closed: "
+          "nothing written).");
+
+  m.def(
+      "receive_slot",
+      [](uintptr_t flag_address, uint64_t seq, uintptr_t ctl_address, uint64_t generation,
+         const std::shared_ptr<Channel>& peer, double timeout,
+         const std::shared_ptr<DirectWindow>& ack, int64_t ack_offset, uint64_t ack_value) {
+        size_t ao = check_offset(ack_offset, "ack_offset");
+        py::gil_scoped_release nogil;
+        return int(receive_slot(flag_address, seq, ctl_address, generation, peer.get(), timeout,
+                                ack.get(), ao, ack_value));
+      },
+      py::arg("flag_address"), py::arg("seq"), py::arg("ctl_address"), py::arg("generation"),
+      py::arg("peer"), py::arg("timeout"), py::arg("ack") = py::none(), py::arg("ack_offset") = 0,
+      py::arg("ack_value") = 0,
+      "A receiver's recv of transfer seq: the ack through `ack` (None: none here), the wait on "
+      "the flag, the checks. Returns a WaitStatus code (0 ok, 1 timeout, 2 peer failed, "
+      "4 another sender, 5 a later transfer in the flag).");
 
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena",
                                             "Allocator over one registered region.")

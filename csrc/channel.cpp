@@ -138,9 +138,10 @@ std::shared_ptr<Device> Channel::open_device() const {
   return dev;
 }
 
-Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off,
-                       const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
-                       Direction dir, Callback cb) {
+std::shared_ptr<Device> Channel::check_range(const std::shared_ptr<MemRegion>& local,
+                                             size_t local_off,
+                                             const std::shared_ptr<RemoteRegion>& remote,
+                                             size_t remote_off, size_t n) {
   auto dev = open_device();
   if (!local) throw Error(ErrorKind::Invalid, "local region is None");
   if (!remote) throw Error(ErrorKind::Invalid, "remote region is None");
@@ -169,19 +170,36 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
                                        " was freed by its owner at " + remote->owner_endpoint);
   if (failed_.load()) throw Error(ErrorKind::Peer, error());
   dev->ensure_validated(peer_, *remote);
+  return dev;
+}
 
-  auto fut = std::make_shared<FutureState>();
-  fut->on_complete = std::move(cb);
-  if (n == 0) {
-    fut->complete_ok();
-    return fut;
-  }
+Op* Channel::make_op(const Future& fut, const std::shared_ptr<MemRegion>& local,
+                     const std::shared_ptr<RemoteRegion>& remote) {
   Op* op = new Op;
   op->fut = fut;
   op->local = local;
   op->remote = remote;
   op->ch = shared_from_this();
   local->inflight_.fetch_add(1);
+  return op;
+}
+
+void Channel::unpost(Op* op) {
+  op->local->inflight_.fetch_sub(1);
+  delete op;
+}
+
+Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off,
+                       const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
+                       Direction dir, Callback cb) {
+  check_range(local, local_off, remote, remote_off, n);
+  auto fut = std::make_shared<FutureState>();
+  fut->on_complete = std::move(cb);
+  if (n == 0) {
+    fut->complete_ok();
+    return fut;
+  }
+  Op* op = make_op(fut, local, remote);
   ProgressThread* t = thread_;
   Path path{local_off, remote_off, n, dir == Direction::Write};
   auto task = [op, t, path]() {
@@ -189,8 +207,64 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
     if (!path.same_host(t, op)) path.ucx(t, op);
   };
   if (!t->post(std::move(task))) {
-    local->inflight_.fetch_sub(1);
-    delete op;
+    unpost(op);
+    throw Error(ErrorKind::Closed, "device is closed");
+  }
+  return fut;
+}
+
+Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
+                              const std::shared_ptr<RemoteRegion>& remote, size_t remote_off,
+                              size_t n, size_t word_local_off, uint64_t value,
+                              size_t word_remote_off, Callback cb) {
+  check_range(local, local_off, remote, remote_off, n);
+  check_range(local, word_local_off, remote, word_remote_off, 8);
+  // The caller's future completes when both parts have: ok only if both are.
+  struct Both {
+    int left = 0;
+    ErrorKind kind = ErrorKind::Generic;
+    std::string error;
+  };
+  auto fut = std::make_shared<FutureState>();
+  fut->on_complete = std::move(cb);
+  auto both = std::make_shared<Both>();
+  both->left = n ? 2 : 1;
+  auto part_done = [fut, both](const Future& f) {  // on the progress thread
+    if (!f->ok() && both->error.empty()) {
+      both->kind = f->error_kind();
+      both->error = f->error();
+    }
+    if (--both->left > 0) return;
+    if (both->error.empty()) fut->complete_ok();
+    else fut->complete_error(both->kind, both->error);
+  };
+  Op* data = nullptr;
+  if (n) {
+    auto f = std::make_shared<FutureState>();
+    f->on_complete = part_done;
+    data = make_op(f, local, remote);
+  }
+  auto wf = std::make_shared<FutureState>();
+  wf->on_complete = part_done;
+  Op* word = make_op(wf, local, remote);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(local->addr_ + word_local_off), value,
+                   __ATOMIC_RELEASE);
+  ProgressThread* t = thread_;
+  Path data_path{local_off, remote_off, n, true};
+  Path word_path{word_local_off, word_remote_off, 8, true};
+  auto task = [data, word, t, data_path, word_path]() {
+    if (data) {
+      t->track(data);
+      if (!data_path.same_host(t, data)) data_path.ucx(t, data);
+      // The word never lands before the data (mapped copies are ordered by running in order).
+      ucp_worker_fence(t->handle());
+    }
+    t->track(word);
+    if (!word_path.same_host(t, word)) word_path.ucx(t, word);
+  };
+  if (!t->post(std::move(task))) {
+    if (data) unpost(data);
+    unpost(word);
     throw Error(ErrorKind::Closed, "device is closed");
   }
   return fut;

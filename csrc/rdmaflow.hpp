@@ -97,6 +97,7 @@ using Callback = std::function<void(const Future&)>;
 
 // Internal types (internal.hpp); the public classes hold them only by pointer.
 class Device;
+class DirectWindow;
 class ProgressThread;
 class CopyPool;
 struct Link;
@@ -172,6 +173,19 @@ class Channel : public std::enable_shared_from_this<Channel> {
   void fence();
   // Completes when every WRITE posted before it is visible at the peer.
   Future flush(Callback cb);
+  // A transfer's post as one command to the progress thread: n bytes local[local_off..] ->
+  // remote[remote_off..] (nothing when n is 0), a fence, then the 8-byte word `value`, stored
+  // first into local[word_local_off] (its registered source, which no WRITE in flight may be
+  // using) -> remote[word_remote_off]. The future completes when both are visible at the
+  // peer; it fails if either failed. Throws like memcpy for either range.
+  Future write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
+                       const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
+                       size_t word_local_off, uint64_t value, size_t word_remote_off,
+                       Callback cb);
+  // The peer's region written by the caller's own thread (DirectWindow), when it is shared
+  // memory on this host and the same-host path is on; null otherwise. Authenticates and
+  // validates `remote` like memcpy (it may wait for the owner's answer).
+  std::shared_ptr<DirectWindow> direct_window(const std::shared_ptr<RemoteRegion>& remote);
   int qp_idx() const { return qp_; }
   std::string remote_endpoint() const;
   bool failed() const { return failed_.load(); }
@@ -183,6 +197,14 @@ class Channel : public std::enable_shared_from_this<Channel> {
   struct Path;  // the same-host and UCX paths of one posted memcpy (channel.cpp)
   // The device, or Closed.
   std::shared_ptr<Device> open_device() const;
+  // memcpy's argument checks (throws); the device.
+  std::shared_ptr<Device> check_range(const std::shared_ptr<MemRegion>& local, size_t local_off,
+                                      const std::shared_ptr<RemoteRegion>& remote,
+                                      size_t remote_off, size_t n);
+  // Posts an Op for fut; the task runs it on the progress thread after earlier posts.
+  Op* make_op(const Future& fut, const std::shared_ptr<MemRegion>& local,
+              const std::shared_ptr<RemoteRegion>& remote);
+  static void unpost(Op* op);  // undoes make_op when the post fails
 
   // Progress-thread only.
   bool ensure_ep();
@@ -249,6 +271,7 @@ class Device : public std::enable_shared_from_this<Device> {
 
  private:
   friend class Channel;
+  friend class DirectWindow;
   friend class MemRegion;
   friend class ProgressThread;
   Device();
@@ -369,9 +392,63 @@ struct ArenaBlock {
   }
 };
 
-// Waits until the 8-byte word at addr is >= value (acquire). Spins briefly, then yields and
-// sleeps with backoff. Returns false on timeout (negative: none).
+// How a wait on a word, or a transfer's send or receive on the direct path, ended.
+enum class WaitStatus : int {
+  Ok = 0,
+  Timeout = 1,      // nothing written: the wait may be repeated
+  PeerFailed = 2,   // the channel watched failed before the word arrived
+  Closed = 3,       // the ack word says the receiver closed (send_slot)
+  OtherSender = 4,  // another sender introduced itself to the receiver (receive_slot)
+  Mismatch = 5,     // the flag holds a later transfer than the one awaited (receive_slot)
+};
+
+// Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins for
+// an adaptive time (per thread: about four times the last waits that ended while spinning,
+// between 20 and 250 us), then yields the core a few times, then sleeps with a backoff of
+// 1, 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be
+// null) is looked at while sleeping. timeout_s < 0: none.
+WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Channel* peer);
+// wait_word without a peer; false on timeout.
 bool wait_u64_at_least(uintptr_t addr, uint64_t value, double timeout_s);
+
+// A same-host peer's shared region mapped into this process, written by the caller's own
+// thread: no progress thread, no queue, no future (the direct path of transfer pairs). A call
+// returns when its stores are done; data written before store_word() is visible to a reader
+// that loads that word with acquire semantics (a release store; non-temporal copies are
+// fenced first). Calls are not ordered with operations posted on the channel: a transfer pair
+// uses one path or the other for everything it writes. Any thread.
+class DirectWindow {
+ public:
+  size_t length() const;
+  // Copies n bytes from src to [off, off + n) of the peer's region. Throws OutOfBounds,
+  // Region (the owner freed it), Peer (the channel failed), Closed.
+  void write(size_t off, const void* src, size_t n);
+  // Stores v at off (8-byte aligned) with release semantics. Throws like write.
+  void store_word(size_t off, uint64_t v);
+  // One transfer of a static pair: waits until the word at ack_addr (this process's memory)
+  // is >= need (credits; need <= 0: none) and below closed_value, then write(data_off, src,
+  // n), then store_word(flag_off, k). Returns Ok, or before writing anything: Timeout,
+  // Closed (ack >= closed_value) or PeerFailed.
+  WaitStatus send_slot(uintptr_t ack_addr, int64_t need, uint64_t closed_value, size_t data_off,
+                       const void* src, size_t n, size_t flag_off, uint64_t k, double timeout_s);
+
+ private:
+  friend class Channel;
+  void check(size_t off, size_t n) const;
+  std::weak_ptr<Device> dev_;
+  std::shared_ptr<Channel> ch_;
+  std::shared_ptr<RemoteRegion> remote_;
+  std::shared_ptr<Mapping> map_;
+};
+
+// A receiver's recv of transfer k on any transport, as one call: first, when ack is given,
+// the ack of a consumed transfer (ack->store_word(ack_off, ack_value)); then wait_word on the
+// slot's flag at flag_addr (watching peer); then the checks that the flag holds exactly k
+// (Mismatch) and that the word at ctl_addr still holds the generation of the sender that
+// introduced itself (OtherSender).
+WaitStatus receive_slot(uintptr_t flag_addr, uint64_t k, uintptr_t ctl_addr, uint64_t generation,
+                        const Channel* peer, double timeout_s, DirectWindow* ack, size_t ack_off,
+                        uint64_t ack_value);
 
 std::string ucx_version();
 std::string ucs_error(ucs_status_t st);

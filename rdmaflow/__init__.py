@@ -11,7 +11,7 @@ from rdmaflow import _ucx
 
 _ucx.load()
 
-from rdmaflow._core import Direction, ucx_version, wait_u64_at_least
+from rdmaflow._core import Direction, DirectWindow, receive_slot, ucx_version, wait_u64_at_least
 from rdmaflow.arena import Arena
 from rdmaflow.device import Channel, Device, Future, MemRegion, RemoteRegion, SameHost, wait_all
 from rdmaflow.errors import (
@@ -40,6 +40,7 @@ __all__ = [
     "Channel",
     "Device",
     "DeviceClosedError",
+    "DirectWindow",
     "Direction",
     "Future",
     "InvalidArgumentError",
@@ -51,6 +52,7 @@ __all__ = [
     "RemoteRegion",
     "SameHost",
     "TimeoutError",
+    "receive_slot",
     "ucx_version",
     "wait_all",
     "wait_u64_at_least",

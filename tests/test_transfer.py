@@ -997,3 +997,40 @@ def test_waiting_wait_any_sleeps(tpeer, dev):
     assert took >= window
     # A spinning wait would use about `took` CPU seconds; a napping one a few percent of it.
     assert used < 0.25 * took, f"wait_any used {used:.2f} CPU seconds in {took:.2f} s of waiting"
+
+
+@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (8 * MiB, 60)])
+def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev, transport, nbytes, n):
+    """Both directions at once, each sender as fast as its credits allow (depth 2, so a slot is
+    rewritten as soon as it is handed back): every tensor a receiver gets holds its own
+    transfer number in every element, i.e. the flag of transfer k was never seen before k's
+    data, on the same-host direct path (sm: copy + release store; 8 MiB is copied with
+    non-temporal stores) and over UCX (tcp, sm-cma: WRITE, fence, WRITE)."""
+    numel = nbytes // 8
+    peer = tpeer()
+    r = StaticReceiver(dev, f"race_in_{nbytes}", (numel,), torch.int64, depth=2)
+    peer.call("static_receiver", name=f"race_out_{nbytes}", shape=[numel], dtype="int64", depth=2)
+    peer.call("static_sender", remote=dev.endpoint, name=f"race_in_{nbytes}")
+    s = StaticSender(dev, peer.endpoint, f"race_out_{nbytes}", mode="zerocopy")
+    direct = transport == "sm"  # sm-cma turns rdmaflow's same-host path off: UCX's own sm moves the data
+    assert (s._direct is not None) == direct
+    peer.post("race", out=f"race_in_{nbytes}", **{"in": f"race_out_{nbytes}"}, n=n)
+    bufs = [dev.empty((numel,), torch.int64) for _ in range(2)]
+    futs: list = [None, None]
+    bad = None
+    for i in range(n):  # as the peer does: send one, receive one
+        j = i % 2
+        if futs[j] is not None:
+            futs[j].result(60)
+        bufs[j].fill_(i + 1)
+        futs[j] = s.send(bufs[j], timeout=60)
+        t = r.recv(timeout=60)
+        lo, hi = int(t.min()), int(t.max())
+        if bad is None and not lo == hi == i + 1:
+            bad = {"i": i, "min": lo, "max": hi}
+    r.release()
+    s.wait_consumed(timeout=60)
+    theirs = peer.answer(120)
+    assert bad is None, f"received tensor {bad['i']} holds {bad['min']}..{bad['max']}, not {bad['i'] + 1}"
+    assert theirs["rounds"] == n and theirs["first_mismatch"] is None, theirs
+    assert theirs["direct"] == direct

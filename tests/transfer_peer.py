@@ -216,6 +216,30 @@ def main() -> None:
             s.wait_consumed(timeout=timeout)
         return {"sent": sent, "seq": s.seq}
 
+    def race(cmd) -> dict:
+        """n rounds of: send tensor i (int64, filled with i + 1) on sender ``out``, then receive
+        on receiver ``in`` and check that it holds i + 1 in every element. Buffers are arena
+        tensors refilled as soon as their previous send completed, so each side runs as fast
+        as its credits allow."""
+        s, r = senders[cmd["out"]], receivers[cmd["in"]]
+        timeout = cmd.get("timeout", DEFAULT_TIMEOUT)
+        bufs = [dev.empty(s.shape, torch.int64) for _ in range(2)]
+        futs: list = [None] * 2
+        bad = None
+        for i in range(cmd["n"]):
+            j = i % 2
+            if futs[j] is not None:
+                futs[j].result(timeout)
+            bufs[j].fill_(i + 1)
+            futs[j] = s.send(bufs[j], timeout=timeout)
+            t = r.recv(timeout=timeout)
+            lo, hi = int(t.min()), int(t.max())
+            if bad is None and not lo == hi == i + 1:
+                bad = {"i": i, "min": lo, "max": hi}
+        r.release()
+        s.wait_consumed(timeout=timeout)
+        return {"rounds": cmd["n"], "direct": s._direct is not None, "first_mismatch": bad}
+
     def forge(cmd) -> dict:
         """Writes a metadata record (valid, then altered by ``set``) + its flag, as a sender would."""
         s = senders.get(cmd["name"])
@@ -247,9 +271,8 @@ def main() -> None:
                           f["src_off"], f["src_region"])
         cell = torch.frombuffer(s._records, dtype=torch.uint8, count=len(rec), offset=slot * dyn.RECORD_BYTES)
         cell.copy_(torch.frombuffer(bytearray(rec), dtype=torch.uint8))
-        s.channel.memcpy(arena.region, s._records.offset + slot * dyn.RECORD_BYTES, s.remote,
-                         s.r_base + s.r_data + slot * s.r_stride, len(rec), rdmaflow.WRITE)
-        s._post_flag(k, slot).result(cmd.get("timeout", DEFAULT_TIMEOUT))
+        s._post(k, slot, s._records.offset + slot * dyn.RECORD_BYTES, s.r_base + s.r_data + slot * s.r_stride,
+                len(rec)).result(cmd.get("timeout", DEFAULT_TIMEOUT))
         s.seq = k
         return {"seq": k, "record": {k2: v for k2, v in f.items()}}
 
@@ -290,6 +313,8 @@ def main() -> None:
                 reply(ok=True, **receive(cmd))
             elif op == "send":
                 reply(ok=True, **send(cmd))
+            elif op == "race":
+                reply(ok=True, **race(cmd))
             elif op == "forge":
                 reply(ok=True, **forge(cmd))
             elif op == "publish_raw":

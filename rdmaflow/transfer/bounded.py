@@ -8,8 +8,8 @@ no handshake and no READ. Each slot starts with a size record, then the data:
     slot i:  [size record, SIZE_RECORD_BYTES] [data: up to prod(max_shape) elements]
     size record (little endian): seq u64 | rank u32 | zero u32 | dims 8 x i64
 
-The sender WRITEs the data (the tensor's actual bytes, at the start of the data area), then the
-size record, a fence, then the slot's flag: the receiver reads the record only after the flag,
+The sender WRITEs the size record, then the data (the tensor's actual bytes, at the start of the
+data area), a fence, then the slot's flag (the channel's path, also on one host): the receiver reads the record only after the flag,
 so it sees this transfer's shape, checks it against the maxima and returns a view of the slot's
 first ``prod(shape)`` elements (no copy). Credits and acks are the static transfer's.
 """
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from rdmaflow import WRITE, InvalidArgumentError, RdmaflowError
-from rdmaflow.transfer.common import KIND_BOUNDED
+from rdmaflow.transfer.common import KIND_BOUNDED, check_tensor
 from rdmaflow.transfer.dtypes import describe
 from rdmaflow.transfer.static import StaticReceiver, StaticSender
 
@@ -72,10 +72,15 @@ class BoundedSender(StaticSender):
                  dtype: torch.dtype | None = None, mode: str = "auto", qp_idx: int = 0,
                  timeout: float | None = 60.0):
         super().__init__(device, remote_endpoint, name, max_shape, dtype, mode, qp_idx, timeout)
+        # The same-host direct window copies a fixed size and stores the flag in one call; a
+        # bounded transfer also writes its size record, so it always takes the channel's path.
+        self._direct = None
         self._sizes = self.arena.allocate(SIZE_RECORD_BYTES * self.depth)
         self._size_cells = torch.frombuffer(self._sizes, dtype=torch.uint8, count=SIZE_RECORD_BYTES * self.depth)
 
-    def _check_shape(self, tensor: torch.Tensor) -> None:
+    def _refuse(self, tensor) -> None:
+        """Raises InvalidArgumentError naming why ``tensor`` cannot be sent; returns if it can."""
+        check_tensor(tensor)
         if tensor.dtype != self.dtype or not _within(tuple(tensor.shape), self.shape):
             raise InvalidArgumentError(
                 f"tensor {describe(tuple(tensor.shape), tensor.dtype)} exceeds the bound of receiver "

@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-from rdmaflow import READ, WRITE, Future, InvalidArgumentError
+from rdmaflow import READ, Future, InvalidArgumentError
 from rdmaflow.deadline import Deadline
 from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor
 from rdmaflow.transfer.dtypes import CODE_DTYPE, dtype_code
@@ -144,9 +144,8 @@ class DynamicSender(Sender):
         cell = torch.frombuffer(self._records, dtype=torch.uint8, count=RECORD_BYTES * self.depth)
         cell[slot * RECORD_BYTES : slot * RECORD_BYTES + RECORD.size] = torch.frombuffer(bytearray(rec),
                                                                                          dtype=torch.uint8)
-        self.channel.memcpy(self.arena.region, self._records.offset + slot * RECORD_BYTES, self.remote,
-                            self.r_base + self.r_data + slot * self.r_stride, RECORD.size, WRITE)
-        f = self._post_flag(k, slot)
+        f = self._post(k, slot, self._records.offset + slot * RECORD_BYTES,
+                       self.r_base + self.r_data + slot * self.r_stride, RECORD.size)
         self._pending[slot] = (f, None)
         self._held[k] = src
         self.seq = k

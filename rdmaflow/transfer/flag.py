@@ -24,6 +24,9 @@ ANY_YIELDS = 50
 MIN_NAP = 10e-6
 MAX_NAP = 1e-3
 
+# How receive_slot and DirectWindow.send_slot end (the core's WaitStatus).
+OK, TIMED_OUT, PEER_FAILED, RECEIVER_CLOSED, OTHER_SENDER, MISMATCH = range(6)
+
 # A peer to watch while waiting: a channel, or a callable giving one (None while there is none).
 Peer = Channel | Callable[[], Channel | None] | None
 

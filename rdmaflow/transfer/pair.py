@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion
+from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError, receive_slot
 from rdmaflow.deadline import Deadline
 from rdmaflow.transfer.common import (
     CTL_BYTES,
@@ -30,7 +30,15 @@ from rdmaflow.transfer.common import (
     pack_header,
     unpack_header,
 )
-from rdmaflow.transfer.flag import Word, wait_flag
+from rdmaflow.transfer.flag import (
+    MISMATCH,
+    OK,
+    OTHER_SENDER,
+    PEER_FAILED,
+    WAIT_SLICE,
+    Word,
+    wait_flag,
+)
 
 ACK_CELLS = 16
 CLOSED = 1 << 62  # ack value a closing receiver leaves for its sender
@@ -65,15 +73,17 @@ class Receiver(Endpoint):
         raw[: self.data_off].zero_()
         self._raw = raw
         self.flags = [Word.at(raw, FLAG_STRIDE * i) for i in range(depth)]
+        self._flag_addrs = [w.address for w in self.flags]
         self.ctl_ready = Word.at(raw, self.ctl_off)
+        self._ctl_addr = self.ctl_ready.address
         # Registered sources for ack WRITEs; a cell is reused only after its WRITE completed.
         self._ack_block = self.arena.allocate(8 * ACK_CELLS)
-        self._ack_cells = torch.frombuffer(self._ack_block, dtype=torch.int64, count=ACK_CELLS)
         self._ack_futures: list = [None] * ACK_CELLS
         self._ack_next = 0
         self.seq = 0      # transfers delivered to the user
         self.acked = 0    # transfers acknowledged to the sender
         self._sender = None  # (channel, sender arena RemoteRegion, ack offset)
+        self._ack_window = None  # the sender's arena written directly (same host), or None
         header = dict(meta, kind=self.kind, depth=depth, base=self.base, ctl=self.ctl_off,
                       data=self.data_off, stride=self.slot_stride)
         device.publish(name, pack_header(header, self.arena.region.descriptor()))
@@ -90,6 +100,7 @@ class Receiver(Endpoint):
         if ack_off < 0 or ack_off + 8 > remote.nbytes:
             raise InvalidArgumentError(f"sender introduction names an ack word outside its arena ({ack_off})")
         channel = self.device.channel(endpoint)
+        self._ack_window = channel.direct_window(remote)
         self._sender = (channel, remote, ack_off)
         return self._sender
 
@@ -99,16 +110,19 @@ class Receiver(Endpoint):
 
     def _ack(self, k: int, deadline: Deadline) -> None:
         channel, remote, ack_off = self._connect_sender(deadline)
+        if self._ack_window is not None:  # same host: a release store, in order by construction
+            self._ack_window.store_word(ack_off, k)
+            self.acked = k
+            return
         i = self._ack_next
         self._ack_next = (i + 1) % ACK_CELLS
         prev = self._ack_futures[i]
         if prev is not None:
             prev.result(deadline.left())
-        self._ack_cells[i] = k
         off = self._ack_block.offset + 8 * i
-        # Acks must land in order: a late smaller one would take credits back for good.
-        channel.fence()
-        self._ack_futures[i] = channel.memcpy(self.arena.region, off, remote, ack_off, 8, WRITE)
+        # Acks must land in order (a late smaller one would take credits back for good):
+        # write_flagged fences before the word.
+        self._ack_futures[i] = channel.write_flagged(self.arena.region, off, remote, ack_off, 0, off, k, ack_off)
         self.acked = k
 
     def release(self) -> None:
@@ -127,7 +141,48 @@ class Receiver(Endpoint):
             )
         return self.sender_channel
 
+    def _await(self, k: int, timeout: float | Deadline | None, ack: int = 0) -> int:
+        """Waits for transfer ``k`` from the connected sender, first handing back transfer
+        ``ack`` (0: none) when that is owed; one call into the core per WAIT_SLICE. Returns
+        the slot."""
+        channel, _, ack_off = self._sender
+        window = self._ack_window if ack else None
+        if ack and window is None:
+            self._ack(ack, timeout if isinstance(timeout, Deadline) else Deadline(timeout))
+        slot = (k - 1) % self.depth
+        if isinstance(timeout, Deadline):
+            deadline, first = timeout, timeout.slice(WAIT_SLICE)
+        else:
+            first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
+            deadline = None
+        code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel, first, window,
+                            ack_off, ack)
+        if window is not None:
+            self.acked = ack
+        if code == OK:
+            return slot
+        if deadline is None:
+            deadline = Deadline(None if timeout is None else timeout - first)
+        while True:
+            if code == PEER_FAILED:
+                raise PeerError(f"waiting for transfer {k} on '{self.name}': peer {channel.remote_endpoint} failed")
+            if code == OTHER_SENDER or self.ctl_ready.get() != self._generation:
+                raise RdmaflowError(
+                    f"a second sender introduced itself to '{self.name}': a receiver pairs with one sender"
+                )
+            if code == MISMATCH:
+                v = self.flags[slot].get()
+                raise RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
+            if deadline.passed():
+                raise TimeoutError(f"timed out waiting for transfer {k} on '{self.name}'")
+            code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel,
+                                deadline.slice(WAIT_SLICE))
+            if code == OK:
+                return slot
+
     def _wait_flag(self, k: int, deadline: Deadline) -> int:
+        if self._sender is not None:
+            return self._await(k, deadline)
         slot = (k - 1) % self.depth
         wait_flag(self.flags[slot], k, deadline, f"waiting for transfer {k} on '{self.name}'",
                   peer=self._sender_if_known)
@@ -217,10 +272,13 @@ class Sender(Endpoint):
         raw.zero_()
         self._raw = raw
         self.ack = Word.at(raw, 0)
-        self._flag_src = [Word.at(raw, self._flags_off + FLAG_STRIDE * i) for i in range(self.depth)]
         self.seq = 0
         self._pending: list = [None] * self.depth  # per slot: (future, what must stay alive)
         self._introduce(deadline)
+        # Same host: the receiver's region written by this thread (DirectWindow), no progress
+        # thread; sends on it are complete when they return, so they all share one done future.
+        self._direct = self.channel.direct_window(self.remote)
+        self._done = self.channel.memcpy(self.arena.region, 0, self.remote, 0, 0, WRITE)
 
     def _validate(self, meta: dict) -> None:
         """Checks the subclass's fields of the receiver's header; raises InvalidArgumentError."""
@@ -265,14 +323,13 @@ class Sender(Endpoint):
             )
         return off
 
-    def _post_flag(self, k: int, slot: int):
-        """fence, then WRITE k into the receiver's flag of ``slot``: the flag never lands before the payload."""
-        self._flag_src[slot].set(k)
-        self.channel.fence()
-        return self.channel.memcpy(
-            self.arena.region, self._off(self._flags_off + FLAG_STRIDE * slot),
-            self.remote, self.r_base + FLAG_STRIDE * slot, 8, WRITE,
-        )
+    def _post(self, k: int, slot: int, local_off: int = 0, data_off: int = 0, nbytes: int = 0):
+        """One command: WRITE ``nbytes`` from the arena at ``local_off`` to the receiver's region
+        at ``data_off``, fence, WRITE k into the flag of ``slot``: the flag never lands before
+        the payload."""
+        return self.channel.write_flagged(self.arena.region, local_off, self.remote, data_off, nbytes,
+                                          self._off(self._flags_off + FLAG_STRIDE * slot), k,
+                                          self.r_base + FLAG_STRIDE * slot)
 
     def consumed(self) -> int:
         """How many transfers the receiver has acknowledged."""

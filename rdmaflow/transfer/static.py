@@ -17,11 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-from rdmaflow import WRITE, Future, InvalidArgumentError
+from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
 from rdmaflow.deadline import Deadline
-from rdmaflow.transfer.common import KIND_STATIC, check_tensor
+from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
-from rdmaflow.transfer.pair import Receiver, Sender
+from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE
+from rdmaflow.transfer.pair import CLOSED, Receiver, Sender
 
 MODES = ("auto", "zerocopy", "copy")
 
@@ -64,12 +65,13 @@ class StaticReceiver(Receiver):
 
     def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
         """Waits for the next transfer and returns the tensor it landed in (no copy)."""
-        timeout = self.timeout if timeout == -1.0 else timeout
-        deadline = Deadline(timeout)
-        if self.acked < self.seq:
-            self._ack(self.seq, deadline)  # the previous tensor is consumed by now
+        if timeout == -1.0:
+            timeout = self.timeout
         k = self.seq + 1
-        slot = self._wait_flag(k, deadline)
+        if self._sender is None:  # the first transfer: its sender introduces itself
+            slot = self._wait_flag(k, Deadline(timeout))
+        else:  # the previous tensor is consumed by now: its ack, then the wait, in one call
+            slot = self._await(k, timeout, self.seq if self.acked < self.seq else 0)
         self.seq = k
         return self._landed(slot, k)
 
@@ -98,6 +100,11 @@ class StaticSender(Sender):
         self._declared = (None if shape is None else _shape(shape), dtype)
         super().__init__(device, remote_endpoint, name, qp_idx, timeout)
         self._staging: list = [None] * self.depth
+        # Where each slot's data and flag are in the receiver's region, and this sender's ack word.
+        self._slot_at = [self.r_base + self.r_data + i * self.r_stride for i in range(self.depth)]
+        self._flag_at = [self.r_base + FLAG_STRIDE * i for i in range(self.depth)]
+        self._ack_addr = self.ack.address
+        self._arena_lo, self._arena_hi = self.arena.base, self.arena.base + self.arena.nbytes
 
     def _validate(self, meta: dict) -> None:
         shape, code, nbytes = meta.get("shape"), meta.get("dtype"), meta.get("nbytes")
@@ -129,23 +136,27 @@ class StaticSender(Sender):
         """Writes ``tensor`` into the receiver's next slot, then its flag.
 
         Returns a future that completes when both are visible at the receiver. With zero copy
-        the tensor is read in place: do not modify it before the future completes.
+        the tensor is read in place: do not modify it before the future completes. On one
+        host (the same-host path) the copy is made before ``send`` returns, and so is the future.
         """
-        timeout = self.timeout if timeout == -1.0 else timeout
-        check_tensor(tensor)
-        self._check_shape(tensor)
+        if timeout == -1.0:
+            timeout = self.timeout
+        if not (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
+                and tensor.is_cpu and tensor.is_contiguous()):
+            self._refuse(tensor)
         with self._send_lock:
+            if self._direct is not None:
+                return self._send_direct(tensor, timeout)
             return self._send(tensor, timeout)
 
-    def _check_shape(self, tensor: torch.Tensor) -> None:
+    def _refuse(self, tensor) -> None:
+        """Raises InvalidArgumentError naming why ``tensor`` cannot be sent (returns if it can)."""
+        check_tensor(tensor)
         if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
             raise InvalidArgumentError(
                 f"tensor {describe(tuple(tensor.shape), tensor.dtype)} does not match receiver "
                 f"'{self.name}' ({describe(self.shape, self.dtype)})"
             )
-
-    def _write_size(self, slot: int, k: int, tensor: torch.Tensor) -> None:
-        """Bounded transfers write the tensor's actual shape here; a static one has none to write."""
 
     def _send(self, tensor: torch.Tensor, timeout: float | None) -> Future:
         deadline = Deadline(timeout)
@@ -154,21 +165,61 @@ class StaticSender(Sender):
         prev = self._pending[slot]
         if prev is not None:
             prev[0].result(deadline.left())  # its source buffer may be reused now
-        keep = tensor
+        keep, off = tensor, 0
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
             off = self._arena_offset(tensor)
             if off is None:
-                if self._staging[slot] is None:  # at the maxima for a bounded transfer
-                    self._staging[slot] = self.arena.empty(self.shape, self.dtype)
-                keep = self._staging[slot].view(-1)[: tensor.numel()].view(tensor.shape)
-                keep.copy_(tensor)
+                keep = self._stage(tensor, slot)
                 off = self.arena.offset_of(keep)
-            self.channel.memcpy(self.arena.region, off, self.remote,
-                                self.r_base + self.r_data + slot * self.r_stride + self.header_bytes, nbytes,
-                                WRITE)
-        self._write_size(slot, k, tensor)
-        f = self._post_flag(k, slot)
+        self._write_size(slot, k, tensor)  # fenced behind, like the data, by the flag's post
+        f = self._post(k, slot, off, self.r_base + self.r_data + slot * self.r_stride + self.header_bytes, nbytes)
         self._pending[slot] = (f, keep)
         self.seq = k
         return f
+
+    def _stage(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
+        """``tensor`` copied into registered staging memory of ``slot``."""
+        if self._staging[slot] is None:  # at the maxima for a bounded transfer
+            self._staging[slot] = self.arena.empty(self.shape, self.dtype)
+        staging = self._staging[slot].view(-1)[: tensor.numel()].view(tensor.shape)
+        staging.copy_(tensor)
+        return staging
+
+    def _write_size(self, slot: int, k: int, tensor: torch.Tensor) -> None:
+        """Bounded transfers write the tensor's actual shape here; a static one has none to write."""
+
+    def _send_direct(self, tensor: torch.Tensor, timeout: float | None) -> Future:
+        """Same host: the credit, the copy into the slot and the flag's release store, all on
+        this thread in one call into the core. The copy is the transfer itself: a tensor
+        outside the arena needs no staging (mode "copy" stages anyway: the paper's RDMA.cp)."""
+        k = self.seq + 1
+        source = tensor.data_ptr()
+        if self.mode != "auto" and self.nbytes:
+            if self.mode == "copy":
+                source = self._stage(tensor, 0).data_ptr()
+            elif not self._arena_lo <= source <= self._arena_hi - self.nbytes:
+                self._arena_offset(tensor)  # refuses a tensor outside the arena, as on every path
+        slot = (k - 1) % self.depth
+        first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
+        code = self._direct.send_slot(self._ack_addr, k - self.depth, CLOSED, self._slot_at[slot], source,
+                                      self.nbytes, self._flag_at[slot], k, first)
+        if code != OK:
+            self._send_direct_waiting(code, k, slot, source, Deadline(None if timeout is None else timeout - first))
+        self.seq = k
+        return self._done
+
+    def _send_direct_waiting(self, code: int, k: int, slot: int, source: int, deadline: Deadline) -> None:
+        """The rest of a direct send whose first call found no credit: one call per WAIT_SLICE."""
+        need = k - self.depth
+        what = (f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
+                f"(a sender never overwrites a slot its receiver has not consumed)")
+        while code != OK:
+            if code == RECEIVER_CLOSED:
+                raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
+            if code == PEER_FAILED:
+                raise PeerError(f"{what}: peer {self.remote_endpoint} failed")
+            if deadline.passed():
+                raise TimeoutError(f"timed out {what}")
+            code = self._direct.send_slot(self._ack_addr, need, CLOSED, self._slot_at[slot], source, self.nbytes,
+                                          self._flag_at[slot], k, deadline.slice(WAIT_SLICE))

@@ -1,0 +1,91 @@
+// The direct path of transfer pairs: a same-host peer's shared region written by the caller's
+// own thread (DirectWindow), and a receiver's whole recv as one call (receive_slot). Nothing
+// here goes through a progress thread: on one host a transfer is a copy into the mapped slot
+// and a release store of its flag, which the receiver's acquire load pairs with.
+#include <cstring>
+
+#include "internal.hpp"
+
+namespace rdmaflow {
+
+std::shared_ptr<DirectWindow> Channel::direct_window(const std::shared_ptr<RemoteRegion>& remote) {
+  auto dev = open_device();
+  if (!remote) throw Error(ErrorKind::Invalid, "remote region is None");
+  dev->verify_remote(*remote);
+  if (remote->owner_uuid != peer_->uuid)
+    throw Error(ErrorKind::Invalid, "remote region is owned by the device at " +
+                                        remote->owner_endpoint +
+                                        ", but this channel connects to " + peer_->endpoint);
+  if (failed_.load()) throw Error(ErrorKind::Peer, error());
+  dev->ensure_validated(peer_, *remote);
+  auto m = dev->map_remote(*remote);
+  if (!m) return nullptr;
+  auto w = std::make_shared<DirectWindow>();
+  w->dev_ = dev;
+  w->ch_ = shared_from_this();
+  w->remote_ = remote;
+  w->map_ = std::move(m);
+  return w;
+}
+
+size_t DirectWindow::length() const { return remote_->length; }
+
+void DirectWindow::check(size_t off, size_t n) const {
+  if (off > remote_->length || n > remote_->length - off)
+    throw Error(ErrorKind::OutOfBounds,
+                "remote range [" + std::to_string(off) + ", " + std::to_string(off + n) +
+                    ") is outside the remote region of " + std::to_string(remote_->length) +
+                    " bytes");
+  auto dev = dev_.lock();
+  if (!dev || dev->closed()) throw Error(ErrorKind::Closed, "device is closed");
+  if (ch_->failed()) throw Error(ErrorKind::Peer, ch_->error());
+  if (dev->revoked(remote_->owner_uuid, remote_->region_id))
+    throw Error(ErrorKind::Region, "remote region " + std::to_string(remote_->region_id) +
+                                       " was freed by its owner at " + remote_->owner_endpoint);
+}
+
+void DirectWindow::write(size_t off, const void* src, size_t n) {
+  check(off, n);
+  if (n == 0) return;
+  auto dev = dev_.lock();
+  // copy_mapped fences non-temporal stores, so a later release store orders after them.
+  dev->copy_mapped(static_cast<char*>(map_->base) + off, src, n);
+  dev->mapped_ops_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void DirectWindow::store_word(size_t off, uint64_t v) {
+  check(off, 8);
+  if (off & 7) throw Error(ErrorKind::Invalid, "a word's offset must be 8-byte aligned, got " + std::to_string(off));
+  __atomic_store_n(reinterpret_cast<uint64_t*>(static_cast<char*>(map_->base) + off), v,
+                   __ATOMIC_RELEASE);
+}
+
+WaitStatus DirectWindow::send_slot(uintptr_t ack_addr, int64_t need, uint64_t closed_value,
+                                   size_t data_off, const void* src, size_t n, size_t flag_off,
+                                   uint64_t k, double timeout_s) {
+  auto* ack = reinterpret_cast<const uint64_t*>(ack_addr);
+  if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return WaitStatus::Closed;
+  if (need > 0) {
+    WaitStatus st = wait_word(ack_addr, uint64_t(need), timeout_s, ch_.get());
+    if (st != WaitStatus::Ok) return st;
+    if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return WaitStatus::Closed;
+  }
+  write(data_off, src, n);
+  store_word(flag_off, k);
+  return WaitStatus::Ok;
+}
+
+WaitStatus receive_slot(uintptr_t flag_addr, uint64_t k, uintptr_t ctl_addr, uint64_t generation,
+                        const Channel* peer, double timeout_s, DirectWindow* ack, size_t ack_off,
+                        uint64_t ack_value) {
+  if (ack) ack->store_word(ack_off, ack_value);
+  WaitStatus st = wait_word(flag_addr, k, timeout_s, peer);
+  if (st != WaitStatus::Ok) return st;
+  if (__atomic_load_n(reinterpret_cast<const uint64_t*>(ctl_addr), __ATOMIC_ACQUIRE) != generation)
+    return WaitStatus::OtherSender;
+  if (__atomic_load_n(reinterpret_cast<const uint64_t*>(flag_addr), __ATOMIC_ACQUIRE) != k)
+    return WaitStatus::Mismatch;
+  return WaitStatus::Ok;
+}
+
+}  // namespace rdmaflow

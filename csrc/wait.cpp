@@ -1,0 +1,76 @@
+// Polling waits on 8-byte words in memory a peer writes (flags, acks, counters): the one
+// policy for how a waiter spends the time between a word's arrival and its noticing it
+// (Xue et al. §3.2 and §4: receives poll; here bounded, then asleep).
+#include <algorithm>
+#include <thread>
+
+#include "internal.hpp"
+
+namespace rdmaflow {
+
+namespace {
+// The spin budget adapts per thread: a wait that ended while spinning sets it to four times
+// what that wait took (within the bounds); a wait that had to sleep halves it. A ping-pong
+// partner that answers in microseconds is seen in microseconds; an idle waiter stops burning
+// the core after kMinSpinNs. (A sleep, however short, costs the timer slack: tens of us.)
+constexpr int64_t kMinSpinNs = 20'000;
+constexpr int64_t kMaxSpinNs = 250'000;
+constexpr int kYields = 20;
+constexpr long kMaxSleepUs = 50;  // an idle wait wakes at most every 50 us
+thread_local int64_t spin_budget_ns = 50'000;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+inline int64_t ns_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+}  // namespace
+
+WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Channel* peer) {
+  auto* p = reinterpret_cast<const uint64_t*>(addr);
+  auto ready = [&] { return __atomic_load_n(p, __ATOMIC_ACQUIRE) >= value; };
+  if (ready()) return WaitStatus::Ok;
+  auto t0 = Clock::now();
+  const int64_t budget = std::min<int64_t>(spin_budget_ns, timeout_s < 0 ? kMaxSpinNs : int64_t(timeout_s * 1e9));
+  for (int i = 0;; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      if (ready()) {
+        int64_t took = ns_since(t0);
+        spin_budget_ns = std::clamp<int64_t>(4 * took, kMinSpinNs, kMaxSpinNs);
+        return WaitStatus::Ok;
+      }
+      cpu_relax();
+    }
+    if (ns_since(t0) >= budget) break;
+  }
+  spin_budget_ns = std::max<int64_t>(spin_budget_ns / 2, kMinSpinNs);
+  long sleep_us = 1;
+  int yields = 0;
+  while (!ready()) {
+    if (peer && peer->failed()) return ready() ? WaitStatus::Ok : WaitStatus::PeerFailed;
+    if (timeout_s >= 0 && seconds_since(t0) > timeout_s) return ready() ? WaitStatus::Ok : WaitStatus::Timeout;
+    // On a machine with few cores the writer (or the progress thread applying its puts) may
+    // need this core: yield first, then sleep with a short capped backoff, so a wait neither
+    // starves the writer nor oversleeps the word (docs/benchmarks.md has the figures).
+    if (yields < kYields) {
+      ++yields;
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      sleep_us = std::min<long>(sleep_us * 2, kMaxSleepUs);
+    }
+  }
+  return WaitStatus::Ok;
+}
+
+bool wait_u64_at_least(uintptr_t addr, uint64_t value, double timeout_s) {
+  return wait_word(addr, value, timeout_s, nullptr) == WaitStatus::Ok;
+}
+
+}  // namespace rdmaflow
