@@ -164,3 +164,28 @@ def test_uncapturable_model_names_the_op():
     msg = str(info.value)
     assert "torch.export cannot capture the model" in msg
     assert "item" in msg and "test_graph.py" in msg, msg
+
+
+class Heads(torch.nn.Module):
+    """Stage 1 reshapes by the sequence length, a size read off the model input in stage 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        n, s, _ = x.shape
+        h = self.a(x)
+        graph.pipe_split()
+        return self.b(h.view(n, s, 2, 4))
+
+
+def test_a_size_used_by_a_later_stage_is_read_there_and_inputs_keep_their_bounds():
+    pipe = graph.pipeline(Heads(), (torch.randn(2, 24, 8),), dynamic_shapes=({1: Dim("seq", min=16, max=512)},))
+    plan = pipe.plan(2)
+    assert [e.cls for e in plan.edges] == [graph.BOUNDED, graph.BOUNDED], plan.explain()  # no SymInt crosses
+    sizes = [n for n in pipe.stages[1].module.graph.nodes if n.target == torch.ops.aten.sym_size.int]
+    assert sizes and all(n.args[0].op == "placeholder" for n in sizes)
+    assert plan.input_ranges == [[[2, 2], [16, 512], [8, 8]]]
+    assert plan.to_json()["input_ranges"] == plan.input_ranges

@@ -10,6 +10,10 @@
   or dtype differs from the plan, a stage killed mid-step: every rank exits with a clear error,
   never a hang. (A model that cannot be captured: test_graph.py.)
 - A two-stage job across two network-namespace hosts.
+- Issue 15: a transformer whose sequence length changes every step trains like one process
+  over 2 and 3 stages, its boundary tensors on the bounded path; a length beyond the declared
+  bound fails every rank; a data-dependent shape (boolean mask) on the dynamic path trains and
+  infers like one process.
 
 The job script is tests/graph_jobs/train.py; ranks get torchrun's variables directly.
 """
@@ -68,12 +72,14 @@ def reference(cfg: dict) -> tuple[dict, list, list]:
     losses, outputs = [], []
     for t in range(cfg.get("steps", 3)):
         x, y = job.make_batch(cfg["model"], cfg.get("seed", 1), t, cfg.get("batch", 16))
+        # a model whose batch is not one computation: each microbatch, as the pipeline runs it
+        M = cfg.get("microbatches", 4) if cfg["model"] in job.PER_MICROBATCH else 1
         if cfg.get("inference"):
             with torch.no_grad():
-                outputs.append(model(x))
+                outputs.append(torch.cat([model(xm) for xm in x.tensor_split(M)]))
             continue
         opt.zero_grad()
-        loss = job.loss_fn(model(x), y)
+        loss = sum(job.loss_fn(model(xm), ym) for xm, ym in zip(x.tensor_split(M), y.tensor_split(M))) / M
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
@@ -221,6 +227,54 @@ def test_a_stage_killed_mid_step(tmp_path):
         j.wait_output("rank0", r"rank 0 step 0")
         assert_every_rank_fails(j, 3, {0: LIB_ERROR + r".*(failed|aborted)", 2: LIB_ERROR + r".*(failed|aborted)"})
         assert j.proc("rank1").popen.returncode == -9
+
+
+# -- shapes that change per batch (issue 15) ------------------------------------------------------
+
+def edge_rows(r: dict, cls: str) -> list[str]:
+    return [line for line in r["explain"].splitlines() if line[:1] in "fb" and f" {cls} " in line]
+
+
+@pytest.mark.parametrize("stages,schedule", [(2, "gpipe"), (3, "1f1b")])
+def test_variable_sequence_lengths_train_like_one_process(tmp_path, stages, schedule):
+    """A 3-block transformer, Dim("seq", min=16, max=512); every step has another length."""
+    steps = 4
+    assert len({job.seq_length(1, t) for t in range(steps)}) == steps
+    cfg = {"model": "transformer", "stages": stages, "schedule": schedule, "microbatches": 2, "batch": 4,
+           "steps": steps}
+    with Job(tmp_path, cfg) as j:
+        j.check_ok(start(j, stages).wait())
+        res = assert_matches_reference(j, stages)
+    for r in res:  # every boundary tensor, forward and backward, planned at the maxima
+        rows = edge_rows(r, "bounded")
+        assert len(rows) == 2 * (stages - 1), r["explain"]
+        assert all("max slot + size" in row for row in rows) and "<= 512" in r["explain"]
+        assert not edge_rows(r, "static") and not edge_rows(r, "dynamic"), r["explain"]
+    # each site's arena buffer holds the maxima: every steady-state send is zero-copy, whatever the length
+    assert assert_steady_zero_copy(res) == sum(st["steady_sends"] for r in res for st in r["stats"].values())
+
+
+def test_a_sequence_beyond_the_declared_bound_fails_every_rank(tmp_path):
+    cfg = {"model": "transformer", "stages": 3, "microbatches": 2, "batch": 4, "steps": 3,
+           "too_long": {"step": 1, "length": 600}}
+    with Job(tmp_path, cfg) as j:
+        start(j, 3)
+        what = (r"InvalidArgumentError: microbatch 0 of input 0 is float32\[2, 600, 8\]: dimension 1 \(\w+\) is "
+                r"600, outside its declared bound \[16, 512\]")
+        aborted = LIB_ERROR + r".*the job was aborted: stage 0 \(rank 0\): " + what
+        assert_every_rank_fails(j, 3, {0: what, 1: aborted, 2: aborted})
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_data_dependent_shape_goes_dynamic_end_to_end(tmp_path, inference):
+    """Stage 0 sends the rows a boolean mask keeps (how many depends on the data; here 2 to 6
+    of 8 per microbatch), and in training gets their gradient back: both on the dynamic path."""
+    cfg = {"model": "masked", "stages": 2, "microbatches": 2, "batch": 16, "steps": 3, "inference": inference}
+    with Job(tmp_path, cfg) as j:
+        j.check_ok(start(j, 2).wait())
+        res = assert_matches_reference(j, 2)
+    rows = edge_rows(res[0], "dynamic")
+    assert len(rows) == (1 if inference else 2) and all("dynamic (READ)" in row for row in rows), res[0]["explain"]
 
 
 NETNS = netns_unavailable_reason()

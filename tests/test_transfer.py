@@ -33,6 +33,7 @@ from transfer_peer import (
 import rdmaflow
 from rdmaflow.arena import ALIGNMENT
 from rdmaflow.transfer import Arena, DynamicReceiver, DynamicSender, StaticReceiver, StaticSender, wait_any
+from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
 
 KiB, MiB = 1 << 10, 1 << 20
 ArenaFullError = rdmaflow.ArenaFullError
@@ -390,6 +391,37 @@ def test_empty_tensors_static_and_dynamic(tpeer, dev):
     peer.post("send", name="ed_back", n=len(plan), seed=10, plan=plan, in_arena=True)
     recv_check(r, len(plan), lambda i: planned_tensor(10, i, plan))
     peer.answer()
+
+
+BOUNDED_PLAN = [[[6, 40], "float32"], [[1, 3], "float32"], [[6, 0], "float32"], [[2, 17], "float32"],
+                [[5, 40], "float32"]]
+
+
+def test_bounded_shapes_within_the_maxima_both_directions(tpeer, dev):
+    """Each transfer has its own shape, at most [6, 40], in a slot at the maxima with its size
+    record; the receiver gets a view of the slot of exactly that shape; beyond the maxima is refused."""
+    peer = tpeer()
+    n = 3 * len(BOUNDED_PLAN)
+    peer.call("bounded_receiver", name="bd", max_shape=[6, 40], dtype="float32", depth=2)
+    s = BoundedSender(dev, peer.endpoint, "bd", [6, 40], torch.float32)
+    peer.post("recv", name="bd", n=n, seed=4, plan=BOUNDED_PLAN)
+    for i in range(n):
+        x = planned_tensor(4, i, BOUNDED_PLAN)
+        if i % 2:  # zero-copy from the arena, else staged at the maxima
+            y = dev.empty(tuple(x.shape), x.dtype)
+            y.copy_(x)
+            x = y
+        s.send(x, timeout=30)
+    assert_all_verified(peer.answer(), n, "bounded")
+    for bad in [torch.zeros(7, 40), torch.zeros(6, 41), torch.zeros(6, 40, 1), torch.zeros(6, 40, dtype=torch.float64)]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=r"exceeds the bound of receiver 'bd'"):
+            s.send(bad, timeout=30)
+    r = BoundedReceiver(dev, "bd_back", [6, 40], torch.float32, depth=2)
+    peer.call("bounded_sender", remote=dev.endpoint, name="bd_back", max_shape=[6, 40], dtype="float32")
+    peer.post("send", name="bd_back", n=n, seed=5, plan=BOUNDED_PLAN)
+    recv_check(r, n, lambda i: planned_tensor(5, i, BOUNDED_PLAN))
+    r.release()
+    assert peer.answer()["sent"] == n
 
 
 def test_thousands_back_to_back(tpeer, dev):

@@ -14,6 +14,8 @@ Commands (``op``):
   dynamic_receiver name, depth                      a DynamicReceiver
   static_sender    remote, name, [shape, dtype, mode]   a StaticSender to ``remote``'s ``name``
   dynamic_sender   remote, name, [mode]
+  bounded_receiver name, max_shape, dtype, depth    a BoundedReceiver (recv/send with a ``plan``)
+  bounded_sender   remote, name, max_shape, dtype   a BoundedSender
   recv    name, n, seed, [start, sleep, sleep_before, plan, crash_after]
           receives n transfers and checks each against tensor i of the sequence; answers
           received / verified / first_mismatch (also in an error answer: how many came first)
@@ -127,6 +129,7 @@ def main() -> None:
     import rdmaflow
     from rdmaflow.transfer import DynamicReceiver, DynamicSender, StaticReceiver, StaticSender
     from rdmaflow.transfer import dynamic as dyn
+    from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
 
     dev = rdmaflow.Device(f"{os.environ.get('RDMAFLOW_TEST_HOST', '127.0.0.1')}:0")
     arena = dev.create_arena(int(os.environ.get("RDMAFLOW_TEST_ARENA", str(64 << 20))))
@@ -164,7 +167,7 @@ def main() -> None:
             state["received"] += 1
             if sleep:
                 time.sleep(sleep)  # a slow consumer: the sender must not overwrite t meanwhile
-            want = expected("static" if static else "dynamic", seed, i, getattr(r, "shape", None),
+            want = expected("static" if static and not cmd.get("plan") else "dynamic", seed, i, getattr(r, "shape", None),
                             getattr(r, "dtype", None), dtypes, cmd.get("plan"))
             bad = mismatch(t, want)
             if bad is None and static and cmd.get("check_slot", True):
@@ -190,7 +193,7 @@ def main() -> None:
         for i in range(start, start + n):
             if cmd.get("sleep_before"):
                 time.sleep(cmd["sleep_before"])  # the receiver waits with nothing to receive meanwhile
-            x = expected("static" if static else "dynamic", seed, i, getattr(s, "shape", None),
+            x = expected("static" if static and not cmd.get("plan") else "dynamic", seed, i, getattr(s, "shape", None),
                          getattr(s, "dtype", None), dtypes, cmd.get("plan"))
             if in_arena:
                 y = dev.empty(tuple(x.shape), x.dtype)
@@ -296,6 +299,15 @@ def main() -> None:
             elif op == "dynamic_sender":
                 senders[cmd["name"]] = DynamicSender(dev, cmd["remote"], cmd["name"],
                                                      mode=cmd.get("mode", "auto"), timeout=timeout)
+                reply(ok=True)
+            elif op == "bounded_receiver":
+                receivers[cmd["name"]] = BoundedReceiver(dev, cmd["name"], tuple(cmd["max_shape"]),
+                                                         DTYPES[cmd["dtype"]], depth=cmd.get("depth", 1),
+                                                         timeout=timeout)
+                reply(ok=True)
+            elif op == "bounded_sender":
+                senders[cmd["name"]] = BoundedSender(dev, cmd["remote"], cmd["name"], tuple(cmd["max_shape"]),
+                                                     DTYPES[cmd["dtype"]], timeout=timeout)
                 reply(ok=True)
             elif op == "recv":
                 reply(ok=True, **receive(cmd))

@@ -6,8 +6,8 @@ For every tensor that crosses stages (forward, and in training the gradient comi
   input ``Dim`` with a declared maximum) or ``dynamic`` (data-dependent: an unbacked symbol,
   e.g. the length of ``nonzero``'s result; or a ``Dim`` with no maximum);
 - mechanism: static placement (a preallocated slot per microbatch in flight), static placement
-  at the maximum with the actual size beside the flag, or dynamic allocation (a metadata slot;
-  the receiver READs the data);
+  at the maxima with the actual shape in a size record before the flag (transfer/bounded.py),
+  or dynamic allocation (a metadata slot; the receiver READs the data);
 - whether its send is zero-copy, and why or why not;
 - each rank's arena: receive slots x microbatches in flight + metadata slots + flags and
   control blocks + the send-side tensors born in it.
@@ -31,7 +31,7 @@ from torch.utils._sympy.numbers import int_oo
 from rdmaflow.graph.capture import CaptureError, Ref, StageGraph
 from rdmaflow.graph.placement import aliases_input, decomposes, op_name, out_variant
 from rdmaflow.graph.report import explain_table
-from rdmaflow.transfer import CTL_BYTES, FLAG_STRIDE
+from rdmaflow.transfer import CTL_BYTES, FLAG_STRIDE, SIZE_RECORD_BYTES
 
 STATIC, BOUNDED, DYNAMIC = "static", "bounded", "dynamic"
 ACTIVATION, GRADIENT, TOKEN = "activation", "gradient", "token"
@@ -115,6 +115,23 @@ def classify(val) -> tuple[str, list, list | None, str]:
     return cls, shape, (None if cls == DYNAMIC else maxima), text
 
 
+def _shape_list(val) -> list:
+    return [d if isinstance(d, int) else str(d) for d in val.shape]
+
+
+def dim_ranges(val) -> list[list]:
+    """[min, max] of each dimension of a FakeTensor (max None: no declared maximum)."""
+    out = []
+    for d in val.shape:
+        if isinstance(d, int):
+            out.append([d, d])
+            continue
+        r = d.node.shape_env.bound_sympy(d.node.expr)
+        lo = int(r.lower) if r.lower not in (-int_oo, -sympy.oo) and r.lower.is_finite else 0
+        out.append([max(lo, 0), None if r.upper in (int_oo, sympy.oo) else int(r.upper)])
+    return out
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -123,20 +140,28 @@ def _numel(shape) -> int:
 
 
 def _example_numel(val) -> int:
+    """Elements of the example; a data-dependent dimension counts at its bound where the graph
+    asserts one (e.g. a mask's rows: at most the rows masked), else as 1."""
     n = 1
-    for d in val.shape:
-        n *= int(d.node.hint) if isinstance(d, torch.SymInt) and d.node.hint is not None else (
-            int(d) if isinstance(d, int) else 1)
+    for d, (_, hi) in zip(val.shape, dim_ranges(val)):
+        if isinstance(d, int):
+            n *= d
+        elif d.node.hint is not None:
+            n *= int(d.node.hint)
+        else:
+            n *= hi if hi is not None else 1
     return n
 
 
 MECHANISM = {STATIC: "static slot", BOUNDED: "max slot + size", DYNAMIC: "dynamic (READ)"}
 TOKEN_MECHANISM = "flag only"
+DYNAMIC_COPY = ("its size is known only once the op has run (a dynamic shape), so no buffer can be placed "
+                "for it ahead: one copy into registered memory")
 GRADIENT_SITE = "the op that produces the input's gradient (traced in the first backward) writes into the arena"
 MECHANISM_LEGEND = {
     "static slot": "static placement: WRITE into a slot preallocated per microbatch in flight, fence, flag",
-    "max slot + size": "static placement at the maximum, the actual size written beside the flag "
-                       "(carried by dynamic allocation until issue 15)",
+    "max slot + size": "static placement at the maxima: WRITE the tensor into a slot preallocated at the "
+                       "maxima, WRITE its shape into the slot's size record, fence, flag",
     "dynamic (READ)": "dynamic allocation: a preallocated metadata slot + flag; the receiver allocates "
                       "and READs the data",
     "flag only": "no data: the flag tells the producer the consumer's backward is done with the slot",
@@ -224,7 +249,8 @@ class Plan:
         self.training = training
         self.zero_copy = zero_copy
         self.schedule = schedule
-        self.inputs = [(list(n.meta["val"].shape), _dtype_name(n.meta["val"].dtype)) for n in inputs]
+        self.inputs = [(_shape_list(n.meta["val"]), _dtype_name(n.meta["val"].dtype)) for n in inputs]
+        self.input_ranges = [dim_ranges(n.meta["val"]) for n in inputs]
         self.input_vals = [n.meta["val"] for n in inputs]
         self.edges: list[Edge] = []
         self._stage_summary = [self._summarize(st) for st in stages]
@@ -271,6 +297,8 @@ class Plan:
         input_refs = {} if st is None else {
             p.name: r for p, r in zip([p for p in st.module.graph.nodes if p.op == "placeholder"], st.args)}
         zc, why = _forward_zero_copy(st, ref, input_refs, self.zero_copy)
+        if cls == DYNAMIC and zc and "received" not in why:
+            zc, why = False, DYNAMIC_COPY
         self.edges.append(self._edge(
             len(self.edges), "forward", ACTIVATION, producer, consumer, _value_key(ref), producer_op, use,
             val, cls, shape, maxima, why_cls, zc, why, requires_grad=_value_key(ref) in carries))
@@ -278,7 +306,9 @@ class Plan:
     def _add_backward(self, f: Edge) -> None:
         if f.requires_grad:
             payload, use = GRADIENT, f"backward of {f.producer_op}"
-            if self.zero_copy:
+            if f.cls == DYNAMIC:
+                zc, why = False, DYNAMIC_COPY
+            elif self.zero_copy:
                 zc, why = True, GRADIENT_SITE
             else:
                 zc, why = False, "allocation-site placement is switched off (copy mode)"
@@ -309,14 +339,15 @@ class Plan:
             data = e.nbytes if e.cls != DYNAMIC else e.nbytes * UNBOUNDED_FACTOR
             if e.consumer == stage:
                 m.control += align(FLAG_STRIDE * d + CTL_BYTES, ALLOC_ALIGN) + align(ACK_BYTES, ALLOC_ALIGN)
-                if e.cls == STATIC:
-                    m.receive_slots += align(max(e.nbytes, 1), 64) * d
-                else:
+                if e.cls == DYNAMIC:
                     m.metadata_slots += RECORD_BYTES * d
                     m.receive_slots += align(data, ALLOC_ALIGN) * d  # tensors the receiver allocates
+                else:  # a bounded slot: its size record, then the data at the maxima
+                    size_record = SIZE_RECORD_BYTES if e.cls == BOUNDED else 0
+                    m.receive_slots += align(max(size_record + e.nbytes, 1), 64) * d
             if e.producer == stage:
                 m.control += align(64 + FLAG_STRIDE * d + 64 + CTL_BYTES, ALLOC_ALIGN)
-                if e.cls != STATIC:
+                if e.cls != STATIC:  # the records the sender writes from: metadata or sizes
                     m.metadata_slots += align(RECORD_BYTES * d, ALLOC_ALIGN)
                 # born in the arena (every microbatch in flight) + staging for copies
                 staging = d if not e.zero_copy else 1
@@ -335,6 +366,7 @@ class Plan:
         return {
             "stages": self._stage_summary,
             "inputs": self.inputs,
+            "input_ranges": self.input_ranges,
             "n_microbatches": self.n_microbatches,
             "training": self.training,
             "zero_copy": self.zero_copy,

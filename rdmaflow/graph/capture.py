@@ -165,6 +165,7 @@ def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target == PIPE_SPLIT:
             graph.erase_node(n)
+    _local_sizes(graph, part)
     gm.recompile()
     for s in range(num_stages):
         if not any(p == s and n.op == "call_function" for n, p in part.items()):
@@ -173,6 +174,47 @@ def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     top = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
     return _read_top_graph(gm, top, inputs, num_stages)
+
+
+def _local_sizes(graph: torch.fx.Graph, part: dict) -> None:
+    """A symbolic size (``sym_size``, e.g. a sequence length read off an input) used by a later
+    stage is read there again off a tensor that stage has (one it computes or receives), so
+    that only tensors cross stages: the tensors carry their sizes."""
+    for n in list(graph.nodes):
+        val = n.meta.get("val")
+        if not isinstance(val, torch.SymInt):
+            continue
+        for user in [u for u in n.users if u.op != "output" and part[u] != part[n]]:
+            found = _tensor_with_size(graph, part, user, val.node.expr)
+            if found is None:
+                raise CaptureError(
+                    f"stage {part[user]} uses the size {val} ({n.name}) computed in stage {part[n]}, and no tensor "
+                    f"that stage computes or receives has a dimension of that size: only tensors cross stages")
+            tensor, dim = found
+            with graph.inserting_before(user):
+                size = graph.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
+            size.meta["val"] = tensor.meta["val"].shape[dim]
+            part[size] = part[user]
+            user.replace_input_with(n, size)
+
+
+def _tensor_with_size(graph: torch.fx.Graph, part: dict, user: torch.fx.Node, expr) -> tuple | None:
+    """(tensor, dim): a tensor available to ``user``'s stage before ``user`` (computed there, or
+    already crossing into it) with a dimension equal to ``expr``."""
+    stage = part[user]
+    for n in graph.nodes:
+        if n is user:
+            break
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        here = part[n] == stage or (part[n] < stage and any(part[u] == stage for u in n.users))
+        if not here:
+            continue
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                return n, d
+    return None
 
 
 def _read_top_graph(gm, top, inputs, num_stages):

@@ -84,6 +84,7 @@ class Site:
     alloc: Alloc
     out_op: object
     out_args: list[str]
+    max_nbytes: int | None = None   # a bounded output: its arena buffer holds the maxima
 
 
 @dataclass
@@ -120,9 +121,11 @@ class Placement(TorchDispatchMode):
             self._trace = None
             trace.recorded = True
 
-    def learn(self, phase: str, tensor: torch.Tensor) -> str | None:
+    def learn(self, phase: str, tensor: torch.Tensor, max_nbytes: int | None = None) -> str | None:
         """After the first call of ``phase``: makes the op that allocated ``tensor``'s storage a
-        site. Returns None when it will be placed (or already lives in the arena), else why not."""
+        site. Returns None when it will be placed (or already lives in the arena), else why not.
+        ``max_nbytes``: the tensor's shape changes per call up to that many bytes (a bounded edge);
+        the site's arena buffer is sized for it and the op sizes its output within it."""
         if not self.enabled:
             return "allocation-site placement is switched off (copy mode)"
         if self.arena.offset_of(tensor) is not None:
@@ -138,7 +141,7 @@ class Placement(TorchDispatchMode):
         out = out_variant(hit.func)
         if out is None:
             return f"{op_name(hit.func)} has no out= overload to place its output"
-        trace.sites[hit.index] = Site(hit, out[0], out[1])
+        trace.sites[hit.index] = Site(hit, out[0], out[1], max_nbytes)
         return None
 
     # -- the mode -------------------------------------------------------------------------------
@@ -173,16 +176,25 @@ class Placement(TorchDispatchMode):
 
     def _placed(self, site: Site, args, kwargs):
         a = site.alloc
+        bounded = site.max_nbytes is not None
         try:
-            placed = self.arena.empty(a.shapes[a.k], a.dtypes[a.k])
+            if bounded:  # an empty view of a buffer at the maxima: the op sizes it, in place
+                placed = self.arena.empty(site.max_nbytes // a.dtypes[a.k].itemsize, a.dtypes[a.k])[:0]
+            else:
+                placed = self.arena.empty(a.shapes[a.k], a.dtypes[a.k])
         except rdmaflow.ArenaFullError:
             self.misses += 1
             return None
-        bufs = [placed if i == a.k else torch.empty(shape, dtype=dtype)
+        bufs = [placed if i == a.k else torch.empty(0 if bounded else shape, dtype=dtype)
                 for i, (shape, dtype) in enumerate(zip(a.shapes, a.dtypes))]
-        out = site.out_op(*args, **kwargs, **dict(zip(site.out_args, bufs)))
+        try:
+            out = site.out_op(*args, **kwargs, **dict(zip(site.out_args, bufs)))
+        except RuntimeError:  # the output outgrew the buffer (arena memory cannot be resized)
+            self.misses += 1
+            return None
         sent = out[a.k] if isinstance(out, (tuple, list)) else out
-        if tuple(sent.shape) != a.shapes[a.k] or sent.dtype != a.dtypes[a.k] or sent.data_ptr() != placed.data_ptr():
+        shape_ok = bounded or tuple(sent.shape) == a.shapes[a.k]
+        if not shape_ok or sent.dtype != a.dtypes[a.k] or sent.data_ptr() != placed.data_ptr():
             self.misses += 1  # the op resized its output: this call's shapes differ from the trace
         else:
             self.placed += 1

@@ -16,12 +16,19 @@ import torch
 from typing_extensions import Self
 
 import rdmaflow
-from rdmaflow.graph.analysis import DYNAMIC, GRADIENT, STATIC, TOKEN, Edge, Plan
+from rdmaflow.graph.analysis import BOUNDED, DYNAMIC, GRADIENT, STATIC, TOKEN, Edge, Plan
 from rdmaflow.graph.capture import StageGraph
 from rdmaflow.graph.executor import ComputeOp, Executor, RecvOp, SendOp
 from rdmaflow.graph.placement import Placement
 from rdmaflow.graph.rendezvous import Rendezvous, env_rank
-from rdmaflow.transfer import DynamicReceiver, DynamicSender, StaticReceiver, StaticSender
+from rdmaflow.transfer import (
+    BoundedReceiver,
+    BoundedSender,
+    DynamicReceiver,
+    DynamicSender,
+    StaticReceiver,
+    StaticSender,
+)
 
 TIMEOUT_ENV = "RDMAFLOW_GRAPH_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
@@ -89,6 +96,18 @@ def _check_tensor(t, what: str, shape: list, max_shape: list | None, dtype: str,
     if bad:
         bound = f" (at most {max_shape})" if cls != STATIC and max_shape else ""
         raise rdmaflow.InvalidArgumentError(f"{what} is {got}; the plan says {want}{bound}")
+
+
+def _check_input(t, what: str, shape: list, ranges: list, dtype: str) -> None:
+    """A microbatch of a model input: its dtype and every static dimension as planned, every
+    symbolic one within its declared ``Dim`` range (refused here, before anything is sent)."""
+    _check_tensor(t, what, shape, [s if isinstance(s, int) else None for s in shape], dtype, STATIC)
+    for i, (d, s, (lo, hi)) in enumerate(zip(t.shape, shape, ranges)):
+        if not isinstance(s, int) and (d < lo or hi is not None and d > hi):
+            got = f"{str(t.dtype).replace('torch.', '')}[{', '.join(str(x) for x in t.shape)}]"
+            raise rdmaflow.InvalidArgumentError(
+                f"{what} is {got}: dimension {i} ({s}) is {d}, outside its declared bound "
+                f"[{lo}, {'inf' if hi is None else hi}]")
 
 
 class PipelineStage:
@@ -166,16 +185,17 @@ class PipelineStage:
         sends, recvs = plan.edges_of(me)
         tag = f"rdmaflow/{self.rdv.prefix}"
         for e in recvs:
-            if e.cls == STATIC:
-                self.receivers[e.id] = StaticReceiver(self.device, tag + e.name, e.shape, _dtype(e.dtype),
-                                                      depth=e.depth, timeout=self.timeout)
+            if e.cls != DYNAMIC:
+                cls = StaticReceiver if e.cls == STATIC else BoundedReceiver
+                self.receivers[e.id] = cls(self.device, tag + e.name, e.max_shape, _dtype(e.dtype), depth=e.depth,
+                                           timeout=self.timeout)
             else:
                 self.receivers[e.id] = DynamicReceiver(self.device, tag + e.name, depth=e.depth, timeout=self.timeout)
         self.rdv.barrier("receivers")
         for e in sends:
-            cls = StaticSender if e.cls == STATIC else DynamicSender
-            kw = {"shape": e.shape, "dtype": _dtype(e.dtype)} if e.cls == STATIC else {}
-            self.senders[e.id] = cls(self.device, endpoints[e.consumer], tag + e.name, timeout=self.timeout, **kw)
+            cls = {STATIC: StaticSender, BOUNDED: BoundedSender, DYNAMIC: DynamicSender}[e.cls]
+            args = (e.max_shape, _dtype(e.dtype)) if e.cls != DYNAMIC else ()
+            self.senders[e.id] = cls(self.device, endpoints[e.consumer], tag + e.name, *args, timeout=self.timeout)
             self.stats[e.id] = EdgeStats(copy_reason=None if e.zero_copy else e.why)
         self.rdv.barrier("senders")  # every pair introduced: nothing is exchanged from here on
         self.placement = Placement(self.device.arena, enabled=self.zero_copy)
@@ -247,8 +267,7 @@ class PipelineStage:
         for i, chunks in enumerate(per_input):
             shape, dtype = plan.inputs[i]
             for m, c in enumerate(chunks):
-                cls = STATIC if all(isinstance(s, int) for s in shape) else DYNAMIC
-                _check_tensor(c, f"microbatch {m} of input {i}", shape, None, dtype, cls)
+                _check_input(c, f"microbatch {m} of input {i}", shape, plan.input_ranges[i], dtype)
         return [[chunks[m] for chunks in per_input] for m in range(plan.n_microbatches)]
 
     # -- computes -------------------------------------------------------------------------------
@@ -343,7 +362,7 @@ class PipelineStage:
             t = t.contiguous()
         st = self.stats[e.id]
         if phase not in self._learned and e.payload != TOKEN and st.copy_reason is None:
-            st.copy_reason = self.placement.learn(phase, t)
+            st.copy_reason = self.placement.learn(phase, t, e.nbytes if e.cls == BOUNDED else None)
         zero = e.payload == TOKEN or self.device.arena.offset_of(t) is not None
         st.sends += 1
         st.zero_copy += zero
@@ -360,7 +379,7 @@ class PipelineStage:
         if t.numel() == 0:
             return None
         for eid, r in self._mbs[m].received.items():
-            if r.data_ptr() == t.data_ptr() and self.plan.edges[eid].cls == STATIC:
+            if r.data_ptr() == t.data_ptr() and self.plan.edges[eid].cls != DYNAMIC:
                 return self._recv_ops[eid]
         return None
 

@@ -4,6 +4,8 @@
   allocator, so tensors that will be sent are born in registered memory (rdmaflow.arena).
 - ``StaticSender`` / ``StaticReceiver``: fixed shape and dtype, preallocated destination,
   one-sided WRITE of data, fence, flag; reused every iteration with no handshake.
+- ``BoundedSender`` / ``BoundedReceiver``: fixed dtype, each dimension at most a declared maximum;
+  a slot preallocated at the maxima, the actual shape written beside the data before the flag.
 - ``DynamicSender`` / ``DynamicReceiver``: any shape; fixed-size metadata written, the receiver
   allocates and READs the data.
 - ``receiver.poll()`` and ``wait_any(receivers)``: whether a transfer has landed, and the
@@ -15,6 +17,7 @@ registered memory and the one loop that waits on them), ``pack_header`` / ``unpa
 ``dtype_name``, ``dtype_code``).
 """
 from rdmaflow.arena import Arena, arena_of, create_arena
+from rdmaflow.transfer.bounded import SIZE_RECORD_BYTES, BoundedReceiver, BoundedSender
 from rdmaflow.transfer.common import CTL_BYTES, FLAG_STRIDE, pack_header, unpack_header
 from rdmaflow.transfer.dtypes import FLOAT_DTYPES, describe, dtype_code, dtype_name
 from rdmaflow.transfer.dynamic import MAX_RANK, DynamicReceiver, DynamicSender
@@ -26,7 +29,10 @@ __all__ = [
     "FLAG_STRIDE",
     "FLOAT_DTYPES",
     "MAX_RANK",
+    "SIZE_RECORD_BYTES",
     "Arena",
+    "BoundedReceiver",
+    "BoundedSender",
     "DynamicReceiver",
     "DynamicSender",
     "StaticReceiver",

@@ -5,7 +5,8 @@ Memory layout of a receiver's block in its arena (offsets in bytes):
 
     [0, 64*depth)          flag of slot i at 64*i: the sequence number last delivered there
     [ctl, ctl+CTL_BYTES)   control block: sender's ready word, then its introduction
-    [data, ...)            static: depth data slots; dynamic: depth metadata records
+    [data, ...)            static: depth data slots; bounded: depth (size record, data slot at the
+                           maxima); dynamic: depth metadata records
 
 A sender's block in its own arena:
 
@@ -29,6 +30,7 @@ CTL_BYTES = 4096
 FLAG_STRIDE = 64
 KIND_STATIC = "static"
 KIND_DYNAMIC = "dynamic"
+KIND_BOUNDED = "bounded"
 
 
 def align(n: int, a: int = 64) -> int:

@@ -43,6 +43,7 @@ class StaticReceiver(Receiver):
     """
 
     kind = KIND_STATIC
+    header_bytes = 0  # bounded transfers: the actual shape, before the data in each slot
 
     def __init__(self, device, name: str, shape: Sequence[int] | int, dtype: torch.dtype,
                  depth: int = 1, timeout: float | None = 60.0):
@@ -55,10 +56,10 @@ class StaticReceiver(Receiver):
             numel *= s
         self.nbytes = numel * self.itemsize
         meta = {"shape": list(self.shape), "dtype": dtype_code(dtype), "nbytes": self.nbytes}
-        super().__init__(device, name, depth, self.nbytes, meta, timeout)
+        super().__init__(device, name, depth, self.header_bytes + self.nbytes, meta, timeout)
         self._views = []
         for i in range(depth):
-            start = self.data_off + i * self.slot_stride
+            start = self.data_off + i * self.slot_stride + self.header_bytes
             raw = self._raw[start : start + self.nbytes] if self.nbytes else self._raw[start:start]
             self._views.append(raw.view(dtype).view(self.shape))
 
@@ -72,6 +73,10 @@ class StaticReceiver(Receiver):
         else:  # the previous tensor is consumed by now: its ack, then the wait, in one call
             slot = self._await(k, timeout, self.seq if self.acked < self.seq else 0)
         self.seq = k
+        return self._landed(slot, k)
+
+    def _landed(self, slot: int, k: int) -> torch.Tensor:
+        """The tensor transfer ``k`` wrote into ``slot``."""
         return self._views[slot]
 
 
@@ -84,6 +89,7 @@ class StaticSender(Sender):
     """
 
     kind = KIND_STATIC
+    header_bytes = 0
 
     def __init__(self, device, remote_endpoint: str, name: str, shape: Sequence[int] | int | None = None,
                  dtype: torch.dtype | None = None, mode: str = "auto", qp_idx: int = 0,
@@ -113,7 +119,7 @@ class StaticSender(Sender):
         for s in self.shape:
             numel *= s
         want = numel * self.dtype.itemsize
-        if nbytes != want or self.r_stride < want:
+        if nbytes != want or self.r_stride < self.header_bytes + want:
             raise InvalidArgumentError(
                 f"the header published as '{self.name}' says {nbytes!r} bytes for {describe(self.shape, self.dtype)} "
                 f"({want} bytes) in slots of {self.r_stride}"
@@ -160,22 +166,28 @@ class StaticSender(Sender):
         if prev is not None:
             prev[0].result(deadline.left())  # its source buffer may be reused now
         keep, off = tensor, 0
-        if self.nbytes:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
             off = self._arena_offset(tensor)
             if off is None:
                 keep = self._stage(tensor, slot)
                 off = self.arena.offset_of(keep)
-        f = self._post(k, slot, off, self.r_base + self.r_data + slot * self.r_stride, self.nbytes)
+        self._write_size(slot, k, tensor)  # fenced behind, like the data, by the flag's post
+        f = self._post(k, slot, off, self.r_base + self.r_data + slot * self.r_stride + self.header_bytes, nbytes)
         self._pending[slot] = (f, keep)
         self.seq = k
         return f
 
     def _stage(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
         """``tensor`` copied into registered staging memory of ``slot``."""
-        if self._staging[slot] is None:
+        if self._staging[slot] is None:  # at the maxima for a bounded transfer
             self._staging[slot] = self.arena.empty(self.shape, self.dtype)
-        self._staging[slot].copy_(tensor)
-        return self._staging[slot]
+        staging = self._staging[slot].view(-1)[: tensor.numel()].view(tensor.shape)
+        staging.copy_(tensor)
+        return staging
+
+    def _write_size(self, slot: int, k: int, tensor: torch.Tensor) -> None:
+        """Bounded transfers write the tensor's actual shape here; a static one has none to write."""
 
     def _send_direct(self, tensor: torch.Tensor, timeout: float | None) -> Future:
         """Same host: the credit, the copy into the slot and the flag's release store, all on

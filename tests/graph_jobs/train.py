@@ -3,7 +3,9 @@ test process rebuilds for its single-process reference.
 
 Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
 
-    model       "mlp" | "cnn"            stages      2 | 3 (split points of that model)
+    model       "mlp" | "cnn" | "transformer" (sequence length changes per step, Dim(16, 512)) |
+                "masked" (stage 0 sends the rows a boolean mask selects: a data-dependent shape)
+                                         stages      2 | 3 (split points of that model)
     schedule    "gpipe" | "1f1b"         inference   true: forward only, no loss
     microbatches, batch, steps, lr, seed, zero_copy (allocation-site placement on/off)
     trace       record the executor's events
@@ -17,6 +19,7 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
     slow_forward   seconds stage 0 sleeps before each forward after the first (stage 1 computes
                    microbatch 0 while the receive of microbatch 1 is pending)
     slow_start     seconds stage 0 sleeps before its first step (others wait on receives)
+    too_long       {"step": t, "length": n}: rank 0's batch of step t has sequence length n
 
 Every rank prints ``rank {r} step {t}`` after each step.
 """
@@ -32,6 +35,8 @@ import torch
 from rdmaflow import graph
 
 IN, HIDDEN, OUT = 8, 32, 4
+D_MODEL, HEADS = 16, 2
+MIN_LEN, MAX_LEN = 16, 512    # the transformer's declared sequence lengths (issue 15)
 
 
 class MLP(torch.nn.Module):
@@ -59,29 +64,91 @@ class CNN(torch.nn.Module):
         return self.fc(torch.flatten(h, 1))
 
 
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: causal multi-head self-attention, then an MLP, each residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(D_MODEL), torch.nn.LayerNorm(D_MODEL)
+        self.qkv, self.proj = torch.nn.Linear(D_MODEL, 3 * D_MODEL), torch.nn.Linear(D_MODEL, D_MODEL)
+        self.fc1, self.fc2 = torch.nn.Linear(D_MODEL, 2 * D_MODEL), torch.nn.Linear(2 * D_MODEL, D_MODEL)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, D_MODEL // HEADS).transpose(1, 2)
+                   for t in self.qkv(self.ln1(x)).split(D_MODEL, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, D_MODEL))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class Transformer(torch.nn.Module):
+    """[batch, length, IN] -> [batch, length, OUT]; the length changes from batch to batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(IN, D_MODEL)
+        self.blocks = torch.nn.Sequential(Block(), Block(), Block())
+        self.head = torch.nn.Linear(D_MODEL, OUT)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.embed(x)))
+
+
+class Masked(torch.nn.Module):
+    """Stage 0 keeps the rows whose features sum above zero: how many depends on the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(IN, HIDDEN)
+        self.b = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        rows = h[h.sum(1) > 0]
+        return self.b(rows).mean(0, keepdim=True)
+
+
 # split_spec of each model for 2 and 3 stages
 SPLITS = {
     "mlp": {2: {"layers.2": graph.SplitPoint.BEGINNING}, "alt": {"layers.4": graph.SplitPoint.BEGINNING},
             3: {"layers.2": graph.SplitPoint.BEGINNING, "layers.4": graph.SplitPoint.BEGINNING}},
     "cnn": {2: {"conv2": graph.SplitPoint.BEGINNING},
             3: {"conv2": graph.SplitPoint.BEGINNING, "fc": graph.SplitPoint.BEGINNING}},
+    "transformer": {2: {"blocks.1": graph.SplitPoint.BEGINNING},
+                    3: {"blocks.1": graph.SplitPoint.BEGINNING, "blocks.2": graph.SplitPoint.BEGINNING}},
+    "masked": {2: {"b": graph.SplitPoint.BEGINNING}},
 }
+# models whose loss over a batch is the mean of their microbatches' losses, not one loss of the batch
+PER_MICROBATCH = {"masked"}
 
 
 def make_model(name: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "cnn": CNN}[name]()
+    return {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "masked": Masked}[name]()
+
+
+def seq_length(seed: int, step: int) -> int:
+    """The transformer's sequence length in step ``step``: a different one every step."""
+    return MIN_LEN + (seed * 31 + step * 53) % 49
 
 
 def make_batch(name: str, seed: int, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 7919 + step)
-    x = torch.randn(batch, IN, generator=g) if name == "mlp" else torch.randn(batch, 1, 16, 16, generator=g)
+    if name == "transformer":
+        n = seq_length(seed, step)
+        return torch.randn(batch, n, IN, generator=g), torch.randn(batch, n, OUT, generator=g)
+    x = torch.randn(batch, 1, 16, 16, generator=g) if name == "cnn" else torch.randn(batch, IN, generator=g)
     y = torch.randn(batch, OUT, generator=g)
     return x, y
 
 
 def loss_fn(output, target):
-    return torch.nn.functional.mse_loss(output, target)
+    return torch.nn.functional.mse_loss(output.expand_as(target), target)  # masked: one output row
+
+
+def dynamic_shapes(name: str):
+    return ({1: torch.export.Dim("seq", min=MIN_LEN, max=MAX_LEN)},) if name == "transformer" else None
 
 
 def main() -> int:
@@ -92,7 +159,7 @@ def main() -> int:
     split = SPLITS[name][cfg.get("split_differs", {}).get(str(rank), stages)]
     model = make_model(name, seed)
     x0, _ = make_batch(name, seed, 0, batch)
-    pipe = graph.pipeline(model, (x0[: batch // M],), split_spec=split)
+    pipe = graph.pipeline(model, (x0[: batch // M],), split_spec=split, dynamic_shapes=dynamic_shapes(name))
     stage = pipe.build_stage(zero_copy=cfg.get("zero_copy", True), trace=cfg.get("trace", False))
     sched_cls = graph.Schedule1F1B if cfg.get("schedule") == "1f1b" else graph.ScheduleGPipe
     inference = cfg.get("inference", False)
@@ -116,6 +183,8 @@ def main() -> int:
         x, y = make_batch(name, seed, t, batch)
         if cfg.get("bad_input") and rank == 0 and t == 1:
             x = x.double() if cfg["bad_input"] == "dtype" else x[:, :-1]
+        if cfg.get("too_long", {}).get("step") == t and rank == 0:
+            x = torch.randn(x.shape[0], cfg["too_long"]["length"], *x.shape[2:])
         opt.zero_grad()
         out = schedule.step(x, target=y, losses=losses)
         if inference:
