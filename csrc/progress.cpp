@@ -214,8 +214,7 @@ void ProgressThread::loop() {
       poll(&pfd, 1, 100);
     }
     sleeping_.store(false, std::memory_order_seq_cst);
-    // No spinning after a wake-up that finds nothing to do (a waiting receiver may have
-    // progressed the worker already): only work restarts the spin window.
+    idle_since = Clock::now();
   }
 }
 

@@ -13,9 +13,9 @@ namespace {
 // what that wait took (within the bounds); a wait that had to sleep halves it. A ping-pong
 // partner that answers in microseconds is seen in microseconds; an idle waiter stops burning
 // the core after kMinSpinNs. (A sleep, however short, costs the timer slack: tens of us.)
-constexpr int64_t kMinSpinNs = 20'000;
+constexpr int64_t kMinSpinNs = 50'000;
 constexpr int64_t kMaxSpinNs = 250'000;
-constexpr int kYields = 20;
+constexpr int kYields = 50;
 constexpr long kMaxSleepUs = 50;  // an idle wait wakes at most every 50 us
 thread_local int64_t spin_budget_ns = 50'000;
 
