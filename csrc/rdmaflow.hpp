@@ -412,7 +412,7 @@ enum class WaitStatus : int {
 
 // Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins for
 // an adaptive time (per thread: about four times the last waits that ended while spinning,
-// between 20 and 250 us), then yields the core a few times, then sleeps with a backoff of
+// between 50 and 250 us), then yields the core 50 times, then sleeps with a backoff of
 // 1, 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be
 // null) is looked at while sleeping; with `drive`, the waiter also progresses peer's worker
 // between looks (Channel::progress_now). timeout_s < 0: none.
