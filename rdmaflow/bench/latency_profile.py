@@ -163,7 +163,8 @@ class ProfileWorker(RdmaflowWorker):
             w(s, "_send_direct", "flag_post_start", "flag_post_end")  # same host: credit, copy, flag: one call
             w(r, "recv", "recv_call", "recv_return")
             w(r, "_ack", "ack_start", "ack_end")
-            w(r, "_await", "wait_start", "flag_seen")  # its ack too, on the same-host path
+            w(r, "_wait_flag", "wait_start", "flag_seen")  # the first transfer: its sender introduces itself
+            w(r, "_await", "wait_start", "flag_seen")  # every later one, with its ack on the same-host path
         return s, r, src
 
     def _receive(self, r, spin: bool):
