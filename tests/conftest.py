@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -14,6 +15,12 @@ import pytest
 from rdmaflow._ucx import transport_vars
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# The Ctrl-C tests interrupt benchmark processes with SIGINT. A non-interactive shell starts
+# its background jobs (a CI run started with ``&``) with SIGINT ignored, children inherit that,
+# and Python then installs no KeyboardInterrupt handler: restore what a terminal gives.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # "sm": shared memory with the same-host mapping (a memcpy is one CPU copy into the peer's
 # mapped region); "sm-cma": shared memory through UCX alone (cma), the mapping turned off.
 TRANSPORTS = ["tcp", "sm", "sm-cma"]  # names of rdmaflow._ucx.TRANSPORT_ENV
@@ -139,3 +146,4 @@ def processes_with_env(marker: str) -> list[int]:
         except OSError:
             pass
     return found
+
