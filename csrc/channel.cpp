@@ -189,6 +189,13 @@ Op* Channel::make_op(const Future& fut, const std::shared_ptr<MemRegion>& local,
   return op;
 }
 
+namespace {
+// Posts of at most this many bytes may run on the caller's thread (post_inline). A larger copy
+// (through a same-host mapping, or cma) would make memcpy synchronous and take the caller's
+// thread for milliseconds; it goes to the progress thread and memcpy stays asynchronous.
+constexpr size_t kInlineMaxBytes = size_t(64) << 10;
+}  // namespace
+
 void Channel::unpost(Op* op) {
   op->local->inflight_.fetch_sub(1);
   delete op;
@@ -211,7 +218,7 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
     t->track(op);
     if (!path.same_host(t, op)) path.ucx(t, op);
   };
-  if (!t->post_inline(std::move(task))) {
+  if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
     unpost(op);
     throw Error(ErrorKind::Closed, "device is closed");
   }
@@ -267,7 +274,7 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
     t->track(word);
     if (!word_path.same_host(t, word)) word_path.ucx(t, word);
   };
-  if (!t->post_inline(std::move(task))) {
+  if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
     if (data) unpost(data);
     unpost(word);
     throw Error(ErrorKind::Closed, "device is closed");

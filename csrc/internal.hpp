@@ -132,8 +132,8 @@ class ProgressThread {
   void start();
   void stop();  // closes endpoints, fails what is left, joins the thread
   bool post(std::function<void()> fn);  // false once the thread has stopped
-  // Data-path work (memcpy, fence, flush): runs fn on the caller's thread when no one drives
-  // the worker (after the commands queued before it), so a transfer leaves without waiting
+  // Data-path work (fence, flush, memcpys of at most 64 KiB): runs fn on the caller's thread
+  // when no one drives the worker and nothing is queued, so a transfer leaves without waiting
   // for the progress thread to wake; else post(fn). The caller must hold no core lock.
   bool post_inline(std::function<void()> fn);
   // Progresses the worker on the caller's thread unless someone else drives it: a waiting

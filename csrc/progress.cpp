@@ -68,10 +68,18 @@ bool ProgressThread::post_inline(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lk(qm_);
     if (!accepting_ || stopped_) return false;
+    // Commands queued before fn run before it; the caller does not run them (they may be large
+    // copies): fn joins the queue behind them.
+    if (!q_.empty()) {
+      held.unlock();
+      q_.push_back(std::move(fn));
+      qsize_.fetch_add(1, std::memory_order_seq_cst);
+      if (sleeping_.load(std::memory_order_seq_cst)) ucp_worker_signal(w_);
+      return true;
+    }
   }
   {
     Driving d(driving_, this);
-    run_commands();  // what was posted before fn runs before it
     fn();
     drive();
   }
