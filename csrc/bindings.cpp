@@ -359,18 +359,24 @@ PYBIND11_MODULE(_core, m) {
           "send_slot",
           [](DirectWindow& w, uintptr_t ack_address, int64_t need, uint64_t closed_value,
              int64_t data_offset, uintptr_t source, int64_t nbytes, int64_t flag_offset,
-             uint64_t seq, double timeout) {
+             uint64_t seq, double timeout, int64_t header_offset, uintptr_t header,
+             int64_t header_nbytes) {
             size_t d = check_offset(data_offset, "data_offset");
             size_t n = check_offset(nbytes, "nbytes");
             size_t f = check_offset(flag_offset, "flag_offset");
+            size_t ho = check_offset(header_offset, "header_offset");
+            size_t hn = check_offset(header_nbytes, "header_nbytes");
             py::gil_scoped_release nogil;
             return int(w.send_slot(ack_address, need, closed_value, d,
-                                   reinterpret_cast<const void*>(source), n, f, seq, timeout));
+                                   reinterpret_cast<const void*>(source), n, f, seq, timeout, ho,
+                                   reinterpret_cast<const void*>(header), hn));
           },
           py::arg("ack_address"), py::arg("need"), py::arg("closed_value"),
           py::arg("data_offset"), py::arg("source"), py::arg("nbytes"), py::arg("flag_offset"),
-          py::arg("seq"), py::arg("timeout"),
-          "A static pair's send: waits for ack >= need, copies, stores seq into the flag. "
+          py::arg("seq"), py::arg("timeout"), py::arg("header_offset") = 0, py::arg("header") = 0,
+          py::arg("header_nbytes") = 0,
+          "A static or bounded pair's send: waits for ack >= need, copies the header (a size "
+          "record) and the data, stores seq into the flag. "
           "Returns a WaitStatus code (0 sent; 1 timeout, 2 peer failed, 3 receiver closed: "
           "nothing written).");
 

@@ -155,27 +155,23 @@ std::shared_ptr<Device> Channel::check_range(const std::shared_ptr<MemRegion>& l
                                         " belongs to another device");
   if (local->freed())
     throw Error(ErrorKind::Region, "local region " + std::to_string(local->id()) + " was freed");
-  if (local_off > local->length() || n > local->length() - local_off)
-    throw Error(ErrorKind::OutOfBounds,
-                "local range [" + std::to_string(local_off) + ", " +
-                    std::to_string(local_off + n) + ") is outside the local region of " +
-                    std::to_string(local->length()) + " bytes");
-  dev->verify_remote(*remote);
-  if (remote->owner_uuid != peer_->uuid)
-    throw Error(ErrorKind::Invalid, "remote region is owned by the device at " +
-                                        remote->owner_endpoint +
-                                        ", but this channel connects to " + peer_->endpoint);
-  if (remote_off > remote->length || n > remote->length - remote_off)
-    throw Error(ErrorKind::OutOfBounds,
-                "remote range [" + std::to_string(remote_off) + ", " +
-                    std::to_string(remote_off + n) + ") is outside the remote region of " +
-                    std::to_string(remote->length) + " bytes");
+  check_inside(local_off, n, local->length(), "local");
+  check_peer_region(*dev, *remote);
+  check_inside(remote_off, n, remote->length, "remote");
   if (dev->revoked(remote->owner_uuid, remote->region_id))
     throw Error(ErrorKind::Region, "remote region " + std::to_string(remote->region_id) +
                                        " was freed by its owner at " + remote->owner_endpoint);
   if (failed_.load()) throw Error(ErrorKind::Peer, error());
   dev->ensure_validated(peer_, *remote);
   return dev;
+}
+
+void Channel::check_peer_region(Device& dev, RemoteRegion& remote) const {
+  dev.verify_remote(remote);
+  if (remote.owner_uuid != peer_->uuid)
+    throw Error(ErrorKind::Invalid, "remote region is owned by the device at " +
+                                        remote.owner_endpoint +
+                                        ", but this channel connects to " + peer_->endpoint);
 }
 
 Op* Channel::make_op(const Future& fut, const std::shared_ptr<MemRegion>& local,
@@ -230,7 +226,8 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
                               size_t n, size_t word_local_off, uint64_t value,
                               size_t word_remote_off, Callback cb) {
   check_range(local, local_off, remote, remote_off, n);
-  check_range(local, word_local_off, remote, word_remote_off, 8);
+  check_inside(word_local_off, 8, local->length(), "local");  // the rest is checked above
+  check_inside(word_remote_off, 8, remote->length, "remote");
   // The caller's future completes when both parts have: ok only if both are.
   struct Both {
     int left = 0;

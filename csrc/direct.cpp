@@ -11,11 +11,7 @@ namespace rdmaflow {
 std::shared_ptr<DirectWindow> Channel::direct_window(const std::shared_ptr<RemoteRegion>& remote) {
   auto dev = open_device();
   if (!remote) throw Error(ErrorKind::Invalid, "remote region is None");
-  dev->verify_remote(*remote);
-  if (remote->owner_uuid != peer_->uuid)
-    throw Error(ErrorKind::Invalid, "remote region is owned by the device at " +
-                                        remote->owner_endpoint +
-                                        ", but this channel connects to " + peer_->endpoint);
+  check_peer_region(*dev, *remote);
   if (failed_.load()) throw Error(ErrorKind::Peer, error());
   dev->ensure_validated(peer_, *remote);
   auto m = dev->map_remote(*remote);
@@ -30,39 +26,55 @@ std::shared_ptr<DirectWindow> Channel::direct_window(const std::shared_ptr<Remot
 
 size_t DirectWindow::length() const { return remote_->length; }
 
-void DirectWindow::check(size_t off, size_t n) const {
-  if (off > remote_->length || n > remote_->length - off)
-    throw Error(ErrorKind::OutOfBounds,
-                "remote range [" + std::to_string(off) + ", " + std::to_string(off + n) +
-                    ") is outside the remote region of " + std::to_string(remote_->length) +
-                    " bytes");
+void DirectWindow::check_bounds(size_t off, size_t n) const {
+  check_inside(off, n, remote_->length, "remote");
+}
+
+std::shared_ptr<Device> DirectWindow::check_live() const {
   auto dev = dev_.lock();
   if (!dev || dev->closed()) throw Error(ErrorKind::Closed, "device is closed");
   if (ch_->failed()) throw Error(ErrorKind::Peer, ch_->error());
   if (dev->revoked(remote_->owner_uuid, remote_->region_id))
     throw Error(ErrorKind::Region, "remote region " + std::to_string(remote_->region_id) +
                                        " was freed by its owner at " + remote_->owner_endpoint);
+  return dev;
 }
 
-void DirectWindow::write(size_t off, const void* src, size_t n) {
-  check(off, n);
-  if (n == 0) return;
-  auto dev = dev_.lock();
-  // copy_mapped fences non-temporal stores, so a later release store orders after them.
-  dev->copy_mapped(static_cast<char*>(map_->base) + off, src, n);
-  dev->mapped_ops_.fetch_add(1, std::memory_order_relaxed);
-}
-
-void DirectWindow::store_word(size_t off, uint64_t v) {
-  check(off, 8);
+void DirectWindow::check_word(size_t off) const {
+  check_bounds(off, 8);
   if (off & 7) throw Error(ErrorKind::Invalid, "a word's offset must be 8-byte aligned, got " + std::to_string(off));
+}
+
+void DirectWindow::copy(Device& dev, size_t off, const void* src, size_t n) {
+  if (n == 0) return;
+  // copy_mapped fences non-temporal stores, so a later release store orders after them.
+  dev.copy_mapped(static_cast<char*>(map_->base) + off, src, n);
+  dev.mapped_ops_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void DirectWindow::store(size_t off, uint64_t v) {
   __atomic_store_n(reinterpret_cast<uint64_t*>(static_cast<char*>(map_->base) + off), v,
                    __ATOMIC_RELEASE);
 }
 
+void DirectWindow::write(size_t off, const void* src, size_t n) {
+  check_bounds(off, n);
+  copy(*check_live(), off, src, n);
+}
+
+void DirectWindow::store_word(size_t off, uint64_t v) {
+  check_word(off);
+  check_live();
+  store(off, v);
+}
+
 WaitStatus DirectWindow::send_slot(uintptr_t ack_addr, int64_t need, uint64_t closed_value,
                                    size_t data_off, const void* src, size_t n, size_t flag_off,
-                                   uint64_t k, double timeout_s) {
+                                   uint64_t k, double timeout_s, size_t header_off,
+                                   const void* header, size_t header_n) {
+  check_bounds(data_off, n);
+  check_bounds(header_off, header_n);
+  check_word(flag_off);
   auto* ack = reinterpret_cast<const uint64_t*>(ack_addr);
   if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return WaitStatus::Closed;
   if (need > 0) {
@@ -70,8 +82,10 @@ WaitStatus DirectWindow::send_slot(uintptr_t ack_addr, int64_t need, uint64_t cl
     if (st != WaitStatus::Ok) return st;
     if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return WaitStatus::Closed;
   }
-  write(data_off, src, n);
-  store_word(flag_off, k);
+  auto dev = check_live();  // once for the header, the data and the flag
+  copy(*dev, header_off, header, header_n);
+  copy(*dev, data_off, src, n);
+  store(flag_off, k);
   return WaitStatus::Ok;
 }
 

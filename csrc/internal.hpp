@@ -33,6 +33,16 @@ inline double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// Throws OutOfBounds unless [off, off + n) lies inside a region of `length` bytes (`which`:
+// "local" or "remote", for the message).
+inline void check_inside(size_t off, size_t n, size_t length, const char* which) {
+  if (off > length || n > length - off)
+    throw Error(ErrorKind::OutOfBounds, std::string(which) + " range [" + std::to_string(off) +
+                                            ", " + std::to_string(off + n) +
+                                            ") is outside the " + which + " region of " +
+                                            std::to_string(length) + " bytes");
+}
+
 // support.cpp
 void random_bytes(void* out, size_t n);
 // Closes ep (forcibly when force); a request UCX returns is appended to reqs, or freed when

@@ -209,7 +209,9 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::shared_ptr<Device> check_range(const std::shared_ptr<MemRegion>& local, size_t local_off,
                                       const std::shared_ptr<RemoteRegion>& remote,
                                       size_t remote_off, size_t n);
-  // Posts an Op for fut; the task runs it on the progress thread after earlier posts.
+  // Authenticates `remote` and checks that this channel's peer owns it (Auth, Invalid).
+  void check_peer_region(Device& dev, RemoteRegion& remote) const;
+  // An Op for fut (counted in local's in-flight uses); the caller posts it.
   Op* make_op(const Future& fut, const std::shared_ptr<MemRegion>& local,
               const std::shared_ptr<RemoteRegion>& remote);
   static void unpost(Op* op);  // undoes make_op when the post fails
@@ -435,16 +437,22 @@ class DirectWindow {
   void write(size_t off, const void* src, size_t n);
   // Stores v at off (8-byte aligned) with release semantics. Throws like write.
   void store_word(size_t off, uint64_t v);
-  // One transfer of a static pair: waits until the word at ack_addr (this process's memory)
-  // is >= need (credits; need <= 0: none) and below closed_value, then write(data_off, src,
-  // n), then store_word(flag_off, k). Returns Ok, or before writing anything: Timeout,
-  // Closed (ack >= closed_value) or PeerFailed.
+  // One transfer of a static or bounded pair: waits until the word at ack_addr (this
+  // process's memory) is >= need (credits; need <= 0: none) and below closed_value, then
+  // write(header_off, header, header_n) (a bounded transfer's size record; none when
+  // header_n is 0), write(data_off, src, n), then store_word(flag_off, k). Returns Ok, or
+  // before writing anything: Timeout, Closed (ack >= closed_value) or PeerFailed.
   WaitStatus send_slot(uintptr_t ack_addr, int64_t need, uint64_t closed_value, size_t data_off,
-                       const void* src, size_t n, size_t flag_off, uint64_t k, double timeout_s);
+                       const void* src, size_t n, size_t flag_off, uint64_t k, double timeout_s,
+                       size_t header_off = 0, const void* header = nullptr, size_t header_n = 0);
 
  private:
   friend class Channel;
-  void check(size_t off, size_t n) const;
+  void check_bounds(size_t off, size_t n) const;       // OutOfBounds
+  void check_word(size_t off) const;                   // bounds and 8-byte alignment
+  std::shared_ptr<Device> check_live() const;          // Closed, Peer, Region
+  void copy(Device& dev, size_t off, const void* src, size_t n);  // checked by the caller
+  void store(size_t off, uint64_t v);                              // checked by the caller
   std::weak_ptr<Device> dev_;
   std::shared_ptr<Channel> ch_;
   std::shared_ptr<RemoteRegion> remote_;

@@ -8,10 +8,12 @@ no handshake and no READ. Each slot starts with a size record, then the data:
     slot i:  [size record, SIZE_RECORD_BYTES] [data: up to prod(max_shape) elements]
     size record (little endian): seq u64 | rank u32 | zero u32 | dims 8 x i64
 
-The sender WRITEs the size record, then the data (the tensor's actual bytes, at the start of the
-data area), a fence, then the slot's flag (the channel's path, also on one host): the receiver reads the record only after the flag,
-so it sees this transfer's shape, checks it against the maxima and returns a view of the slot's
-first ``prod(shape)`` elements (no copy). Credits and acks are the static transfer's.
+The sender writes the size record, then the data (the tensor's actual bytes, at the start of the
+data area), then the slot's flag, on the static transfer's paths: over UCX a WRITE of the record,
+then the data, a fence and the flag in one command; on one host one call that copies both and
+stores the flag. The receiver reads the record only after the flag, so it sees this transfer's
+shape, checks it against the maxima and returns a view of the slot's first ``prod(shape)``
+elements (no copy). Credits and acks are the static transfer's.
 """
 from __future__ import annotations
 
@@ -67,14 +69,12 @@ class BoundedSender(StaticSender):
 
     kind = KIND_BOUNDED
     header_bytes = SIZE_RECORD_BYTES
+    header_record_bytes = SIZE.size
 
     def __init__(self, device, remote_endpoint: str, name: str, max_shape: Sequence[int] | int | None = None,
                  dtype: torch.dtype | None = None, mode: str = "auto", qp_idx: int = 0,
                  timeout: float | None = 60.0):
         super().__init__(device, remote_endpoint, name, max_shape, dtype, mode, qp_idx, timeout)
-        # The same-host direct window copies a fixed size and stores the flag in one call; a
-        # bounded transfer also writes its size record, so it always takes the channel's path.
-        self._direct = None
         self._sizes = self.arena.allocate(SIZE_RECORD_BYTES * self.depth)
         self._size_cells = torch.frombuffer(self._sizes, dtype=torch.uint8, count=SIZE_RECORD_BYTES * self.depth)
 
@@ -87,11 +87,16 @@ class BoundedSender(StaticSender):
                 f"'{self.name}' ({describe(self.shape, self.dtype)} at most)"
             )
 
-    def _write_size(self, slot: int, k: int, tensor: torch.Tensor) -> None:
-        # The cell of this slot is free: the previous transfer's flag, fenced behind it, completed.
+    def _size_record(self, slot: int, k: int, tensor: torch.Tensor) -> int:
+        """Packs transfer k's size record into the slot's cell; returns the cell's arena offset.
+        The cell is free: over UCX the previous transfer's flag, fenced behind it, completed;
+        on one host its send returned after copying it."""
         dims = list(tensor.shape) + [0] * (MAX_RANK - tensor.dim())
         record = SIZE.pack(k, tensor.dim(), 0, *dims)
         start = slot * SIZE_RECORD_BYTES
         self._size_cells[start : start + SIZE.size] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
-        self.channel.memcpy(self.arena.region, self._sizes.offset + start, self.remote,
-                            self.r_base + self.r_data + slot * self.r_stride, SIZE.size, WRITE)
+        return self._sizes.offset + start
+
+    def _write_size(self, slot: int, k: int, tensor: torch.Tensor) -> None:
+        self.channel.memcpy(self.arena.region, self._size_record(slot, k, tensor), self.remote,
+                            self._slot_at[slot], SIZE.size, WRITE)

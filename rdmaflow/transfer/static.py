@@ -90,6 +90,7 @@ class StaticSender(Sender):
 
     kind = KIND_STATIC
     header_bytes = 0
+    header_record_bytes = 0  # how much of header_bytes a transfer writes (bounded: its size record)
 
     def __init__(self, device, remote_endpoint: str, name: str, shape: Sequence[int] | int | None = None,
                  dtype: torch.dtype | None = None, mode: str = "auto", qp_idx: int = 0,
@@ -194,24 +195,32 @@ class StaticSender(Sender):
         this thread in one call into the core. The copy is the transfer itself: a tensor
         outside the arena needs no staging (mode "copy" stages anyway: the paper's RDMA.cp)."""
         k = self.seq + 1
+        slot = (k - 1) % self.depth
+        nbytes, data, header = self.nbytes, self._slot_at[slot], ()
+        if self.header_bytes:  # bounded: this transfer's size record, then its actual bytes
+            nbytes = tensor.numel() * tensor.element_size()
+            header = (data, self.arena.base + self._size_record(slot, k, tensor), self.header_record_bytes)
+            data += self.header_bytes
         source = tensor.data_ptr()
-        if self.mode != "auto" and self.nbytes:
+        if self.mode != "auto" and nbytes:
             if self.mode == "copy":
                 source = self._stage(tensor, 0).data_ptr()
-            elif not self._arena_lo <= source <= self._arena_hi - self.nbytes:
+            elif not self._arena_lo <= source <= self._arena_hi - nbytes:
                 self._arena_offset(tensor)  # refuses a tensor outside the arena, as on every path
-        slot = (k - 1) % self.depth
+        need, flag = k - self.depth, self._flag_at[slot]
+
+        def attempt(t: float) -> int:
+            return self._direct.send_slot(self._ack_addr, need, CLOSED, data, source, nbytes, flag, k, t, *header)
+
         first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
-        code = self._direct.send_slot(self._ack_addr, k - self.depth, CLOSED, self._slot_at[slot], source,
-                                      self.nbytes, self._flag_at[slot], k, first)
+        code = attempt(first)
         if code != OK:
-            self._send_direct_waiting(code, k, slot, source, Deadline(None if timeout is None else timeout - first))
+            self._send_direct_waiting(code, need, attempt, Deadline(None if timeout is None else timeout - first))
         self.seq = k
         return self._done
 
-    def _send_direct_waiting(self, code: int, k: int, slot: int, source: int, deadline: Deadline) -> None:
+    def _send_direct_waiting(self, code: int, need: int, attempt, deadline: Deadline) -> None:
         """The rest of a direct send whose first call found no credit: one call per WAIT_SLICE."""
-        need = k - self.depth
         what = (f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
                 f"(a sender never overwrites a slot its receiver has not consumed)")
         while code != OK:
@@ -221,5 +230,4 @@ class StaticSender(Sender):
                 raise PeerError(f"{what}: peer {self.remote_endpoint} failed")
             if deadline.passed():
                 raise TimeoutError(f"timed out {what}")
-            code = self._direct.send_slot(self._ack_addr, need, CLOSED, self._slot_at[slot], source, self.nbytes,
-                                          self._flag_at[slot], k, deadline.slice(WAIT_SLICE))
+            code = attempt(deadline.slice(WAIT_SLICE))
