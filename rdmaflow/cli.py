@@ -37,6 +37,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
               "training throughput (batches/s), rdmaflow PS next to TensorPipe, gRPC, DDP, local"),
     "file": ("rdmaflow.bench.file",
              "a training step through the file view (rdmaflow mount), sync and async I/O, next to the Python API"),
+    "pipeline": ("rdmaflow.bench.pipeline",
+                 "pipeline-parallel training steps/s, rdmaflow.graph next to torch.distributed.pipelining"),
     "converge": ("rdmaflow.bench.converge",
                  "loss against wall-clock time on a real data set, rdmaflow next to DDP-gloo"),
     "kv": ("rdmaflow.bench.kv",

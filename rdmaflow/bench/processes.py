@@ -231,6 +231,49 @@ class ChildProcess:
         self.kill()
 
 
+def one_line(text: str, n: int = 600) -> str:
+    """The last line of a process's stderr first (a failing process ends with its summary
+    there), then the lines before it, on one line, at most about ``n`` characters."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    last = lines[-1] if len(lines[-1]) <= n else lines[-1][:n] + "..."
+    before = " | ".join(lines[-6:-1])
+    if not before:
+        return last
+    room = max(80, n - len(last))
+    if len(before) > room:
+        before = "..." + before[-room:]
+    return f"{last} [stderr before it: {before}]"
+
+
+def wait_all(procs: Sequence[ChildProcess], timeout: float, error: type[Exception] = BenchError) -> None:
+    """Waits until every process of a job exited 0. Raises ``error`` naming the first that
+    exited otherwise (and the others that failed with it) with the end of its stderr, or,
+    after ``timeout`` seconds, the ones still running. Kills nothing: the caller does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            time.sleep(0.5)  # let the others show whether they failed too; stderr catch up
+            codes = [p.poll() for p in procs]
+            bad = [(p, c) for p, c in zip(procs, codes) if c not in (None, 0)]
+            p, c = bad[0]
+            msg = f"{p.label} exited with code {c}: {one_line(p.stderr_tail(4000)) or '(no stderr)'}"
+            if len(bad) > 1:
+                msg += "; also failed: " + ", ".join(f"{q.label} ({k})" for q, k in bad[1:])
+            raise error(msg)
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            running = [p.label for p, c in zip(procs, codes) if c is None]
+            tails = [f"{p.label}: {one_line(p.stderr_tail(2000), 300)}"
+                     for p, c in zip(procs, codes) if c is None and p.stderr_tail()]
+            raise error(f"timed out after {timeout:.0f} s; still running: "
+                        f"{', '.join(running)}" + (f"; stderr: {'; '.join(tails)}" if tails else ""))
+        time.sleep(0.05)
+
+
 # ------------------------------------------------------------------------------------------
 # The machine's background load
 

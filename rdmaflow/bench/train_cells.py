@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rdmaflow.bench.processes import ChildProcess, free_port, new_secret, process_env
+from rdmaflow.bench.processes import ChildProcess, free_port, new_secret, one_line, process_env, wait_all
 
 PS_SYSTEMS = ("rdmaflow", "rdmaflow-copy", "tensorpipe", "grpc")
 RDMAFLOW_SYSTEMS = ("rdmaflow", "rdmaflow-copy")
@@ -109,22 +108,6 @@ def member_env(key: Key, m: Member, members: Sequence[Member], *, cfg: Mapping[s
     return env
 
 
-def _one_line(text: str, n: int = 600) -> str:
-    """The last line of a process's stderr first (the training process ends with its summary
-    there), then the lines before it, on one line, at most about ``n`` characters."""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
-        return ""
-    last = lines[-1] if len(lines[-1]) <= n else lines[-1][:n] + "..."
-    before = " | ".join(lines[-6:-1])
-    if not before:
-        return last
-    room = max(80, n - len(last))
-    if len(before) > room:
-        before = "..." + before[-room:]
-    return f"{last} [stderr before it: {before}]"
-
-
 def parse_results(lines: Iterable[str]) -> list[dict[str, Any]]:
     out = []
     for line in lines:
@@ -171,27 +154,7 @@ def run_cell(key: Key, *, cfg: Mapping[str, Any], timeout: float, transport: str
             p = ChildProcess(h.argv(argv) if h else argv, env, label, stdin=False)
             procs.append((m, p))
             log(f"  {key[0]}: started {label}, rank {m.rank} of {len(members)}, pid {p.pid}")
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for _, p in procs]
-            if any(c not in (None, 0) for c in codes):
-                time.sleep(0.5)  # let the others show whether they failed too; stderr catch up
-                codes = [p.poll() for _, p in procs]
-                bad = [(m, p, c) for (m, p), c in zip(procs, codes) if c not in (None, 0)]
-                m, p, c = bad[0]
-                msg = f"{p.label} exited with code {c}: {_one_line(p.stderr_tail(4000)) or '(no stderr)'}"
-                if len(bad) > 1:
-                    msg += "; also failed: " + ", ".join(f"{b[1].label} ({b[2]})" for b in bad[1:])
-                raise CellError(msg)
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                running = [p.label for (_, p), c in zip(procs, codes) if c is None]
-                tails = [f"{p.label}: {_one_line(p.stderr_tail(2000), 300)}"
-                         for (_, p), c in zip(procs, codes) if c is None and p.stderr_tail()]
-                raise CellError(f"timed out after {timeout:.0f} s; still running: "
-                                f"{', '.join(running)}" + (f"; stderr: {'; '.join(tails)}" if tails else ""))
-            time.sleep(0.05)
+        wait_all([p for _, p in procs], timeout, CellError)
         results = []
         for m, p in procs:
             lines = p.drain(5.0)
@@ -202,7 +165,7 @@ def run_cell(key: Key, *, cfg: Mapping[str, Any], timeout: float, transport: str
             except ValueError as e:
                 raise CellError(f"{p.label} printed a malformed {RESULT_TAG} line: {e}") from None
             if len(found) != 1:
-                tail = _one_line("".join(lines[-5:]) or p.stderr_tail(2000), 300)
+                tail = one_line("".join(lines[-5:]) or p.stderr_tail(2000), 300)
                 raise CellError(f"{p.label} printed {len(found)} {RESULT_TAG} lines, expected 1"
                                 + (f"; output: {tail}" if tail else ""))
             check_result(found[0], key, m.index)

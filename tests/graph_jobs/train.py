@@ -33,6 +33,7 @@ import time
 import torch
 
 from rdmaflow import graph
+from rdmaflow.bench import pipeline_models
 
 IN, HIDDEN, OUT = 8, 32, 4
 D_MODEL, HEADS = 16, 2
@@ -64,35 +65,12 @@ class CNN(torch.nn.Module):
         return self.fc(torch.flatten(h, 1))
 
 
-class Block(torch.nn.Module):
-    """A pre-norm transformer block: causal multi-head self-attention, then an MLP, each residual."""
+class Transformer(pipeline_models.Transformer):
+    """[batch, length, IN] -> [batch, length, OUT], three blocks (the benchmark's model, smaller);
+    the length changes from batch to batch."""
 
     def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = torch.nn.LayerNorm(D_MODEL), torch.nn.LayerNorm(D_MODEL)
-        self.qkv, self.proj = torch.nn.Linear(D_MODEL, 3 * D_MODEL), torch.nn.Linear(D_MODEL, D_MODEL)
-        self.fc1, self.fc2 = torch.nn.Linear(D_MODEL, 2 * D_MODEL), torch.nn.Linear(2 * D_MODEL, D_MODEL)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (t.view(b, s, HEADS, D_MODEL // HEADS).transpose(1, 2)
-                   for t in self.qkv(self.ln1(x)).split(D_MODEL, dim=-1))
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, D_MODEL))
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class Transformer(torch.nn.Module):
-    """[batch, length, IN] -> [batch, length, OUT]; the length changes from batch to batch."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Linear(IN, D_MODEL)
-        self.blocks = torch.nn.Sequential(Block(), Block(), Block())
-        self.head = torch.nn.Linear(D_MODEL, OUT)
-
-    def forward(self, x):
-        return self.head(self.blocks(self.embed(x)))
+        super().__init__(IN, D_MODEL, HEADS, 3, OUT)
 
 
 class Masked(torch.nn.Module):
