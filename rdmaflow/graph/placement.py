@@ -14,7 +14,9 @@ forward of a microbatch, or its backward). It numbers the ATen ops the call runs
    tensor's storage up and marks that op as a site; or says why it cannot (a view of a stage
    input, an op with no ``out=`` overload, several outputs);
 3. every later call of the phase runs a site's op through its ``out=`` overload into a tensor
-   from the arena, under autograd (the mode sits below it), so the send needs no copy.
+   from the arena, under autograd (the mode sits below it), so the send needs no copy. A phase
+   without a site (one that sends nothing, or only tensors that cannot be placed) runs without
+   the mode after its first call.
 
 A site whose op, shape or dtype no longer matches what was recorded runs normally (the send
 then copies and ``stats`` counts it). Ops are identified by their position in the call, which
@@ -110,9 +112,10 @@ class Placement(TorchDispatchMode):
     # -- scope ----------------------------------------------------------------------------------
     def run(self, phase: str, fn, *args, **kwargs):
         """Runs ``fn`` as one call of ``phase`` under the mode."""
-        if not self.enabled:
-            return fn(*args, **kwargs)
         trace = self.phases.setdefault(phase, PhaseTrace())
+        if not self.enabled or trace.recorded and not trace.sites:
+            # nothing of this phase is placed: the mode's cost per op (a Python call) buys nothing
+            return fn(*args, **kwargs)
         self._trace, self._count = trace, 0
         try:
             with self:
