@@ -177,6 +177,14 @@ PYBIND11_MODULE(_core, m) {
       .value("ON", SameHost::On)
       .value("AUTO", SameHost::Auto);
 
+  py::enum_<FlaggedWrites>(m, "FlaggedWrites",
+                           "How a transfer's data and flag travel over UCX: PUT (put, fence, put), "
+                           "MESSAGE (one active message the target applies in order), or AUTO "
+                           "(MESSAGE on endpoints whose every lane is tcp, PUT elsewhere).")
+      .value("AUTO", FlaggedWrites::Auto)
+      .value("PUT", FlaggedWrites::Put)
+      .value("MESSAGE", FlaggedWrites::Message);
+
   m.def("ucx_version", &ucx_version, "Version of the UCX library in use.");
   m.def(
       "_hmac_sha256",
@@ -480,7 +488,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](const std::string& endpoint, int num_cqs, int qps_per_peer,
                        const std::string& secret, bool busy_poll, int spin_us,
                        double connect_timeout, double rpc_timeout, bool data_error_handling,
-                       SameHost same_host, int copy_threads, bool inline_posts) {
+                       SameHost same_host, int copy_threads, bool inline_posts,
+                       FlaggedWrites flagged_writes) {
              DeviceConfig c;
              c.endpoint = endpoint;
              c.num_cqs = num_cqs;
@@ -494,6 +503,7 @@ PYBIND11_MODULE(_core, m) {
              c.same_host = same_host;
              c.copy_threads = copy_threads;
              c.inline_posts = inline_posts;
+             c.flagged_writes = flagged_writes;
              py::gil_scoped_release nogil;
              return Device::create(c);
            }),
@@ -506,7 +516,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("data_error_handling") = defaults.data_error_handling,
            py::arg("same_host") = defaults.same_host,
            py::arg("copy_threads") = defaults.copy_threads,
-           py::arg("inline_posts") = defaults.inline_posts)
+           py::arg("inline_posts") = defaults.inline_posts,
+           py::arg("flagged_writes") = defaults.flagged_writes)
       .def_property_readonly("endpoint", &Device::endpoint)
       .def_property_readonly("uuid", &Device::uuid)
       .def_property_readonly("num_cqs", &Device::num_cqs)
@@ -519,9 +530,13 @@ PYBIND11_MODULE(_core, m) {
             py::dict r;
             r["mapped"] = d.mapped_ops();
             r["ucx"] = d.ucx_ops();
+            r["message"] = d.message_writes();
+            r["dropped"] = d.dropped_writes();
             return r;
           },
-          "How many memcpys went through a same-host mapping and how many through UCX.")
+          "How many memcpys went through a same-host mapping and how many through UCX; how many "
+          "flagged writes left as one message, and how many arriving ones were dropped (they "
+          "named no live region of this device).")
       .def_property_readonly("copy_threads",
                              [](const Device& d) { return d.config().copy_threads; })
       .def_property_readonly("same_host_mapping", &Device::same_host_mapping,

@@ -37,7 +37,7 @@ bool Channel::Path::same_host(ProgressThread* t, Op* op) const {
   Channel* ch = op->ch.get();
   // Only when no UCX operation of this channel is outstanding, so that fences keep ordering
   // mapped and UCX operations.
-  if (ch->rma_pending_ != 0 || ch->failed()) return false;
+  if (ch->rma_pending_ != 0 || ch->am_pending_ != 0 || ch->failed()) return false;
   Device* dev = t->device();
   if (dev->closed()) {  // close() cancels what has not started
     finish_now(t, op, UCS_ERR_CANCELED);
@@ -111,6 +111,7 @@ std::shared_ptr<Channel> Device::channel(const std::string& remote_endpoint, int
   ch->qp_ = qp_idx;
   // Figure 4 of Xue et al.: a peer's queue pairs are spread round-robin over the CQs.
   ch->thread_ = threads_[size_t(qp_idx) % threads_.size()].get();
+  ch->drivers_ = ch->thread_->drivers();
   ch->remote_thread_ = qp_idx % p->num_workers;
   p->channels[qp_idx] = ch;
   return ch;
@@ -261,15 +262,22 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   ProgressThread* t = thread_;
   Path data_path{local_off, remote_off, n, true};
   Path word_path{word_local_off, word_remote_off, 8, true};
-  auto task = [data, word, t, data_path, word_path]() {
+  auto task = [data, word, t, data_path, word_path, value]() {
+    t->track(word);
     if (data) {
       t->track(data);
-      if (!data_path.same_host(t, data)) data_path.ucx(t, data);
+      if (!data_path.same_host(t, data)) {
+        if (send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off,
+                                 data_path.n, word_path.remote_off, value))
+          return;
+        data_path.ucx(t, data);
+      }
       // The word never lands before the data (mapped copies are ordered by running in order).
       ucp_worker_fence(t->handle());
     }
-    t->track(word);
-    if (!word_path.same_host(t, word)) word_path.ucx(t, word);
+    if (word_path.same_host(t, word)) return;
+    if (!data && send_flagged_message(t, nullptr, word, 0, 0, 0, word_path.remote_off, value)) return;
+    word_path.ucx(t, word);
   };
   if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
     if (data) unpost(data);
@@ -338,6 +346,7 @@ bool Channel::ensure_ep() {
     fail("cannot create a UCX endpoint to " + peer_->endpoint + ": " + ucs_error(st));
     return false;
   }
+  flagged_by_message_ = flagged_by_message(dev ? dev->config().flagged_writes : FlaggedWrites::Put, ep_);
   thread_->add_channel(shared_from_this());
   return true;
 }

@@ -62,8 +62,10 @@ void Device::init(const DeviceConfig& cfg) {
   if (st != UCS_OK) throw Error(ErrorKind::Generic, "ucp_init failed: " + ucs_error(st));
 
   try {
-    for (int i = 0; i < cfg.num_cqs; ++i)
+    for (int i = 0; i < cfg.num_cqs; ++i) {
       threads_.emplace_back(std::make_unique<ProgressThread>(this, i, ctx_));
+      set_am_handler(threads_.back()->handle(), kFlaggedAmId, flagged_cb, this);
+    }
     start_listening(ss, slen);
   } catch (...) {
     if (listener_) ucp_listener_destroy(listener_);
@@ -78,16 +80,7 @@ void Device::init(const DeviceConfig& cfg) {
 
 // Control messages and connection requests arrive on progress thread 0's worker.
 void Device::start_listening(const sockaddr_storage& ss, socklen_t slen) {
-  ucp_am_handler_param_t ap{};
-  ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
-  ap.id = kAmId;
-  ap.cb = am_cb;
-  ap.arg = this;
-  ap.flags = UCP_AM_FLAG_WHOLE_MSG;
-  ucs_status_t st = ucp_worker_set_am_recv_handler(threads_[0]->handle(), &ap);
-  if (st != UCS_OK)
-    throw Error(ErrorKind::Generic, "ucp_worker_set_am_recv_handler failed: " + ucs_error(st));
+  set_am_handler(threads_[0]->handle(), kAmId, am_cb, this);
 
   ucp_listener_params_t lp{};
   lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
@@ -95,7 +88,7 @@ void Device::start_listening(const sockaddr_storage& ss, socklen_t slen) {
   lp.sockaddr.addrlen = slen;
   lp.conn_handler.cb = conn_cb;
   lp.conn_handler.arg = this;
-  st = ucp_listener_create(threads_[0]->handle(), &lp, &listener_);
+  ucs_status_t st = ucp_listener_create(threads_[0]->handle(), &lp, &listener_);
   if (st != UCS_OK)
     throw Error(ErrorKind::Invalid, "cannot listen on " + cfg_.endpoint + ": " + ucs_error(st));
   ucp_listener_attr_t la{};

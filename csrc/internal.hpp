@@ -45,6 +45,8 @@ inline void check_inside(size_t off, size_t n, size_t length, const char* which)
 
 // support.cpp
 void random_bytes(void* out, size_t n);
+// Has whole active messages `id` arriving on worker w handed to cb(arg, ...).
+void set_am_handler(ucp_worker_h w, uint16_t id, ucp_am_recv_callback_t cb, void* arg);
 // Closes ep (forcibly when force); a request UCX returns is appended to reqs, or freed when
 // reqs is null.
 void close_endpoint(ucp_ep_h ep, bool force, std::vector<ucs_status_ptr_t>* reqs);
@@ -55,6 +57,10 @@ sockaddr_storage resolve(const std::string& ep, socklen_t* len, bool passive);
 // The endpoint peers reach a listener at: the configured host (the hostname when it is a
 // wildcard) and the port the listener was given.
 std::string listening_endpoint(const std::string& configured, const sockaddr_storage& bound);
+
+// flagged.cpp
+// Whether write_flagged takes the message path on ep (FlaggedWrites::Auto: every lane is tcp).
+bool flagged_by_message(FlaggedWrites mode, ucp_ep_h ep);
 
 // same_host.cpp
 // Whether UCX_TLS leaves shared-memory transports on.
@@ -129,6 +135,7 @@ struct Op {
   bool finished = false;  // future completed
   ucs_status_t status = UCS_OK;
   bool rma = false;  // went through UCX (counted in ch->rma_pending_)
+  bool am = false;   // a flagged write's message (counted in ch->am_pending_)
   std::shared_ptr<MemRegion> local;
   std::shared_ptr<Channel> ch;
   std::shared_ptr<RemoteRegion> remote;
@@ -149,6 +156,10 @@ class ProgressThread {
   // Progresses the worker on the caller's thread unless someone else drives it: a waiting
   // receiver applies incoming puts itself (tcp) instead of waiting for the progress thread.
   void progress_now();
+  // Threads waiting on a word while they drive this worker (wait_word with drive): while there
+  // are any, the progress thread parks instead of waking on UCX's events, so that each message
+  // wakes one thread, not two. Shared so that a channel can count itself after the thread is gone.
+  const std::shared_ptr<std::atomic<int>>& drivers() const { return drivers_; }
   ucp_worker_h handle() const { return w_; }
   const std::string& address() const { return addr_; }
   int index() const { return idx_; }
@@ -164,6 +175,10 @@ class ProgressThread {
 
  private:
   void loop();
+  // Sleeps until a command is posted or kParkNs pass, without UCX's wakeup fd.
+  void park();
+  // Wakes the thread if it sleeps or parks (after a command was queued).
+  void wake();
   // One round of driving the worker, with the lock held: commands, flushes, UCX progress.
   bool drive();
   bool run_commands();
@@ -178,6 +193,9 @@ class ProgressThread {
   std::thread thr_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> sleeping_{false};
+  std::atomic<bool> parked_{false};
+  int park_fd_ = -1;  // eventfd that wakes a parked thread
+  std::shared_ptr<std::atomic<int>> drivers_ = std::make_shared<std::atomic<int>>(0);
   std::mutex wm_;                     // the worker lock
   bool stopped_ = false;              // under wm_: the worker takes no more work
   static thread_local const ProgressThread* driving_;  // the worker this thread drives, if any

@@ -3,6 +3,8 @@
 // endpoints that took WRITEs, and sleeps on the worker's wakeup fd when idle (unless
 // busy_poll). An Op's future completes here, on this thread, exactly once.
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "internal.hpp"
 
@@ -29,11 +31,17 @@ ProgressThread::ProgressThread(Device* dev, int idx, ucp_context_h ctx) : dev_(d
   }
   addr_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
   ucp_worker_release_address(w_, attr.address);
+  park_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (park_fd_ < 0) {
+    ucp_worker_destroy(w_);
+    throw Error(ErrorKind::Generic, "eventfd failed");
+  }
 }
 
 ProgressThread::~ProgressThread() {
   if (thr_.joinable()) stop();
   if (w_) ucp_worker_destroy(w_);
+  if (park_fd_ >= 0) close(park_fd_);
 }
 
 void ProgressThread::start() {
@@ -47,8 +55,17 @@ bool ProgressThread::post(std::function<void()> fn) {
     q_.push_back(std::move(fn));
     qsize_.fetch_add(1, std::memory_order_seq_cst);
   }
-  if (sleeping_.load(std::memory_order_seq_cst)) ucp_worker_signal(w_);
+  wake();
   return true;
+}
+
+void ProgressThread::wake() {
+  if (sleeping_.load(std::memory_order_seq_cst)) ucp_worker_signal(w_);
+  if (parked_.load(std::memory_order_seq_cst)) {
+    uint64_t one = 1;
+    ssize_t r = write(park_fd_, &one, sizeof one);
+    (void)r;  // the counter is full only if the thread was woken already
+  }
 }
 
 thread_local const ProgressThread* ProgressThread::driving_ = nullptr;
@@ -74,7 +91,7 @@ bool ProgressThread::post_inline(std::function<void()> fn) {
       held.unlock();
       q_.push_back(std::move(fn));
       qsize_.fetch_add(1, std::memory_order_seq_cst);
-      if (sleeping_.load(std::memory_order_seq_cst)) ucp_worker_signal(w_);
+      wake();
       return true;
     }
   }
@@ -179,6 +196,7 @@ void ProgressThread::op_done(Op* op) {
   op->finished = true;
   inflight_.erase(op);
   if (op->rma && op->ch) --op->ch->rma_pending_;
+  if (op->am && op->ch) --op->ch->am_pending_;
   if (op->local) op->local->inflight_.fetch_sub(1);
   if (op->status == UCS_OK) {
     op->fut->complete_ok();
@@ -209,6 +227,10 @@ void ProgressThread::loop() {
     }
     if (cfg.busy_poll) continue;
     if (seconds_since(idle_since) * 1e6 < cfg.spin_us) continue;
+    if (drivers_->load() > 0) {
+      park();  // idle_since stays: after the park, straight back to parking or sleeping
+      continue;
+    }
     // Sleep on the wakeup fd until UCX has an event or another thread posts work.
     ucs_status_t st;
     {
@@ -226,6 +248,25 @@ void ProgressThread::loop() {
   }
 }
 
+namespace {
+// How long a parked progress thread sleeps at most: UCX events that arrive after the last
+// driving waiter left wait this long at worst.
+constexpr long kParkNs = 500'000;
+}  // namespace
+
+void ProgressThread::park() {
+  parked_.store(true, std::memory_order_seq_cst);
+  if (qsize_.load(std::memory_order_seq_cst) == 0 && !stop_.load()) {
+    pollfd pfd{park_fd_, POLLIN, 0};
+    timespec ts{0, kParkNs};
+    ppoll(&pfd, 1, &ts, nullptr);
+  }
+  parked_.store(false, std::memory_order_seq_cst);
+  uint64_t drained;
+  ssize_t r = read(park_fd_, &drained, sizeof drained);
+  (void)r;  // EAGAIN when nothing woke it
+}
+
 void ProgressThread::stop() {
   if (!thr_.joinable()) return;
   {
@@ -238,6 +279,9 @@ void ProgressThread::stop() {
   }
   stop_.store(true);
   ucp_worker_signal(w_);
+  uint64_t one = 1;
+  ssize_t r = write(park_fd_, &one, sizeof one);
+  (void)r;
   thr_.join();
   // Whatever UCX did not complete fails here, after the thread is gone. The Ops stay allocated:
   // ucp_worker_destroy may still call back for requests it purges.

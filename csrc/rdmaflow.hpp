@@ -56,6 +56,14 @@ enum class Direction : int { Write = 0, Read = 1 };
 // UCX_TLS rules out shared-memory transports.
 enum class SameHost : int { Off = 0, On = 1, Auto = 2 };
 
+// How Channel::write_flagged carries data + word over UCX (docs/transfer.md, "Flagged writes").
+//   Put      put, ucp_worker_fence, put: one-sided; on tcp the fence is strong (a round trip).
+//   Message  one active message whose handler at the target copies the data, then stores the
+//            word with a release store: ordered by the target's CPU on any transport.
+//   Auto     Message on endpoints whose every lane is tcp (whose puts the target's software
+//            applies anyway), Put elsewhere.
+enum class FlaggedWrites : int { Auto = 0, Put = 1, Message = 2 };
+
 struct DeviceConfig {
   std::string endpoint = "127.0.0.1:0";
   int num_cqs = 1;
@@ -73,6 +81,7 @@ struct DeviceConfig {
   // Data-path posts run on the caller's thread when the worker is free (ProgressThread::
   // post_inline); off: always handed to the progress thread.
   bool inline_posts = true;
+  FlaggedWrites flagged_writes = FlaggedWrites::Auto;
 };
 
 // Completion state shared by the issuer and the progress thread.
@@ -182,7 +191,9 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // remote[remote_off..] (nothing when n is 0), a fence, then the 8-byte word `value`, stored
   // first into local[word_local_off] (its registered source, which no WRITE in flight may be
   // using) -> remote[word_remote_off]. The future completes when both are visible at the
-  // peer; it fails if either failed. Throws like memcpy for either range.
+  // peer, or on the message path (FlaggedWrites; n of at most 64 KiB and no put of the
+  // channel outstanding) when the message has left: the word itself tells the peer. It fails
+  // if either part failed. Throws like memcpy for either range.
   Future write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
                        const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
                        size_t word_local_off, uint64_t value, size_t word_remote_off,
@@ -194,6 +205,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // Progresses the channel's worker on the caller's thread unless another thread drives it:
   // over tcp a put is applied by the target's progress, so a waiting receiver applies it.
   void progress_now() const;
+  // A waiter that drives the worker counts itself in (+1) and out (-1) (ProgressThread::drivers).
+  void count_driver(int d) const { drivers_->fetch_add(d); }
   int qp_idx() const { return qp_; }
   std::string remote_endpoint() const;
   bool failed() const { return failed_.load(); }
@@ -215,6 +228,11 @@ class Channel : public std::enable_shared_from_this<Channel> {
   Op* make_op(const Future& fut, const std::shared_ptr<MemRegion>& local,
               const std::shared_ptr<RemoteRegion>& remote);
   static void unpost(Op* op);  // undoes make_op when the post fails
+  // flagged.cpp: write_flagged's data and word as one active message, when this endpoint takes
+  // that path (FlaggedWrites) and n allows; false (nothing posted) otherwise. Progress thread.
+  static bool send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t local_off,
+                                   size_t remote_off, size_t n, size_t word_remote_off,
+                                   uint64_t value);
 
   // Progress-thread only.
   bool ensure_ep();
@@ -230,6 +248,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::shared_ptr<Peer> peer_;
   int qp_ = 0;
   ProgressThread* thread_ = nullptr;
+  std::shared_ptr<std::atomic<int>> drivers_;  // thread_'s
   int remote_thread_ = 0;
   // Progress-thread-only state.
   ucp_ep_h ep_ = nullptr;
@@ -237,6 +256,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::unordered_map<uint64_t, std::shared_ptr<Mapping>> mappings_;
   std::vector<Op*> unflushed_;
   int rma_pending_ = 0;  // UCX puts/gets not yet complete; mapped copies wait for them
+  int am_pending_ = 0;   // flagged writes sent as messages, not yet flushed; mapped copies wait
+  bool flagged_by_message_ = false;  // write_flagged's path on this endpoint (FlaggedWrites)
   bool dirty_ = false;
   // Shared state.
   std::atomic<bool> failed_{false};
@@ -278,6 +299,10 @@ class Device : public std::enable_shared_from_this<Device> {
   // memcpys done by a CPU copy through a same-host mapping, and through UCX.
   uint64_t mapped_ops() const { return mapped_ops_.load(); }
   uint64_t ucx_ops() const { return ucx_ops_.load(); }
+  // Flagged writes sent as one active message, and those received that named no live region
+  // of this device (dropped).
+  uint64_t message_writes() const { return message_writes_.load(); }
+  uint64_t dropped_writes() const { return dropped_writes_.load(); }
 
  private:
   friend class Channel;
@@ -319,6 +344,9 @@ class Device : public std::enable_shared_from_this<Device> {
   static ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
   static void conn_cb(ucp_conn_request_h req, void* arg);
+  // flagged.cpp: a flagged write arriving as an active message, on any worker.
+  static ucs_status_t flagged_cb(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param);
   static void link_err_cb(void* arg, ucp_ep_h, ucs_status_t st);
 
   // rpc.cpp: the side RPC's requests (LOOKUP, VALIDATE, REVOKE) and their answers.
@@ -348,7 +376,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_region_{1};
   std::atomic<uint64_t> next_rpc_{1};
-  std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0};
+  std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0}, message_writes_{0}, dropped_writes_{0};
   bool map_enabled_ = false;
   std::unique_ptr<CopyPool> copier_;
   std::string boot_id_;

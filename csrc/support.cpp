@@ -1,5 +1,5 @@
-// Small helpers the core's files share: UCX status strings and version, random bytes, closing
-// an endpoint, and the HMAC entry point its known-answer tests call.
+// Small helpers the core's files share: UCX status strings and version, random bytes, an active
+// message handler, closing an endpoint, and the HMAC entry point its known-answer tests call.
 #include <sys/random.h>
 
 #include <cerrno>
@@ -25,6 +25,19 @@ void random_bytes(void* out, size_t n) {
     p += r;
     n -= size_t(r);
   }
+}
+
+void set_am_handler(ucp_worker_h w, uint16_t id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t ap{};
+  ap.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  ap.id = id;
+  ap.cb = cb;
+  ap.arg = arg;
+  ap.flags = UCP_AM_FLAG_WHOLE_MSG;
+  ucs_status_t st = ucp_worker_set_am_recv_handler(w, &ap);
+  if (st != UCS_OK)
+    throw Error(ErrorKind::Generic, "ucp_worker_set_am_recv_handler failed: " + ucs_error(st));
 }
 
 void close_endpoint(ucp_ep_h ep, bool force, std::vector<ucs_status_ptr_t>* reqs) {

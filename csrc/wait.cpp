@@ -38,6 +38,11 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
   auto* p = reinterpret_cast<const uint64_t*>(addr);
   auto ready = [&] { return __atomic_load_n(p, __ATOMIC_ACQUIRE) >= value; };
   if (ready()) return WaitStatus::Ok;
+  struct Counted {  // this waiter, counted in while it drives (ProgressThread::drivers)
+    const Channel* ch;
+    explicit Counted(const Channel* c) : ch(c) { if (ch) ch->count_driver(1); }
+    ~Counted() { if (ch) ch->count_driver(-1); }
+  } counted(drive ? peer : nullptr);
   auto t0 = Clock::now();
   const int64_t budget = std::min<int64_t>(spin_budget_ns, timeout_s < 0 ? kMaxSpinNs : int64_t(timeout_s * 1e9));
   for (int i = 0;; ++i) {

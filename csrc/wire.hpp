@@ -9,6 +9,8 @@
 //   LOOKUP(name str) / LOOKUP_REPLY(ok u32, value str)
 //   VALIDATE(region u64, addr u64, len u64) / VALIDATE_REPLY(ok u32, reason str)
 //   REVOKE(region u64) / REVOKE_ACK()                            owner -> holder -> owner
+// Flagged write: one UCP active message (id kFlaggedAmId), header FlaggedHeader, payload the
+// data (flagged.cpp).
 // Descriptor: see docs/architecture.md ("Descriptors"); the MAC covers everything before it.
 #pragma once
 
@@ -28,6 +30,19 @@ constexpr char kDescMagic[4] = {'R', 'F', 'D', '1'};
 constexpr size_t kMacLen = 16;
 constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block follows the rkey
 constexpr size_t kMaxCtrlPayload = 1 << 20;
+
+constexpr uint16_t kFlaggedAmId = 0x5247;  // "RG"
+constexpr uint64_t kFlaggedMagic = 0x31574752;  // "RGW1"
+// A flagged write's header: the payload goes to [data_off, data_off + payload length) of the
+// target's region, then `value` to the 8-byte word at word_off.
+struct FlaggedHeader {
+  uint64_t magic;
+  uint64_t region_id;
+  uint64_t region_addr;  // the region's address as its descriptor gave it: a stale id misses
+  uint64_t data_off;
+  uint64_t word_off;
+  uint64_t value;
+};
 
 enum CtrlType : uint32_t {
   HELLO = 1,

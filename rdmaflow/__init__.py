@@ -13,7 +13,7 @@ _ucx.load()
 
 from rdmaflow._core import Direction, DirectWindow, receive_slot, ucx_version, wait_u64_at_least, wait_word
 from rdmaflow.arena import Arena
-from rdmaflow.device import Channel, Device, Future, MemRegion, RemoteRegion, SameHost, wait_all
+from rdmaflow.device import Channel, Device, FlaggedWrites, Future, MemRegion, RemoteRegion, SameHost, wait_all
 from rdmaflow.errors import (
     ArenaFullError,
     AuthError,
@@ -42,6 +42,7 @@ __all__ = [
     "DeviceClosedError",
     "DirectWindow",
     "Direction",
+    "FlaggedWrites",
     "Future",
     "InvalidArgumentError",
     "MemRegion",

@@ -16,7 +16,7 @@ import torch
 from typing_extensions import Self
 
 from rdmaflow import _core
-from rdmaflow._core import Channel, Future, MemRegion, RemoteRegion, SameHost
+from rdmaflow._core import Channel, FlaggedWrites, Future, MemRegion, RemoteRegion, SameHost
 from rdmaflow.arena import Arena, arena_of, create_arena
 from rdmaflow.deadline import Deadline
 from rdmaflow.errors import InvalidArgumentError
@@ -25,6 +25,7 @@ SECRET_ENV = "RDMAFLOW_JOB_SECRET"
 SAME_HOST_ENV = "RDMAFLOW_SAME_HOST"
 COPY_THREADS_ENV = "RDMAFLOW_COPY_THREADS"
 INLINE_POSTS_ENV = "RDMAFLOW_INLINE_POSTS"
+FLAGGED_WRITES_ENV = "RDMAFLOW_FLAGGED_WRITES"
 
 _callback_thread: threading.Thread | None = None
 _callback_lock = threading.Lock()
@@ -72,6 +73,20 @@ def _inline_posts(inline_posts: bool | None) -> bool:
     return env == "1"
 
 
+def _flagged_writes(flagged_writes: FlaggedWrites | str | None) -> FlaggedWrites:
+    if isinstance(flagged_writes, FlaggedWrites):
+        return flagged_writes
+    if flagged_writes is None:
+        flagged_writes = os.environ.get(FLAGGED_WRITES_ENV, "auto").strip() or "auto"
+        where = FLAGGED_WRITES_ENV
+    else:
+        where = "flagged_writes"
+    modes = {"auto": FlaggedWrites.AUTO, "put": FlaggedWrites.PUT, "message": FlaggedWrites.MESSAGE}
+    if not isinstance(flagged_writes, str) or flagged_writes.lower() not in modes:
+        raise InvalidArgumentError(f"{where} must be auto, put or message, got {flagged_writes!r}")
+    return modes[flagged_writes.lower()]
+
+
 def _copy_threads(copy_threads: int | None) -> int:
     if copy_threads is not None:
         return int(copy_threads)
@@ -109,6 +124,11 @@ class Device(_core.Device):
     makes its UCX calls on the caller's thread when the worker is free, instead of handing them
     to the progress thread (docs/architecture.md, "Threads"); off is for measuring the difference.
 
+    ``flagged_writes`` (default ``$RDMAFLOW_FLAGGED_WRITES``, else ``"auto"``): how a transfer's
+    data and flag travel over UCX: ``"put"`` (put, fence, put), ``"message"`` (one active message
+    that the receiving side applies data first, flag last) or ``"auto"`` (message on endpoints
+    whose every lane is tcp, put elsewhere); docs/transfer.md, "Flagged writes".
+
     A device is a context manager: leaving the ``with`` block closes it.
     """
 
@@ -127,12 +147,14 @@ class Device(_core.Device):
         same_host: bool | SameHost | None = None,
         copy_threads: int | None = None,
         inline_posts: bool | None = None,
+        flagged_writes: FlaggedWrites | str | None = None,
     ):
         super().__init__(endpoint, num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
                          busy_poll=bool(busy_poll), spin_us=int(spin_us), connect_timeout=float(connect_timeout),
                          rpc_timeout=float(rpc_timeout), data_error_handling=bool(data_error_handling),
                          same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads),
-                         inline_posts=_inline_posts(inline_posts))
+                         inline_posts=_inline_posts(inline_posts),
+                         flagged_writes=_flagged_writes(flagged_writes))
         _start_callback_thread()
 
     def __enter__(self) -> Self:
@@ -191,4 +213,4 @@ def wait_all(futures: Iterable[Future], timeout: float | None = None) -> None:
         f.result(deadline.left())
 
 
-__all__ = ["Channel", "Device", "Future", "MemRegion", "RemoteRegion", "SameHost", "wait_all"]
+__all__ = ["Channel", "Device", "FlaggedWrites", "Future", "MemRegion", "RemoteRegion", "SameHost", "wait_all"]

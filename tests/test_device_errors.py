@@ -211,6 +211,12 @@ def test_bad_device_arguments(monkeypatch):
     with pytest.raises(rdmaflow.InvalidArgumentError, match="RDMAFLOW_SAME_HOST"):
         rdmaflow.Device("127.0.0.1:0", secret="s")
     monkeypatch.delenv("RDMAFLOW_SAME_HOST")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="flagged_writes must be auto, put or message"):
+        rdmaflow.Device("127.0.0.1:0", secret="s", flagged_writes="fence")
+    monkeypatch.setenv("RDMAFLOW_FLAGGED_WRITES", "weak")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="RDMAFLOW_FLAGGED_WRITES"):
+        rdmaflow.Device("127.0.0.1:0", secret="s")
+    monkeypatch.delenv("RDMAFLOW_FLAGGED_WRITES")
     with rdmaflow.Device("127.0.0.1:0", secret="s") as d:
         with pytest.raises(rdmaflow.InvalidArgumentError):
             d.alloc_region(0)

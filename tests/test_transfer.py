@@ -1005,14 +1005,50 @@ def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev,
     rewritten as soon as it is handed back): every tensor a receiver gets holds its own
     transfer number in every element, i.e. the flag of transfer k was never seen before k's
     data, on the same-host direct path (sm: copy + release store; 8 MiB is copied with
-    non-temporal stores) and over UCX (tcp, sm-cma: WRITE, fence, WRITE)."""
+    non-temporal stores) and over UCX: tcp up to 64 KiB as one active message applied data
+    first (the default there), tcp at 8 MiB and sm-cma as WRITE, fence, WRITE."""
+    direct = transport == "sm"  # sm-cma turns rdmaflow's same-host path off: UCX's own sm moves the data
+    theirs = race(tpeer(), dev, nbytes, n, direct)
+    if not direct:
+        for counts in (dev.transfer_counts(), theirs["counts"]):
+            assert_flagged_path(counts, n, by_message=transport == "tcp" and nbytes <= 64 * 1024)
+
+
+@pytest.mark.parametrize("transport,flagged,busy", [("tcp", "put", False), ("sm-cma", "message", False),
+                                                   ("tcp", "message", True)], indirect=["transport"])
+@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000)])
+def test_racing_on_each_flagged_path(tpeer, job_secret, transport, flagged, busy, nbytes, n):
+    """The race above with write_flagged's path forced: WRITE, fence, WRITE over tcp; one active
+    message over UCX's shared memory; and the message over tcp with busy-polling progress
+    threads, which then apply most messages while the receiving thread polls the flag (a
+    receiver that drives the worker itself applies them before it looks)."""
+    env = {"RDMAFLOW_FLAGGED_WRITES": flagged, "RDMAFLOW_TEST_BUSY_POLL": "1" if busy else "0"}
+    with local_device(flagged_writes=flagged, busy_poll=busy) as d:
+        d.create_arena(64 * MiB)
+        theirs = race(tpeer(**env), d, nbytes, n, direct=False)
+        for counts in (d.transfer_counts(), theirs["counts"]):
+            assert_flagged_path(counts, n, by_message=flagged == "message")
+
+
+def assert_flagged_path(counts: dict, n: int, by_message: bool) -> None:
+    """A device's transfer_counts() after sending n transfers: each went as one message, or as
+    two puts (data, flag); none arriving was dropped."""
+    if by_message:
+        assert counts["message"] >= n and counts["ucx"] < n, counts
+    else:
+        assert counts["ucx"] >= 2 * n, counts
+    assert counts["dropped"] == 0, counts
+
+
+def race(peer, dev, nbytes: int, n: int, direct: bool) -> dict:
+    """Runs n rounds of send-one, receive-one against ``peer`` doing the same (depth 2, int64
+    tensors of nbytes filled with the round's number); asserts every element of every tensor
+    either side received, and returns the peer's answer."""
     numel = nbytes // 8
-    peer = tpeer()
     r = StaticReceiver(dev, f"race_in_{nbytes}", (numel,), torch.int64, depth=2)
     peer.call("static_receiver", name=f"race_out_{nbytes}", shape=[numel], dtype="int64", depth=2)
     peer.call("static_sender", remote=dev.endpoint, name=f"race_in_{nbytes}")
     s = StaticSender(dev, peer.endpoint, f"race_out_{nbytes}", mode="zerocopy")
-    direct = transport == "sm"  # sm-cma turns rdmaflow's same-host path off: UCX's own sm moves the data
     assert (s._direct is not None) == direct
     peer.post("race", out=f"race_in_{nbytes}", **{"in": f"race_out_{nbytes}"}, n=n)
     bufs = [dev.empty((numel,), torch.int64) for _ in range(2)]
@@ -1034,3 +1070,4 @@ def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev,
     assert bad is None, f"received tensor {bad['i']} holds {bad['min']}..{bad['max']}, not {bad['i'] + 1}"
     assert theirs["rounds"] == n and theirs["first_mismatch"] is None, theirs
     assert theirs["direct"] == direct
+    return theirs

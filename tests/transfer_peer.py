@@ -131,7 +131,8 @@ def main() -> None:
     from rdmaflow.transfer import dynamic as dyn
     from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
 
-    dev = rdmaflow.Device(f"{os.environ.get('RDMAFLOW_TEST_HOST', '127.0.0.1')}:0")
+    dev = rdmaflow.Device(f"{os.environ.get('RDMAFLOW_TEST_HOST', '127.0.0.1')}:0",
+                          busy_poll=os.environ.get("RDMAFLOW_TEST_BUSY_POLL") == "1")
     arena = dev.create_arena(int(os.environ.get("RDMAFLOW_TEST_ARENA", str(64 << 20))))
     receivers: dict = {}
     senders: dict = {}
@@ -238,7 +239,8 @@ def main() -> None:
                 bad = {"i": i, "min": lo, "max": hi}
         r.release()
         s.wait_consumed(timeout=timeout)
-        return {"rounds": cmd["n"], "direct": s._direct is not None, "first_mismatch": bad}
+        return {"rounds": cmd["n"], "direct": s._direct is not None, "first_mismatch": bad,
+                "counts": dev.transfer_counts()}
 
     def forge(cmd) -> dict:
         """Writes a metadata record (valid, then altered by ``set``) + its flag, as a sender would."""

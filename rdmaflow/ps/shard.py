@@ -379,16 +379,19 @@ class Shard:
                 self.run_sync()
             else:
                 self.run_async()
+            # One bound for every last reply: a worker that has left may never complete its flush.
+            deadline = Deadline(5.0)
             for w in range(self.nw):
                 if w in self.dead:
                     continue
                 for f in self._reply_futs[w]:
-                    f.wait(5.0)
+                    f.wait(deadline.left())
             self.stats["applied"] = list(self.applied)
             if os.environ.get("RDMAFLOW_PS_PROFILE"):
                 print(json.dumps({"event": "ps_profile", "shard": self.id, "steps": self.stats["steps"],
                                   **self.stats.get("profile", {})}), file=profile_stream(), flush=True)
-            self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
+            with contextlib.suppress(Exception):  # the store may have left with the workers already
+                self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
             return self.stats
         except Exception as e:
             reason = f"shard {self.id}: {e}"

@@ -1,0 +1,113 @@
+// Flagged writes as one active message (FlaggedWrites::Message): data and word travel together
+// and the target's handler applies them in order, the data with a copy and then the word with a
+// release store, so the word is never seen before the data on any transport, with no fence.
+// Over tcp a put is applied by the target's software anyway; what this saves is the strong
+// fence's round trip between the two puts (docs/transfer.md, "Flagged writes").
+#include <cstring>
+
+#include "internal.hpp"
+#include "wire.hpp"
+
+namespace rdmaflow {
+
+namespace {
+// What the message path carries; a larger flagged write takes the put path (UCX would switch a
+// larger message to rendezvous, a round trip of its own).
+constexpr size_t kMessageMaxBytes = size_t(64) << 10;
+}  // namespace
+
+bool flagged_by_message(FlaggedWrites mode, ucp_ep_h ep) {
+  if (mode != FlaggedWrites::Auto) return mode == FlaggedWrites::Message;
+  ucp_transport_entry_t entries[32];
+  ucp_ep_attr_t attr{};
+  attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+  attr.transports.entries = entries;
+  attr.transports.num_entries = 32;
+  attr.transports.entry_size = sizeof(entries[0]);
+  if (ucp_ep_query(ep, &attr) != UCS_OK || attr.transports.num_entries == 0) return false;
+  for (unsigned i = 0; i < attr.transports.num_entries; ++i)
+    if (std::strcmp(entries[i].transport_name, "tcp") != 0) return false;
+  return true;
+}
+
+bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t local_off,
+                                   size_t remote_off, size_t n, size_t word_remote_off,
+                                   uint64_t value) {
+  Channel* ch = word->ch.get();
+  // Puts still in flight on this endpoint are not ordered with a message: they keep the put path.
+  if (n > kMessageMaxBytes || ch->rma_pending_ != 0 || ch->failed() || !ch->ensure_ep() ||
+      !ch->flagged_by_message_)
+    return false;
+  // The op that carries the send: the data's, or the word's alone (an ack).
+  Op* lead = data ? data : word;
+  const RemoteRegion& r = *word->remote;
+  FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, data ? remote_off : 0, word_remote_off, value};
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = [](void* req, ucs_status_t st, void* user) {
+    Op* op = static_cast<Op*>(user);
+    op->ch->thread_->op_note(op, st);
+    ucp_request_free(req);
+  };
+  p.user_data = lead;
+  p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
+  if (data && data->local->memh_) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = data->local->memh_;
+  }
+  // lead: the send and the endpoint flush behind it; the word beside it: the flush alone.
+  lead->pending = 2;
+  lead->am = true;
+  ++ch->am_pending_;
+  t->device()->message_writes_.fetch_add(1, std::memory_order_relaxed);
+  void* laddr = data ? reinterpret_cast<char*>(data->local->addr_) + local_off : nullptr;
+  ucs_status_ptr_t sp =
+      ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h, laddr, data ? n : 0, &p);
+  if (UCS_PTR_IS_ERR(sp)) {
+    for (Op* op : {data, word}) {
+      if (!op) continue;
+      op->pending = 1;
+      t->op_note(op, UCS_PTR_STATUS(sp));
+    }
+    return true;
+  }
+  for (Op* op : {data, word})
+    if (op) ch->unflushed_.push_back(op);
+  t->mark_dirty(ch);
+  if (sp == nullptr) t->op_note(lead, UCS_OK);
+  return true;
+}
+
+// Runs on whichever thread drives the worker. The sender checked the ranges against the
+// region's authenticated descriptor; a message that names no live region of this device (freed
+// since, or not from a peer of this job) is dropped and counted, never applied.
+ucs_status_t Device::flagged_cb(void* arg, const void* header, size_t header_length, void* data,
+                                size_t length, const ucp_am_recv_param_t* param) {
+  auto* d = static_cast<Device*>(arg);
+  FlaggedHeader h{};
+  if (header_length != sizeof h || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    d->dropped_writes_.fetch_add(1, std::memory_order_relaxed);
+    return UCS_OK;
+  }
+  std::memcpy(&h, header, sizeof h);
+  std::shared_ptr<MemRegion> r;
+  {
+    std::lock_guard<std::mutex> lk(d->m_);
+    auto it = d->regions_.find(h.region_id);
+    if (it != d->regions_.end()) r = it->second.lock();
+  }
+  size_t len = r ? r->length_ : 0;
+  if (h.magic != kFlaggedMagic || !r || r->freed() || r->addr_ != h.region_addr ||
+      h.data_off > len || length > len - h.data_off || h.word_off > len || 8 > len - h.word_off ||
+      (h.word_off & 7)) {
+    d->dropped_writes_.fetch_add(1, std::memory_order_relaxed);
+    return UCS_OK;
+  }
+  char* base = reinterpret_cast<char*>(r->addr_);
+  if (length) std::memcpy(base + h.data_off, data, length);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(base + h.word_off), h.value, __ATOMIC_RELEASE);
+  return UCS_OK;
+}
+
+}  // namespace rdmaflow
