@@ -10,12 +10,6 @@
 
 namespace rdmaflow {
 
-namespace {
-// What the message path carries; a larger flagged write takes the put path (UCX would switch a
-// larger message to rendezvous, a round trip of its own).
-constexpr size_t kMessageMaxBytes = size_t(64) << 10;
-}  // namespace
-
 bool flagged_by_message(FlaggedWrites mode, ucp_ep_h ep) {
   if (mode != FlaggedWrites::Auto) return mode == FlaggedWrites::Message;
   ucp_transport_entry_t entries[32];
@@ -35,7 +29,8 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
                                    uint64_t value) {
   Channel* ch = word->ch.get();
   // Puts still in flight on this endpoint are not ordered with a message: they keep the put path.
-  if (n > kMessageMaxBytes || ch->rma_pending_ != 0 || ch->failed() || !ch->ensure_ep() ||
+  // Beyond kFlaggedMaxBytes UCX would switch a message to rendezvous, a round trip of its own.
+  if (n > kFlaggedMaxBytes || ch->rma_pending_ != 0 || ch->failed() || !ch->ensure_ep() ||
       !ch->flagged_by_message_)
     return false;
   // The op that carries the send: the data's, or the word's alone (an ack).

@@ -32,6 +32,8 @@ constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block
 constexpr size_t kMaxCtrlPayload = 1 << 20;
 
 constexpr uint16_t kFlaggedAmId = 0x5247;  // "RG"
+constexpr size_t kFlaggedMaxBytes = size_t(64) << 10;  // larger flagged writes take the put path
+constexpr const char* kFlaggedSegSize = "72k";      // UCX tcp segment that holds such a message
 constexpr uint64_t kFlaggedMagic = 0x31574752;  // "RGW1"
 // A flagged write's header: the payload goes to [data_off, data_off + payload length) of the
 // target's region, then `value` to the 8-byte word at word_off.
