@@ -54,6 +54,7 @@ request to land as its computation ends (adaptive pulling).
 """
 from __future__ import annotations
 
+from rdmaflow import WRITE
 from rdmaflow.ps.layout import MAX_CHUNKS
 
 FLAG = 64
@@ -66,6 +67,21 @@ CHUNK_BITS = 16
 def progress(version: int, chunk: int) -> int:
     """The reply-flag value once ``chunk`` chunks of weight ``version`` have landed."""
     return (version << CHUNK_BITS) | chunk
+
+
+def write_runs_then_flag(channel, region, remote, runs: list[tuple[int, int, int]], word_local: int,
+                         value: int, word_remote: int) -> list:
+    """WRITEs each run (local offset, remote offset, bytes) from ``region`` to ``remote``, then
+    ``value`` into the flag word at ``word_remote`` (sourced from ``word_local``): the flag never
+    lands before any run, nor before what the channel wrote earlier. The last run travels with
+    the flag as one ``write_flagged`` (over tcp one message, docs/transfer.md "Flagged writes").
+    Returns the futures."""
+    futs = [channel.memcpy(region, lo, remote, ro, n, WRITE) for lo, ro, n in runs[:-1]]
+    lo, ro, n = runs[-1] if runs else (0, 0, 0)
+    if not n:
+        channel.fence()  # write_flagged fences only behind its own data
+    futs.append(channel.write_flagged(region, lo, remote, ro, n, word_local, value, word_remote))
+    return futs
 
 
 def aligned(n: int) -> int:

@@ -16,7 +16,7 @@ from rdmaflow.ps import checkpoint
 from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest
 from rdmaflow.ps.optim import build_optimizer
-from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
+from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 
 POLL = 0.05
@@ -177,20 +177,15 @@ class Shard:
         ch, remote, wl = info["channel"], info["remote"], info["layout"]
         dst = info["base"] + wl.params_at(version - 1)
         isz = self.itemsize
-        futs = self._reply_futs[w]
         runs = self.chunk_runs[k - 1] if k else []
-        for u in runs:
-            futs.append(ch.memcpy(self.region, self.base + self.layout.weights + u.shard_offset * isz,
-                                  remote, dst + u.offset * isz, u.numel * isz, WRITE))
         self.stats["reply_writes"] += len(runs)
-        futs.append(self._flag(w, k, progress(version, k)))
-
-    def _flag(self, w: int, k: int, value: int):
-        info = self.workers[w]
-        info["channel"].fence()
-        self.reply_src[w][k] = value
-        return info["channel"].memcpy(self.region, self.base + self.layout.reply_src_at(w, k), info["remote"],
-                                      info["base"] + info["layout"].reply + FLAG * self.id, 8, WRITE)
+        # The chunk's runs, then its reply flag; the last run travels with the flag.
+        self._reply_futs[w].extend(write_runs_then_flag(
+            ch, self.region, remote,
+            [(self.base + self.layout.weights + u.shard_offset * isz, dst + u.offset * isz, u.numel * isz)
+             for u in runs],
+            self.base + self.layout.reply_src_at(w, k), progress(version, k),
+            info["base"] + wl.reply + FLAG * self.id))
 
     def _worker_died(self, w: int) -> bool:
         """Whether worker w is gone. Survivors go on (iRDMA §IV-D) while at least min_workers

@@ -39,7 +39,7 @@ from rdmaflow.ps.layout import (
     spec_of,
 )
 from rdmaflow.ps.optim import describe_optimizer
-from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress
+from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 
 POLL = 0.05
@@ -360,20 +360,25 @@ class Worker:
         if self._batch_bytes[s] >= BATCH_BYTES:
             self._write_batch(s, t)
 
-    def _write_batch(self, s: int, t: int) -> None:
-        """One WRITE per run of adjacent units in shard s's batch, into its slot for step t."""
+    def _batch_runs(self, s: int, t: int) -> list[tuple[int, int, int]]:
+        """Shard s's batch as runs of adjacent units (local offset, remote offset, bytes) into its
+        slot for step t; the batch is emptied."""
         if not self._batch[s]:
-            return
+            return []
         sh, isz = self.shards[s], self.itemsize
         src = self.base + self.layout.grads_at(self.gbuf)
         dst = sh["base"] + sh["layout"].gslot(self.id, t)
         runs = runs_of([self.units[u] for u in self._batch[s]])
-        for r in runs:
-            self._cur_futs.append(sh["channel"].memcpy(self.region, src + r.offset * isz, sh["remote"],
-                                                       dst + r.shard_offset * isz, r.numel * isz, WRITE))
         self.push_writes += len(runs)
         self._batch[s].clear()
         self._batch_bytes[s] = 0
+        return [(src + r.offset * isz, dst + r.shard_offset * isz, r.numel * isz) for r in runs]
+
+    def _write_batch(self, s: int, t: int) -> None:
+        """One WRITE per run of adjacent units in shard s's batch, into its slot for step t."""
+        sh = self.shards[s]
+        for lo, ro, n in self._batch_runs(s, t):
+            self._cur_futs.append(sh["channel"].memcpy(self.region, lo, sh["remote"], ro, n, WRITE))
 
     def _wait_pushes(self, buf: int) -> None:
         for f in self._push_futs[buf]:
@@ -407,12 +412,12 @@ class Worker:
                     self._push_unit(u, t)
             futs = []
             for s, sh in enumerate(self.shards):
-                self._write_batch(s, t)
-                ch = sh["channel"]
-                ch.fence()
-                self.push_src[s].fill_(t)
-                futs.append(ch.memcpy(self.region, self.base + self.layout.push_src + FLAG * s, sh["remote"],
-                                      sh["base"] + sh["layout"].push + FLAG * self.id, 8, WRITE))
+                # What is left of the batch, then the push flag; its last run travels with the flag.
+                written = write_runs_then_flag(sh["channel"], self.region, sh["remote"], self._batch_runs(s, t),
+                                               self.base + self.layout.push_src + FLAG * s, t,
+                                               sh["base"] + sh["layout"].push + FLAG * self.id)
+                self._cur_futs.extend(written[:-1])
+                futs.append(written[-1])
             self._push_futs[self.gbuf].extend(self._cur_futs + futs)
             self._cur_futs = []
             self._pushed = set()
