@@ -264,20 +264,16 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   Path word_path{word_local_off, word_remote_off, 8, true};
   auto task = [data, word, t, data_path, word_path, value]() {
     t->track(word);
-    if (data) {
-      t->track(data);
-      if (!data_path.same_host(t, data)) {
-        if (send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off,
-                                 data_path.n, word_path.remote_off, value))
-          return;
-        data_path.ucx(t, data);
-      }
-      // The word never lands before the data (mapped copies are ordered by running in order).
-      ucp_worker_fence(t->handle());
-    }
-    if (word_path.same_host(t, word)) return;
-    if (!data && send_flagged_message(t, nullptr, word, 0, 0, 0, word_path.remote_off, value)) return;
-    word_path.ucx(t, word);
+    if (data) t->track(data);
+    bool mapped = data && data_path.same_host(t, data);
+    if (!mapped && send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off,
+                                        data_path.n, word_path.remote_off, value))
+      return;
+    if (data && !mapped) data_path.ucx(t, data);
+    // The word never lands before the data, nor before what the channel posted earlier (mapped
+    // copies are ordered by running in order).
+    ucp_worker_fence(t->handle());
+    if (!word_path.same_host(t, word)) word_path.ucx(t, word);
   };
   if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
     if (data) unpost(data);

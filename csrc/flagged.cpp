@@ -33,10 +33,10 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
   if (n > kFlaggedMaxBytes || ch->rma_pending_ != 0 || ch->failed() || !ch->ensure_ep() ||
       !ch->flagged_by_message_)
     return false;
-  // The op that carries the send: the data's, or the word's alone (an ack).
+  // The op that carries the send: the data's, or the word's alone (n is 0: an ack).
   Op* lead = data ? data : word;
   const RemoteRegion& r = *word->remote;
-  FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, data ? remote_off : 0, word_remote_off, value};
+  FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, remote_off, word_remote_off, value};
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -47,18 +47,17 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
   };
   p.user_data = lead;
   p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
-  if (data && data->local->memh_) {
+  if (lead->local->memh_) {
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    p.memh = data->local->memh_;
+    p.memh = lead->local->memh_;
   }
   // lead: the send and the endpoint flush behind it; the word beside it: the flush alone.
   lead->pending = 2;
   lead->am = true;
   ++ch->am_pending_;
   t->device()->message_writes_.fetch_add(1, std::memory_order_relaxed);
-  void* laddr = data ? reinterpret_cast<char*>(data->local->addr_) + local_off : nullptr;
-  ucs_status_ptr_t sp =
-      ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h, laddr, data ? n : 0, &p);
+  void* laddr = reinterpret_cast<char*>(lead->local->addr_) + local_off;
+  ucs_status_ptr_t sp = ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h, laddr, n, &p);
   if (UCS_PTR_IS_ERR(sp)) {
     for (Op* op : {data, word}) {
       if (!op) continue;

@@ -179,6 +179,7 @@ class ProgressThread {
   void park();
   // Wakes the thread if it sleeps or parks (after a command was queued).
   void wake();
+  void unpark();  // signals the park eventfd
   // One round of driving the worker, with the lock held: commands, flushes, UCX progress.
   bool drive();
   bool run_commands();

@@ -61,11 +61,13 @@ bool ProgressThread::post(std::function<void()> fn) {
 
 void ProgressThread::wake() {
   if (sleeping_.load(std::memory_order_seq_cst)) ucp_worker_signal(w_);
-  if (parked_.load(std::memory_order_seq_cst)) {
-    uint64_t one = 1;
-    ssize_t r = write(park_fd_, &one, sizeof one);
-    (void)r;  // the counter is full only if the thread was woken already
-  }
+  if (parked_.load(std::memory_order_seq_cst)) unpark();
+}
+
+void ProgressThread::unpark() {
+  uint64_t one = 1;
+  ssize_t r = write(park_fd_, &one, sizeof one);
+  (void)r;  // the counter is full only if the thread was woken already
 }
 
 thread_local const ProgressThread* ProgressThread::driving_ = nullptr;
@@ -279,9 +281,7 @@ void ProgressThread::stop() {
   }
   stop_.store(true);
   ucp_worker_signal(w_);
-  uint64_t one = 1;
-  ssize_t r = write(park_fd_, &one, sizeof one);
-  (void)r;
+  unpark();
   thr_.join();
   // Whatever UCX did not complete fails here, after the thread is gone. The Ops stay allocated:
   // ucp_worker_destroy may still call back for requests it purges.

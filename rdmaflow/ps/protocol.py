@@ -78,8 +78,6 @@ def write_runs_then_flag(channel, region, remote, runs: list[tuple[int, int, int
     Returns the futures."""
     futs = [channel.memcpy(region, lo, remote, ro, n, WRITE) for lo, ro, n in runs[:-1]]
     lo, ro, n = runs[-1] if runs else (0, 0, 0)
-    if not n:
-        channel.fence()  # write_flagged fences only behind its own data
     futs.append(channel.write_flagged(region, lo, remote, ro, n, word_local, value, word_remote))
     return futs
 

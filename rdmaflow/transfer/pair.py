@@ -120,8 +120,8 @@ class Receiver(Endpoint):
         if prev is not None:
             prev.result(deadline.left())
         off = self._ack_block.offset + 8 * i
-        # Acks must land in order (a late smaller one would take credits back for good): they
-        # are 8-byte writes on one endpoint, one lane (tcp: one message each, applied in order).
+        # Acks must land in order (a late smaller one would take credits back for good):
+        # write_flagged fences before the word (tcp: one message each, applied in order).
         self._ack_futures[i] = channel.write_flagged(self.arena.region, off, remote, ack_off, 0, off, k, ack_off)
         self.acked = k
 
