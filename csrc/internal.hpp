@@ -175,7 +175,8 @@ class ProgressThread {
 
  private:
   void loop();
-  // Sleeps until a command is posted or kParkNs pass, without UCX's wakeup fd.
+  // Sleeps, without UCX's wakeup fd, until a command is posted or a look (every park_ns_,
+  // adaptive: progress.cpp) finds no waiter driving.
   void park();
   // Wakes the thread if it sleeps or parks (after a command was queued).
   void wake();
@@ -196,6 +197,7 @@ class ProgressThread {
   std::atomic<bool> sleeping_{false};
   std::atomic<bool> parked_{false};
   int park_fd_ = -1;  // eventfd that wakes a parked thread
+  long park_ns_ = 0;  // how long a park sleeps before it looks again (park(); this thread only)
   std::shared_ptr<std::atomic<int>> drivers_ = std::make_shared<std::atomic<int>>(0);
   std::mutex wm_;                     // the worker lock
   bool stopped_ = false;              // under wm_: the worker takes no more work

@@ -2,6 +2,7 @@
 // Other threads hand it closures (post); it runs them in order, progresses UCX, flushes the
 // endpoints that took WRITEs, and sleeps on the worker's wakeup fd when idle (unless
 // busy_poll). An Op's future completes here, on this thread, exactly once.
+#include <algorithm>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -227,12 +228,14 @@ void ProgressThread::loop() {
       idle_since = Clock::now();
       continue;
     }
-    if (cfg.busy_poll) continue;
-    if (seconds_since(idle_since) * 1e6 < cfg.spin_us) continue;
+    // A waiter driving the worker sees what arrives before this thread could: spinning (or
+    // sleeping on the wakeup fd) beside it would only take its core, even with busy_poll.
     if (drivers_->load() > 0) {
       park();  // idle_since stays: after the park, straight back to parking or sleeping
       continue;
     }
+    if (cfg.busy_poll) continue;
+    if (seconds_since(idle_since) * 1e6 < cfg.spin_us) continue;
     // Sleep on the wakeup fd until UCX has an event or another thread posts work.
     ucs_status_t st;
     {
@@ -251,17 +254,28 @@ void ProgressThread::loop() {
 }
 
 namespace {
-// How long a parked progress thread sleeps at most: UCX events that arrive after the last
-// driving waiter left wait this long at worst.
-constexpr long kParkNs = 500'000;
+// A parked progress thread looks every park_ns_ whether a waiter still drives the worker. Each
+// look is a wake-up, which on a virtual machine's two cores costs a round trip tens of us, so
+// the period adapts: it doubles (to kMaxParkNs) each time a look finds a waiter still driving,
+// and halves (to kMinParkNs) each time it finds none. UCX events that arrive after the last
+// driving waiter left wait at most one period: kMinParkNs in a process that mostly computes,
+// up to kMaxParkNs in one that mostly waits (and so comes back to drive within microseconds).
+constexpr long kMinParkNs = 500'000;
+constexpr long kMaxParkNs = 16'000'000;
 }  // namespace
 
 void ProgressThread::park() {
   parked_.store(true, std::memory_order_seq_cst);
-  if (qsize_.load(std::memory_order_seq_cst) == 0 && !stop_.load()) {
+  if (park_ns_ == 0) park_ns_ = kMinParkNs;
+  while (qsize_.load(std::memory_order_seq_cst) == 0 && !stop_.load()) {
     pollfd pfd{park_fd_, POLLIN, 0};
-    timespec ts{0, kParkNs};
-    ppoll(&pfd, 1, &ts, nullptr);
+    timespec ts{0, park_ns_};
+    if (ppoll(&pfd, 1, &ts, nullptr) != 0) break;  // a command, or stop
+    if (drivers_->load() == 0) {
+      park_ns_ = std::max(park_ns_ / 2, kMinParkNs);
+      break;
+    }
+    park_ns_ = std::min(park_ns_ * 2, kMaxParkNs);
   }
   parked_.store(false, std::memory_order_seq_cst);
   uint64_t drained;
