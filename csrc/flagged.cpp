@@ -3,6 +3,7 @@
 // release store, so the word is never seen before the data on any transport, with no fence.
 // Over tcp a put is applied by the target's software anyway; what this saves is the strong
 // fence's round trip between the two puts (docs/transfer.md, "Flagged writes").
+#include <algorithm>
 #include <cstring>
 
 #include "internal.hpp"
@@ -29,14 +30,14 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
                                    uint64_t value) {
   Channel* ch = word->ch.get();
   // Puts still in flight on this endpoint are not ordered with a message: they keep the put path.
-  // Beyond kFlaggedMaxBytes UCX would switch a message to rendezvous, a round trip of its own.
+  // Beyond kFlaggedMaxBytes the messages' extra copy on the target costs more than the fence.
   if (n > kFlaggedMaxBytes || ch->rma_pending_ != 0 || ch->failed() || !ch->ensure_ep() ||
       !ch->flagged_by_message_)
     return false;
-  // The op that carries the send: the data's, or the word's alone (n is 0: an ack).
+  // The op that carries the sends: the data's, or the word's alone (n is 0: an ack).
   Op* lead = data ? data : word;
   const RemoteRegion& r = *word->remote;
-  FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, remote_off, word_remote_off, value};
+  const size_t parts = std::max<size_t>(1, (n + kFlaggedPartBytes - 1) / kFlaggedPartBytes);
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -46,30 +47,41 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
     ucp_request_free(req);
   };
   p.user_data = lead;
+  // Eager: each message fits one UCX tcp segment (kFlaggedSegSize); rendezvous would add a round
+  // trip of its own.
   p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
   if (lead->local->memh_) {
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     p.memh = lead->local->memh_;
   }
-  // lead: the send and the endpoint flush behind it; the word beside it: the flush alone.
-  lead->pending = 2;
+  // lead: each send and the endpoint flush behind them; the word beside it: the flush alone.
+  lead->pending = int(parts) + 1;
   lead->am = true;
   ++ch->am_pending_;
   t->device()->message_writes_.fetch_add(1, std::memory_order_relaxed);
-  void* laddr = reinterpret_cast<char*>(lead->local->addr_) + local_off;
-  ucs_status_ptr_t sp = ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h, laddr, n, &p);
-  if (UCS_PTR_IS_ERR(sp)) {
-    for (Op* op : {data, word}) {
-      if (!op) continue;
-      op->pending = 1;
-      t->op_note(op, UCS_PTR_STATUS(sp));
+  const char* laddr = reinterpret_cast<const char*>(lead->local->addr_) + local_off;
+  for (size_t i = 0; i < parts; ++i) {
+    const size_t off = i * kFlaggedPartBytes, len = std::min(kFlaggedPartBytes, n - off);
+    FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, remote_off + off, word_remote_off, value, parts};
+    ucs_status_ptr_t sp = ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h,
+                                          const_cast<char*>(laddr + off), len, &p);
+    if (UCS_PTR_IS_ERR(sp) && i == 0) {
+      for (Op* op : {data, word}) {
+        if (!op) continue;
+        op->pending = 1;
+        t->op_note(op, UCS_PTR_STATUS(sp));
+      }
+      return true;
     }
-    return true;
+    if (UCS_PTR_IS_ERR(sp)) {  // parts already sent complete on their own; these never will
+      for (size_t j = i; j < parts; ++j) t->op_note(lead, UCS_PTR_STATUS(sp));
+      break;
+    }
+    if (sp == nullptr) t->op_note(lead, UCS_OK);
   }
   for (Op* op : {data, word})
     if (op) ch->unflushed_.push_back(op);
   t->mark_dirty(ch);
-  if (sp == nullptr) t->op_note(lead, UCS_OK);
   return true;
 }
 
@@ -92,7 +104,8 @@ ucs_status_t Device::flagged_cb(void* arg, const void* header, size_t header_len
     if (it != d->regions_.end()) r = it->second.lock();
   }
   size_t len = r ? r->length_ : 0;
-  if (h.magic != kFlaggedMagic || !r || r->freed() || r->addr_ != h.region_addr ||
+  if (h.magic != kFlaggedMagic || h.parts == 0 || h.parts > kFlaggedMaxBytes / kFlaggedPartBytes ||
+      !r || r->freed() || r->addr_ != h.region_addr ||
       h.data_off > len || length > len - h.data_off || h.word_off > len || 8 > len - h.word_off ||
       (h.word_off & 7)) {
     d->dropped_writes_.fetch_add(1, std::memory_order_relaxed);
@@ -100,6 +113,13 @@ ucs_status_t Device::flagged_cb(void* arg, const void* header, size_t header_len
   }
   char* base = reinterpret_cast<char*>(r->addr_);
   if (length) std::memcpy(base + h.data_off, data, length);
+  if (h.parts > 1) {  // the word waits for the write's last part, whichever that is
+    std::lock_guard<std::mutex> lk(d->parts_m_);
+    auto key = std::make_tuple(h.region_id, h.word_off, h.value);
+    uint64_t seen = ++d->parts_seen_[key];
+    if (seen < h.parts) return UCS_OK;
+    d->parts_seen_.erase(key);
+  }
   __atomic_store_n(reinterpret_cast<uint64_t*>(base + h.word_off), h.value, __ATOMIC_RELEASE);
   return UCS_OK;
 }

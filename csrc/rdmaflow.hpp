@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <tuple>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -191,8 +192,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // remote[remote_off..] (nothing when n is 0), a fence, then the 8-byte word `value`, stored
   // first into local[word_local_off] (its registered source, which no WRITE in flight may be
   // using) -> remote[word_remote_off]. The future completes when both are visible at the
-  // peer, or on the message path (FlaggedWrites; n of at most 64 KiB and no put of the
-  // channel outstanding) when the message has left: the word itself tells the peer. It fails
+  // peer, or on the message path (FlaggedWrites; n of at most 256 KiB and no put of the
+  // channel outstanding) when its messages have left: the word itself tells the peer. It fails
   // if either part failed. Throws like memcpy for either range.
   Future write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
                        const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
@@ -377,6 +378,10 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<uint64_t> next_region_{1};
   std::atomic<uint64_t> next_rpc_{1};
   std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0}, message_writes_{0}, dropped_writes_{0};
+  // flagged.cpp: the parts applied so far of flagged writes sent as several messages, by
+  // (region id, word offset, value); an entry goes when its last part stores the word.
+  std::mutex parts_m_;
+  std::map<std::tuple<uint64_t, uint64_t, uint64_t>, uint64_t> parts_seen_;
   bool map_enabled_ = false;
   std::unique_ptr<CopyPool> copier_;
   std::string boot_id_;

@@ -32,11 +32,14 @@ constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block
 constexpr size_t kMaxCtrlPayload = 1 << 20;
 
 constexpr uint16_t kFlaggedAmId = 0x5247;  // "RG"
-constexpr size_t kFlaggedMaxBytes = size_t(64) << 10;  // larger flagged writes take the put path
-constexpr const char* kFlaggedSegSize = "72k";      // UCX tcp segment that holds such a message
-constexpr uint64_t kFlaggedMagic = 0x31574752;  // "RGW1"
-// A flagged write's header: the payload goes to [data_off, data_off + payload length) of the
-// target's region, then `value` to the 8-byte word at word_off.
+constexpr size_t kFlaggedPartBytes = size_t(64) << 10;  // the data one message carries at most
+constexpr size_t kFlaggedMaxBytes = size_t(256) << 10;  // larger flagged writes take the put path
+constexpr const char* kFlaggedSegSize = "72k";      // UCX tcp segment that holds one message
+constexpr uint64_t kFlaggedMagic = 0x32574752;  // "RGW2"
+// A flagged write's message header: the payload goes to [data_off, data_off + payload length) of
+// the target's region. A write of more than kFlaggedPartBytes goes as `parts` messages, each with
+// its part of the data and the same word_off and value; the target stores `value` to the 8-byte
+// word at word_off once it has applied all `parts` of them, in whatever order they came.
 struct FlaggedHeader {
   uint64_t magic;
   uint64_t region_id;
@@ -44,6 +47,7 @@ struct FlaggedHeader {
   uint64_t data_off;
   uint64_t word_off;
   uint64_t value;
+  uint64_t parts;
 };
 
 enum CtrlType : uint32_t {

@@ -999,27 +999,29 @@ def test_waiting_wait_any_sleeps(tpeer, dev):
     assert used < 0.25 * took, f"wait_any used {used:.2f} CPU seconds in {took:.2f} s of waiting"
 
 
-@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (8 * MiB, 60)])
+@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (256 * 1024, 1000), (8 * MiB, 60)])
 def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev, transport, nbytes, n):
     """Both directions at once, each sender as fast as its credits allow (depth 2, so a slot is
     rewritten as soon as it is handed back): every tensor a receiver gets holds its own
     transfer number in every element, i.e. the flag of transfer k was never seen before k's
     data, on the same-host direct path (sm: copy + release store; 8 MiB is copied with
-    non-temporal stores) and over UCX: tcp up to 64 KiB as one active message applied data
-    first (the default there), tcp at 8 MiB and sm-cma as WRITE, fence, WRITE."""
+    non-temporal stores) and over UCX: tcp up to 256 KiB as active messages of at most 64 KiB
+    each, the flag stored with the last one applied (the default there), tcp at 8 MiB and sm-cma
+    as WRITE, fence, WRITE."""
     direct = transport == "sm"  # sm-cma turns rdmaflow's same-host path off: UCX's own sm moves the data
     theirs = race(tpeer(), dev, nbytes, n, direct)
     if not direct:
         for counts in (dev.transfer_counts(), theirs["counts"]):
-            assert_flagged_path(counts, n, by_message=transport == "tcp" and nbytes <= 64 * 1024)
+            assert_flagged_path(counts, n, by_message=transport == "tcp" and nbytes <= 256 * 1024)
 
 
 @pytest.mark.parametrize("transport,flagged,busy", [("tcp", "put", False), ("sm-cma", "message", False),
                                                    ("tcp", "message", True)], indirect=["transport"])
-@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000)])
+@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (256 * 1024, 1000)])
 def test_racing_on_each_flagged_path(tpeer, job_secret, transport, flagged, busy, nbytes, n):
-    """The race above with write_flagged's path forced: WRITE, fence, WRITE over tcp; one active
-    message over UCX's shared memory; and the message over tcp with busy-polling progress
+    """The race above with write_flagged's path forced: WRITE, fence, WRITE over tcp; active
+    messages (four of 64 KiB at 256 KiB) over UCX's shared memory; and the messages over tcp
+    with busy-polling progress
     threads, which then apply most messages while the receiving thread polls the flag (a
     receiver that drives the worker itself applies them before it looks)."""
     env = {"RDMAFLOW_FLAGGED_WRITES": flagged, "RDMAFLOW_TEST_BUSY_POLL": "1" if busy else "0"}
