@@ -1,11 +1,12 @@
 // FutureState: the completion of one memcpy or flush, shared by the issuer and the progress
 // thread that completes it.
-#include "rdmaflow.hpp"
+#include "internal.hpp"
 
 namespace rdmaflow {
 
 bool FutureState::wait(double timeout_s) {
   if (done()) return true;
+  ProgressThread::unpark_all();
   std::unique_lock<std::mutex> lk(m_);
   if (timeout_s < 0) {
     cv_.wait(lk, [&] { return done(); });

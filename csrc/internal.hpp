@@ -156,6 +156,10 @@ class ProgressThread {
   // Progresses the worker on the caller's thread unless someone else drives it: a waiting
   // receiver applies incoming puts itself (tcp) instead of waiting for the progress thread.
   void progress_now();
+  // Wakes every parked progress thread of the process. A thread about to block on a future
+  // calls it: it is no longer a driver, and the future's completion needs a progress thread
+  // that is not parked for up to a whole period (progress.cpp, park).
+  static void unpark_all();
   // Threads waiting on a word while they drive this worker (wait_word with drive): while there
   // are any, the progress thread parks instead of waking on UCX's events, so that each message
   // wakes one thread, not two. Shared so that a channel can count itself after the thread is gone.

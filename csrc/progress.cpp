@@ -3,6 +3,8 @@
 // endpoints that took WRITEs, and sleeps on the worker's wakeup fd when idle (unless
 // busy_poll). An Op's future completes here, on this thread, exactly once.
 #include <algorithm>
+#include <mutex>
+#include <set>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -39,7 +41,24 @@ ProgressThread::ProgressThread(Device* dev, int idx, ucp_context_h ctx) : dev_(d
   }
 }
 
+namespace {
+// Every started progress thread of the process, for unpark_all. Never destroyed: a device
+// may be closed after static destructors ran, at interpreter exit.
+struct Started {
+  std::mutex m;
+  std::set<ProgressThread*> threads;
+};
+Started& started() {
+  static Started* s = new Started;
+  return *s;
+}
+}  // namespace
+
 ProgressThread::~ProgressThread() {
+  {
+    std::lock_guard<std::mutex> lk(started().m);
+    started().threads.erase(this);
+  }
   if (thr_.joinable()) stop();
   if (w_) ucp_worker_destroy(w_);
   if (park_fd_ >= 0) close(park_fd_);
@@ -47,6 +66,14 @@ ProgressThread::~ProgressThread() {
 
 void ProgressThread::start() {
   thr_ = std::thread([this] { loop(); });
+  std::lock_guard<std::mutex> lk(started().m);
+  started().threads.insert(this);
+}
+
+void ProgressThread::unpark_all() {
+  std::lock_guard<std::mutex> lk(started().m);
+  for (ProgressThread* t : started().threads)
+    if (t->parked_.load(std::memory_order_seq_cst)) t->unpark();
 }
 
 bool ProgressThread::post(std::function<void()> fn) {

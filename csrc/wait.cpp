@@ -38,6 +38,8 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
   auto* p = reinterpret_cast<const uint64_t*>(addr);
   auto ready = [&] { return __atomic_load_n(p, __ATOMIC_ACQUIRE) >= value; };
   if (ready()) return WaitStatus::Ok;
+  // A waiter that does not drive relies on the progress threads (over UCX): none may stay parked.
+  if (!drive) ProgressThread::unpark_all();
   struct Counted {  // this waiter, counted in while it drives (ProgressThread::drivers)
     const Channel* ch;
     explicit Counted(const Channel* c) : ch(c) { if (ch) ch->count_driver(1); }
