@@ -52,6 +52,8 @@ Started& started() {
   static Started* s = new Started;
   return *s;
 }
+// How many progress threads are parked: a waiter that finds none skips the registry's mutex.
+std::atomic<int> g_parked{0};
 }  // namespace
 
 ProgressThread::~ProgressThread() {
@@ -71,6 +73,7 @@ void ProgressThread::start() {
 }
 
 void ProgressThread::unpark_all() {
+  if (g_parked.load(std::memory_order_seq_cst) == 0) return;
   std::lock_guard<std::mutex> lk(started().m);
   for (ProgressThread* t : started().threads)
     if (t->parked_.load(std::memory_order_seq_cst)) t->unpark();
@@ -293,6 +296,7 @@ constexpr long kMaxParkNs = 16'000'000;
 
 void ProgressThread::park() {
   parked_.store(true, std::memory_order_seq_cst);
+  g_parked.fetch_add(1, std::memory_order_seq_cst);
   if (park_ns_ == 0) park_ns_ = kMinParkNs;
   while (qsize_.load(std::memory_order_seq_cst) == 0 && !stop_.load()) {
     pollfd pfd{park_fd_, POLLIN, 0};
@@ -304,6 +308,7 @@ void ProgressThread::park() {
     }
     park_ns_ = std::min(park_ns_ * 2, kMaxParkNs);
   }
+  g_parked.fetch_sub(1, std::memory_order_seq_cst);
   parked_.store(false, std::memory_order_seq_cst);
   uint64_t drained;
   ssize_t r = read(park_fd_, &drained, sizeof drained);

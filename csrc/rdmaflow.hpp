@@ -31,12 +31,12 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <tuple>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
