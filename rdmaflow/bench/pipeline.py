@@ -93,7 +93,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
     ap.add_argument("--repeats", type=int, default=3, help="jobs per system and cell (default 3)")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads per stage (default: this host's cores / stages, at least 1)")
+                    help="torch threads per stage (default: this machine's cores / stages, at least 1, "
+                         "--hosts netns included: the namespaces share the machine's cores)")
     ap.add_argument("--seed", type=int, default=0, help="the models' weights, data and sequence lengths")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one job may take (default 600)")
     ap.add_argument("--out", default="bench-results/pipeline", help="directory of the CSV, JSON and plot")
@@ -271,8 +272,8 @@ def run(args) -> int:
             for rep in range(args.repeats):
                 order = systems[rep % len(systems):] + systems[:rep % len(systems)]
                 for c in cells:
-                    per_host = 1 if args.hosts == "netns" else c.stages
-                    threads = args.threads or max(1, (os.cpu_count() or 1) // per_host)
+                    # Namespace "hosts" share this machine's cores: every stage counts.
+                    threads = args.threads or max(1, (os.cpu_count() or 1) // c.stages)
                     for s in order:
                         t0 = time.monotonic()
                         try:
