@@ -249,10 +249,11 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
     else fut->complete_error(both->kind, both->error);
   };
   Op* data = nullptr;
+  Future data_fut;
   if (n) {
-    auto f = std::make_shared<FutureState>();
-    f->on_complete = part_done;
-    data = make_op(f, local, remote);
+    data_fut = std::make_shared<FutureState>();
+    data_fut->on_complete = part_done;
+    data = make_op(data_fut, local, remote);
   }
   auto wf = std::make_shared<FutureState>();
   wf->on_complete = part_done;
@@ -262,17 +263,38 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   ProgressThread* t = thread_;
   Path data_path{local_off, remote_off, n, true};
   Path word_path{word_local_off, word_remote_off, 8, true};
-  auto task = [data, word, t, data_path, word_path, value]() {
+  auto task = [data, data_fut, word, t, data_path, word_path, value]() {
     t->track(word);
     if (data) t->track(data);
+    Channel* ch = word->ch.get();
+    bool behind = !ch->deferred_.empty();  // an earlier word still waits: this one waits too
     bool mapped = data && data_path.same_host(t, data);
-    if (!mapped && send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off,
-                                        data_path.n, word_path.remote_off, value))
+    if (!mapped && !behind &&
+        send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off,
+                             data_path.n, word_path.remote_off, value))
       return;
-    if (data && !mapped) data_path.ucx(t, data);
+    if (data && !mapped) {
+      data_path.ucx(t, data);
+      if (ch->one_stream_ && !behind) {  // one tcp connection: the word follows the data's bytes
+        t->device()->stream_words_.fetch_add(1, std::memory_order_relaxed);
+        word_path.ucx(t, word);
+        return;
+      }
+      // Elsewhere the word is put once the data's flush has completed (post_ready_words), not
+      // behind a fence: UCX's strong fence holds every later operation of the worker back until
+      // everything before it has completed (docs/transfer.md, "Static placement").
+      ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off, data_fut});
+      t->note_deferred(ch);
+      return;
+    }
+    if (behind) {
+      ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off, nullptr});
+      t->note_deferred(ch);
+      return;
+    }
     // The word never lands before the data, nor before what the channel posted earlier (mapped
-    // copies are ordered by running in order).
-    ucp_worker_fence(t->handle());
+    // copies are ordered by running in order; one tcp connection by its stream).
+    if (!ch->one_stream_) ucp_worker_fence(t->handle());
     if (!word_path.same_host(t, word)) word_path.ucx(t, word);
   };
   if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
@@ -283,10 +305,36 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   return fut;
 }
 
+void Channel::post_ready_words(ProgressThread* t, bool now) {
+  while (!deferred_.empty()) {
+    DeferredWord& d = deferred_.front();
+    bool waiting = d.data && !d.data->done();  // its data's flush is pending
+    if (waiting && !now) return;
+    Op* word = d.word;
+    Path path{d.local_off, d.remote_off, 8, true};
+    bool failed = d.data && d.data->done() && !d.data->ok();
+    deferred_.pop_front();
+    if (failed) {
+      finish_now(t, word, UCS_ERR_CANCELED);  // the flagged write's future carries the data's error
+    } else if (now) {
+      ucp_worker_fence(t->handle());  // behind its data and the words before it
+      if (!path.same_host(t, word)) path.ucx(t, word);
+    } else if (!path.same_host(t, word)) {
+      t->device()->flushed_words_.fetch_add(1, std::memory_order_relaxed);
+      path.ucx(t, word);  // its data and every earlier word are visible: no fence needed
+    }
+  }
+}
+
 void Channel::fence() {
   open_device();
   ProgressThread* t = thread_;
-  if (!t->post_inline([t] { ucp_worker_fence(t->handle()); }))
+  // Words still waiting for their data go first, each behind a fence, so that what follows
+  // the fence lands after them too (a push's flag before the pull request behind it).
+  if (!t->post_inline([t, ch = shared_from_this()] {
+        ch->post_ready_words(t, true);
+        ucp_worker_fence(t->handle());
+      }))
     throw Error(ErrorKind::Closed, "device is closed");
 }
 
@@ -303,6 +351,7 @@ Future Channel::flush(Callback cb) {
         Channel* ch = op->ch.get();
         t->track(op);
         op->pending = 1;
+        ch->post_ready_words(t, true);  // the flush covers the words still waiting for their data
         if (!ch->ensure_ep()) {
           t->op_note(op, UCS_ERR_CONNECTION_RESET);
           return;
@@ -342,7 +391,9 @@ bool Channel::ensure_ep() {
     fail("cannot create a UCX endpoint to " + peer_->endpoint + ": " + ucs_error(st));
     return false;
   }
-  flagged_by_message_ = flagged_by_message(dev ? dev->config().flagged_writes : FlaggedWrites::Put, ep_);
+  const FlaggedWrites mode = dev ? dev->config().flagged_writes : FlaggedWrites::Put;
+  flagged_by_message_ = flagged_by_message(mode, ep_);
+  one_stream_ = one_tcp_stream(mode, ep_);
   thread_->add_channel(shared_from_this());
   return true;
 }
@@ -376,6 +427,10 @@ void Channel::drop_rkey(uint64_t region_id) {
 
 std::vector<ucs_status_ptr_t> Channel::close_ep(bool force) {
   std::vector<ucs_status_ptr_t> reqs;
+  // Words still waiting for their data go with the endpoint (their data is cancelled with it).
+  const ucs_status_t st = failed() ? UCS_ERR_CONNECTION_RESET : UCS_ERR_CANCELED;
+  for (auto& d : deferred_) finish_now(thread_, d.word, st);
+  deferred_.clear();
   for (auto& kv : rkeys_) ucp_rkey_destroy(kv.second);
   rkeys_.clear();
   mappings_.clear();

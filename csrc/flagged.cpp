@@ -5,34 +5,51 @@
 // fence's round trip between the two puts (docs/transfer.md, "Flagged writes").
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "internal.hpp"
 #include "wire.hpp"
 
 namespace rdmaflow {
 
-bool flagged_by_message(FlaggedWrites mode, ucp_ep_h ep) {
-  if (mode != FlaggedWrites::Auto) return mode == FlaggedWrites::Message;
+namespace {
+// How many of ep's lanes there are (0 if UCX cannot say) and whether every one is tcp.
+std::pair<unsigned, bool> tcp_lanes(ucp_ep_h ep) {
   ucp_transport_entry_t entries[32];
   ucp_ep_attr_t attr{};
   attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
   attr.transports.entries = entries;
   attr.transports.num_entries = 32;
   attr.transports.entry_size = sizeof(entries[0]);
-  if (ucp_ep_query(ep, &attr) != UCS_OK || attr.transports.num_entries == 0) return false;
+  if (ucp_ep_query(ep, &attr) != UCS_OK) return {0, false};
+  bool all_tcp = true;
   for (unsigned i = 0; i < attr.transports.num_entries; ++i)
-    if (std::strcmp(entries[i].transport_name, "tcp") != 0) return false;
-  return true;
+    all_tcp = all_tcp && std::strcmp(entries[i].transport_name, "tcp") == 0;
+  return {attr.transports.num_entries, all_tcp};
+}
+}  // namespace
+
+bool flagged_by_message(FlaggedWrites mode, ucp_ep_h ep) {
+  if (mode != FlaggedWrites::Auto) return mode == FlaggedWrites::Message;
+  auto [n, all_tcp] = tcp_lanes(ep);
+  return n > 0 && all_tcp;
+}
+
+bool one_tcp_stream(FlaggedWrites mode, ucp_ep_h ep) {
+  if (mode != FlaggedWrites::Auto) return false;
+  auto [n, all_tcp] = tcp_lanes(ep);
+  return n == 1 && all_tcp;
 }
 
 bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t local_off,
                                    size_t remote_off, size_t n, size_t word_remote_off,
                                    uint64_t value) {
   Channel* ch = word->ch.get();
-  // Puts still in flight on this endpoint are not ordered with a message: they keep the put path.
-  // Beyond kFlaggedMaxBytes the messages' extra copy on the target costs more than the fence.
-  if (n > kFlaggedMaxBytes || ch->rma_pending_ != 0 || ch->failed() || !ch->ensure_ep() ||
-      !ch->flagged_by_message_)
+  // Puts still in flight on this endpoint are not ordered with a message (unless the endpoint is
+  // one tcp connection): they keep the put path. Beyond kFlaggedMaxBytes the messages' extra
+  // copy on the target costs more than the put.
+  if (n > kFlaggedMaxBytes || (ch->rma_pending_ != 0 && !ch->one_stream_) || ch->failed() ||
+      !ch->ensure_ep() || !ch->flagged_by_message_)
     return false;
   // The op that carries the sends: the data's, or the word's alone (n is 0: an ack).
   Op* lead = data ? data : word;

@@ -61,6 +61,9 @@ std::string listening_endpoint(const std::string& configured, const sockaddr_sto
 // flagged.cpp
 // Whether write_flagged takes the message path on ep (FlaggedWrites::Auto: every lane is tcp).
 bool flagged_by_message(FlaggedWrites mode, ucp_ep_h ep);
+// Whether ep has a single lane and it is tcp: one connection, whose bytes the target's UCX
+// applies in the order they were sent (FlaggedWrites::Auto; false for Put and Message).
+bool one_tcp_stream(FlaggedWrites mode, ucp_ep_h ep);
 
 // same_host.cpp
 // Whether UCX_TLS leaves shared-memory transports on.
@@ -174,6 +177,8 @@ class ProgressThread {
   // Notes one of op's completions; the last one completes the future and deletes op.
   void op_note(Op* op, ucs_status_t st);
   void mark_dirty(Channel* ch);
+  // ch has words waiting for their data (Channel::deferred_): each drive posts the ready ones.
+  void note_deferred(Channel* ch);
   void add_channel(const std::shared_ptr<Channel>& ch) { channels_.push_back(ch); }
   std::vector<std::shared_ptr<Channel>>& channels() { return channels_; }
 
@@ -189,6 +194,7 @@ class ProgressThread {
   bool drive();
   bool run_commands();
   void flush_dirty();
+  void post_deferred();  // Channel::post_ready_words on each channel with deferred words
   void op_done(Op* op);
   void close_all();
   Device* dev_;
@@ -211,6 +217,7 @@ class ProgressThread {
   std::vector<std::function<void()>> q_;
   std::atomic<size_t> qsize_{0};
   std::vector<Channel*> dirty_;
+  std::vector<Channel*> deferred_;  // channels with words waiting for their data
   std::unordered_set<Op*> inflight_;
   std::vector<std::shared_ptr<Channel>> channels_;
 };

@@ -153,8 +153,27 @@ bool ProgressThread::drive() {
   flush_dirty();
   unsigned n = 0;
   while (ucp_worker_progress(w_) != 0) ++n;
+  post_deferred();
   flush_dirty();
   return did || n;
+}
+
+void ProgressThread::note_deferred(Channel* ch) {
+  if (!ch->deferred_listed_) {
+    ch->deferred_listed_ = true;
+    deferred_.push_back(ch);
+  }
+}
+
+void ProgressThread::post_deferred() {
+  if (deferred_.empty()) return;
+  std::vector<Channel*> chans;
+  chans.swap(deferred_);
+  for (Channel* ch : chans) {
+    ch->deferred_listed_ = false;
+    ch->post_ready_words(this);
+    if (!ch->deferred_.empty()) note_deferred(ch);
+  }
 }
 
 bool ProgressThread::run_commands() {

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -58,11 +59,13 @@ enum class Direction : int { Write = 0, Read = 1 };
 enum class SameHost : int { Off = 0, On = 1, Auto = 2 };
 
 // How Channel::write_flagged carries data + word over UCX (docs/transfer.md, "Flagged writes").
-//   Put      put, ucp_worker_fence, put: one-sided; on tcp the fence is strong (a round trip).
+//   Put      put the data; put the word once the data's endpoint flush has completed.
 //   Message  one active message whose handler at the target copies the data, then stores the
 //            word with a release store: ordered by the target's CPU on any transport.
 //   Auto     Message on endpoints whose every lane is tcp (whose puts the target's software
-//            applies anyway), Put elsewhere.
+//            applies anyway) up to 256 KiB; above it, on an endpoint of one tcp lane (one
+//            connection, applied in stream order), the word put right behind the data put;
+//            Put elsewhere.
 enum class FlaggedWrites : int { Auto = 0, Put = 1, Message = 2 };
 
 struct DeviceConfig {
@@ -184,17 +187,23 @@ class Channel : public std::enable_shared_from_this<Channel> {
                 const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
                 Direction dir, Callback cb);
   // Orders operations posted after it behind those posted before (ucp_worker_fence; mapped
-  // copies are ordered too, as they run in posting order).
+  // copies are ordered too, as they run in posting order), write_flagged words still waiting
+  // for their data included.
   void fence();
-  // Completes when every WRITE posted before it is visible at the peer.
+  // Completes when every WRITE posted before it is visible at the peer (write_flagged words
+  // still waiting for their data included).
   Future flush(Callback cb);
   // A transfer's post as one command to the progress thread: n bytes local[local_off..] ->
-  // remote[remote_off..] (nothing when n is 0), a fence, then the 8-byte word `value`, stored
-  // first into local[word_local_off] (its registered source, which no WRITE in flight may be
-  // using) -> remote[word_remote_off]. The future completes when both are visible at the
-  // peer, or on the message path (FlaggedWrites; n of at most 256 KiB and no put of the
-  // channel outstanding) when its messages have left: the word itself tells the peer. It fails
-  // if either part failed. Throws like memcpy for either range.
+  // remote[remote_off..] (nothing when n is 0), then the 8-byte word `value`, stored first
+  // into local[word_local_off] (its registered source, which no WRITE in flight may be using)
+  // -> remote[word_remote_off]. The word lands after the data, after everything the channel
+  // posted before the call, and after the word of every earlier write_flagged on the channel;
+  // operations posted later may land before it, unless a fence() stands between. Over UCX
+  // puts the word is put once the data's endpoint flush has completed, or right behind the
+  // data on an endpoint that is one tcp connection (FlaggedWrites). The future completes when
+  // both are visible at the peer, or on the message path (n of at most 256 KiB) when its
+  // messages have left: the word itself tells the peer. It fails if either part failed.
+  // Throws like memcpy for either range.
   Future write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
                        const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
                        size_t word_local_off, uint64_t value, size_t word_remote_off,
@@ -259,7 +268,20 @@ class Channel : public std::enable_shared_from_this<Channel> {
   int rma_pending_ = 0;  // UCX puts/gets not yet complete; mapped copies wait for them
   int am_pending_ = 0;   // flagged writes sent as messages, not yet flushed; mapped copies wait
   bool flagged_by_message_ = false;  // write_flagged's path on this endpoint (FlaggedWrites)
+  bool one_stream_ = false;  // Auto and one tcp lane: everything on ep_ lands in posting order
   bool dirty_ = false;
+  // write_flagged words waiting for their data's flush, in posting order (channel.cpp).
+  struct DeferredWord {
+    Op* word;
+    size_t local_off, remote_off;
+    Future data;  // null: the data needs no wait (none, or copied already)
+  };
+  std::deque<DeferredWord> deferred_;
+  bool deferred_listed_ = false;  // in thread_'s list of channels with deferred words
+  // Puts every deferred word whose data (and every earlier word's) has landed; fails the words
+  // whose data failed. now: puts every deferred word at once, each behind a fence (for fence()
+  // and flush(), which cover them). Progress thread.
+  void post_ready_words(ProgressThread* t, bool now = false);
   // Shared state.
   std::atomic<bool> failed_{false};
   mutable std::mutex m_;
@@ -304,6 +326,10 @@ class Device : public std::enable_shared_from_this<Device> {
   // of this device (dropped).
   uint64_t message_writes() const { return message_writes_.load(); }
   uint64_t dropped_writes() const { return dropped_writes_.load(); }
+  // Flagged writes over puts: words put once their data's flush completed, and words put right
+  // behind their data on an endpoint of one tcp lane (FlaggedWrites::Auto).
+  uint64_t flushed_words() const { return flushed_words_.load(); }
+  uint64_t stream_words() const { return stream_words_.load(); }
 
  private:
   friend class Channel;
@@ -378,6 +404,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<uint64_t> next_region_{1};
   std::atomic<uint64_t> next_rpc_{1};
   std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0}, message_writes_{0}, dropped_writes_{0};
+  std::atomic<uint64_t> flushed_words_{0}, stream_words_{0};
   // flagged.cpp: the parts applied so far of flagged writes sent as several messages, by
   // (region id, word offset, value); an entry goes when its last part stores the word.
   std::mutex parts_m_;

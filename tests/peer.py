@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 
 
@@ -60,6 +61,22 @@ def main() -> None:
             elif op == "read":
                 r = regions[cmd["name"]]
                 reply(ok=True, data=bytes(memoryview(r)[cmd["offset"] : cmd["offset"] + cmd["nbytes"]]).hex())
+            elif op == "watch":
+                # Polls an 8-byte marker until it reaches `until`: each time it has moved, the
+                # 8-byte flag must be at least as far (a WRITE posted after a fence lands after
+                # everything before the fence). Answers how often it was not, and how many
+                # marker values were seen.
+                words = regions[cmd["name"]].tensor(torch.int64, 2)
+                marker, seen, behind = 0, 0, 0
+                end = time.monotonic() + cmd["seconds"]
+                while marker < cmd["until"] and time.monotonic() < end:
+                    m = int(words[1])
+                    if m != marker:
+                        marker, seen = m, seen + 1
+                        behind += int(words[0]) < m
+                    else:
+                        time.sleep(0)
+                reply(ok=True, behind=behind, seen=seen, marker=marker)
             elif op == "free":
                 regions.pop(cmd["name"]).free()
                 reply(ok=True)

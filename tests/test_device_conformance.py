@@ -200,6 +200,36 @@ def test_fence_orders_data_before_flag(spawn_peer):
             assert data == digest(local, 0, size)
 
 
+def test_fence_covers_flags_waiting_for_their_data(spawn_peer):
+    """write_flagged on the put path (flagged_writes="put": its word is put once the data's flush
+    has completed) leaves the word waiting while 32 MiB are in flight; a WRITE posted after
+    fence() still lands after it: the peer, polling the marker that WRITE sets, never sees it
+    ahead of the flag. (With fence() not putting waiting words first, the marker ran ahead every
+    time.)"""
+    peer = spawn_peer()
+    size, rounds = 32 * MiB, 8
+    peer.call("alloc", name="d", nbytes=size + 4096)
+    with local_device(flagged_writes="put") as dev:
+        local = dev.alloc_region(size + 4096)
+        remote = dev.lookup_region(peer.endpoint, "d")
+        ch = dev.channel(peer.endpoint)
+        words = local.tensor(torch.int64, 2)  # [0]: the flag's source, [1]: the marker's
+        box: list = []
+        watcher = threading.Thread(target=lambda: box.append(
+            peer.call("watch", 90, name="d", until=rounds, seconds=60)))
+        watcher.start()
+        for k in range(1, rounds + 1):
+            f = ch.write_flagged(local, 4096, remote, 4096, size, 0, k, 0)
+            ch.fence()
+            words[1] = k
+            ch.memcpy(local, 8, remote, 8, 8, rdmaflow.WRITE).result(30)
+            f.result(30)
+        watcher.join(100)
+        assert box, "the peer did not answer"
+        assert box[0]["marker"] == rounds, box[0]
+        assert box[0]["behind"] == 0, f"a WRITE posted after fence() landed before the flag: {box[0]}"
+
+
 def test_region_tensor_views_share_memory(job_secret):
     with local_device() as dev:
         r = dev.alloc_region(1024)

@@ -171,6 +171,56 @@ def test_dead_peer_mid_transfer(spawn_peer):
             dev.channel(peer.endpoint)
 
 
+def test_dead_peer_with_flags_waiting_for_their_data(spawn_peer, transport):
+    """write_flagged on the put path (flagged_writes="put": each word is put once its data's
+    flush has completed): when the peer dies with words still waiting, every future ends
+    (ok, or PeerError) within its bound; none waits for a flush that never comes."""
+    peer = spawn_peer()
+    peer.call("alloc", name="r", nbytes=64 * MiB)
+    with local_device(flagged_writes="put") as dev:
+        local = dev.alloc_region(64 * MiB)
+        remote = dev.lookup_region(peer.endpoint, "r")
+        ch = dev.channel(peer.endpoint)
+        ch.write_flagged(local, 0, remote, 8, MiB, 0, 1, 0).result(30)
+        if transport != "sm":  # sm: the same-host mapping copies; elsewhere a put, then the word
+            assert dev.transfer_counts()["word_after_flush"] == 1, dev.transfer_counts()
+        futs = [ch.write_flagged(local, 0, remote, 8, 32 * MiB, 0, k, 0) for k in range(2, 18)]
+        peer.call("crash")
+        t0 = time.monotonic()
+        errors = 0
+        for f in futs:
+            assert f.wait(40), "a flagged write was left pending after its peer died"
+            errors += isinstance(f.exception(), rdmaflow.PeerError)
+        deadline = time.monotonic() + 30
+        while not errors and time.monotonic() < deadline:
+            try:
+                ch.write_flagged(local, 0, remote, 8, 4096, 0, 99, 0).result(30)
+            except rdmaflow.PeerError:
+                errors += 1
+            time.sleep(0.05)
+        assert errors, "a dead peer never produced a PeerError"
+        assert time.monotonic() - t0 < 60
+
+
+def test_close_with_flags_waiting_for_their_data(spawn_peer):
+    """close() with flagged writes whose words still wait for their data's flush: each future
+    ends, ok or DeviceClosedError, and close() itself is bounded."""
+    peer = spawn_peer()
+    peer.call("alloc", name="r", nbytes=64 * MiB)
+    dev = rdmaflow.Device("127.0.0.1:0", flagged_writes="put")
+    local = dev.alloc_region(64 * MiB)
+    remote = dev.lookup_region(peer.endpoint, "r")
+    ch = dev.channel(peer.endpoint)
+    futs = [ch.write_flagged(local, 0, remote, 8, 32 * MiB, 0, k, 0) for k in range(1, 17)]
+    t0 = time.monotonic()
+    dev.close()
+    assert time.monotonic() - t0 < 15
+    for f in futs:
+        assert f.wait(15), "a flagged write was left pending by close()"
+        e = f.exception()
+        assert e is None or isinstance(e, rdmaflow.DeviceClosedError), repr(e)
+
+
 def test_close_with_transfers_in_flight(spawn_peer):
     peer = spawn_peer()
     peer.call("alloc", name="r", nbytes=64 * MiB)

@@ -1006,20 +1006,24 @@ def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev,
     transfer number in every element, i.e. the flag of transfer k was never seen before k's
     data, on the same-host direct path (sm: copy + release store; 8 MiB is copied with
     non-temporal stores) and over UCX: tcp up to 256 KiB as active messages of at most 64 KiB
-    each, the flag stored with the last one applied (the default there), tcp at 8 MiB and sm-cma
-    as WRITE, fence, WRITE."""
+    each, the flag stored with the last one applied (the default there); tcp at 8 MiB as WRITE
+    and the flag's WRITE right behind it on the endpoint's one tcp connection (UCX_NET_DEVICES=lo:
+    one lane); sm-cma as WRITE, then the flag's WRITE once the data's flush has completed."""
     direct = transport == "sm"  # sm-cma turns rdmaflow's same-host path off: UCX's own sm moves the data
     theirs = race(tpeer(), dev, nbytes, n, direct)
     if not direct:
+        by_message = transport == "tcp" and nbytes <= 256 * 1024
+        words = None if by_message else ("stream" if transport == "tcp" else "flush")
         for counts in (dev.transfer_counts(), theirs["counts"]):
-            assert_flagged_path(counts, n, by_message=transport == "tcp" and nbytes <= 256 * 1024)
+            assert_flagged_path(counts, n, by_message=by_message, words=words)
 
 
 @pytest.mark.parametrize("transport,flagged,busy", [("tcp", "put", False), ("sm-cma", "message", False),
                                                    ("tcp", "message", True)], indirect=["transport"])
 @pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (256 * 1024, 1000)])
 def test_racing_on_each_flagged_path(tpeer, job_secret, transport, flagged, busy, nbytes, n):
-    """The race above with write_flagged's path forced: WRITE, fence, WRITE over tcp; active
+    """The race above with write_flagged's path forced: WRITE, then the flag's WRITE once the
+    data's flush has completed, over tcp; active
     messages (four of 64 KiB at 256 KiB) over UCX's shared memory; and the messages over tcp
     with busy-polling progress
     threads, which then apply most messages while the receiving thread polls the flag (a
@@ -1029,16 +1033,20 @@ def test_racing_on_each_flagged_path(tpeer, job_secret, transport, flagged, busy
         d.create_arena(64 * MiB)
         theirs = race(tpeer(**env), d, nbytes, n, direct=False)
         for counts in (d.transfer_counts(), theirs["counts"]):
-            assert_flagged_path(counts, n, by_message=flagged == "message")
+            assert_flagged_path(counts, n, by_message=flagged == "message",
+                                words=None if flagged == "message" else "flush")
 
 
-def assert_flagged_path(counts: dict, n: int, by_message: bool) -> None:
+def assert_flagged_path(counts: dict, n: int, by_message: bool, words: str | None = None) -> None:
     """A device's transfer_counts() after sending n transfers: each went as one message, or as
-    two puts (data, flag); none arriving was dropped."""
+    two puts (data, flag), the flag's put right behind the data's (``words="stream"``) or once
+    the data's flush completed (``"flush"``); none arriving was dropped."""
     if by_message:
         assert counts["message"] >= n and counts["ucx"] < n, counts
     else:
         assert counts["ucx"] >= 2 * n, counts
+    if words is not None:
+        assert counts["word_in_stream" if words == "stream" else "word_after_flush"] >= n, counts
     assert counts["dropped"] == 0, counts
 
 

@@ -1,0 +1,78 @@
+"""Two processes stream a static tensor one way through the public API; the receiver prints the
+distribution of the time between arrivals, and how much of the run went to stalls.
+
+    python examples/static_stream.py [SIZE_BYTES] [TRANSFERS] [DEPTH]
+    UCX_TLS=tcp UCX_NET_DEVICES=lo python examples/static_stream.py 1048576 2000 2
+
+The sender sends as fast as its credits allow (the receiver's DEPTH slots); the receiver reduces
+each tensor (max) as `rdmaflow bench transfer` does, then takes the next. The first process
+starts the second; they find each other through a temporary directory.
+"""
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import rdmaflow
+from rdmaflow.transfer import StaticReceiver, StaticSender
+
+STALL_S = 2e-3  # an arrival gap this long is a stall: several times a transfer's time here
+
+
+def main() -> None:
+    size = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20
+    count = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
+    depth = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    role = sys.argv[4] if len(sys.argv) > 4 else "send"
+    torch.set_num_threads(1)
+    os.environ.setdefault("RDMAFLOW_JOB_SECRET", os.urandom(16).hex())
+    if role == "send":
+        rendezvous = tempfile.mkdtemp(prefix="rdmaflow-stream-")
+        child = subprocess.Popen([sys.executable, __file__, str(size), str(count), str(depth), "recv", rendezvous])
+    else:
+        rendezvous = sys.argv[5]
+    where = os.path.join(rendezvous, "receiver")
+    dev = rdmaflow.Device("127.0.0.1:0")
+    dev.create_arena(max(64 << 20, 4 * depth * size))
+    numel = size // 4
+    if role == "recv":
+        receiver = StaticReceiver(dev, "stream", (numel,), torch.float32, depth=depth)
+        with open(where + ".tmp", "w") as f:
+            f.write(dev.endpoint)
+        os.rename(where + ".tmp", where)
+        arrivals = []
+        for _ in range(count):
+            float(receiver.recv().max())
+            arrivals.append(time.perf_counter())
+        receiver.release()
+        gaps = sorted(b - a for a, b in itertools.pairwise(arrivals))
+        n, span = len(gaps), arrivals[-1] - arrivals[0]
+        stalls = [g for g in gaps if g > STALL_S]
+        us = [1e6 * gaps[int(q * (n - 1))] for q in (0.5, 0.9, 0.99, 1.0)]
+        print(f"{size} B, depth {depth}: {size * n / span / 1e9:.2f} GB/s; between arrivals median "
+              f"{us[0]:.0f} us, p90 {us[1]:.0f}, p99 {us[2]:.0f}, max {us[3]:.0f}; {len(stalls)} of {n} "
+              f"over {STALL_S * 1e3:.0f} ms, {sum(stalls) / span:.0%} of the run")
+        time.sleep(0.3)  # the sender's last wait for credits ends before this process goes
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(where):
+            if time.monotonic() > deadline:
+                raise SystemExit("the receiver did not start within 60 s")
+            time.sleep(0.01)
+        with open(where) as f:
+            sender = StaticSender(dev, f.read(), "stream", mode="zerocopy")
+        x = dev.empty((numel,), torch.float32)
+        x.fill_(1)
+        for _ in range(count):
+            sender.send(x)
+        sender.wait_consumed(timeout=60)
+        child.wait(60)
+    dev.close()
+
+
+if __name__ == "__main__":
+    main()
