@@ -333,7 +333,8 @@ void Channel::fence() {
   // the fence lands after them too (a push's flag before the pull request behind it).
   if (!t->post_inline([t, ch = shared_from_this()] {
         ch->post_ready_words(t, true);
-        ucp_worker_fence(t->handle());
+        // One tcp connection orders everything on it: UCX's strong fence would only wait.
+        if (!ch->one_stream_) ucp_worker_fence(t->handle());
       }))
     throw Error(ErrorKind::Closed, "device is closed");
 }

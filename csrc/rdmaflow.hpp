@@ -186,9 +186,10 @@ class Channel : public std::enable_shared_from_this<Channel> {
   Future memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off,
                 const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
                 Direction dir, Callback cb);
-  // Orders operations posted after it behind those posted before (ucp_worker_fence; mapped
-  // copies are ordered too, as they run in posting order), write_flagged words still waiting
-  // for their data included.
+  // Orders operations posted after it on this channel behind those posted before
+  // (ucp_worker_fence; nothing on an endpoint that is one tcp connection, whose stream orders
+  // them; mapped copies are ordered too, as they run in posting order), write_flagged words
+  // still waiting for their data included.
   void fence();
   // Completes when every WRITE posted before it is visible at the peer (write_flagged words
   // still waiting for their data included).
