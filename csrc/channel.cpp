@@ -273,22 +273,19 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
         send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off,
                              data_path.n, word_path.remote_off, value))
       return;
-    if (data && !mapped) {
-      data_path.ucx(t, data);
-      if (ch->one_stream_ && !behind) {  // one tcp connection: the word follows the data's bytes
-        t->device()->stream_words_.fetch_add(1, std::memory_order_relaxed);
-        word_path.ucx(t, word);
-        return;
-      }
-      // Elsewhere the word is put once the data's flush has completed (post_ready_words), not
-      // behind a fence: UCX's strong fence holds every later operation of the worker back until
-      // everything before it has completed (docs/transfer.md, "Static placement").
-      ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off, data_fut});
-      t->note_deferred(ch);
+    const bool put_data = data && !mapped;
+    if (put_data) data_path.ucx(t, data);
+    if (put_data && ch->one_stream_ && !behind) {  // one tcp connection: the word follows the data
+      t->device()->stream_words_.fetch_add(1, std::memory_order_relaxed);
+      word_path.ucx(t, word);
       return;
     }
-    if (behind) {
-      ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off, nullptr});
+    if (put_data || behind) {
+      // The word is put once the data's flush (and every earlier word) has completed
+      // (post_ready_words), not behind a fence: UCX's strong fence holds every later operation
+      // of the worker back until everything before it has completed (docs/transfer.md).
+      ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off,
+                               put_data ? data_fut : nullptr});
       t->note_deferred(ch);
       return;
     }
@@ -320,7 +317,7 @@ void Channel::post_ready_words(ProgressThread* t, bool now) {
       ucp_worker_fence(t->handle());  // behind its data and the words before it
       if (!path.same_host(t, word)) path.ucx(t, word);
     } else if (!path.same_host(t, word)) {
-      t->device()->flushed_words_.fetch_add(1, std::memory_order_relaxed);
+      if (d.data) t->device()->flushed_words_.fetch_add(1, std::memory_order_relaxed);
       path.ucx(t, word);  // its data and every earlier word are visible: no fence needed
     }
   }
@@ -392,9 +389,10 @@ bool Channel::ensure_ep() {
     fail("cannot create a UCX endpoint to " + peer_->endpoint + ": " + ucs_error(st));
     return false;
   }
-  const FlaggedWrites mode = dev ? dev->config().flagged_writes : FlaggedWrites::Put;
-  flagged_by_message_ = flagged_by_message(mode, ep_);
-  one_stream_ = one_tcp_stream(mode, ep_);
+  const EndpointPaths paths =
+      flagged_paths(dev ? dev->config().flagged_writes : FlaggedWrites::Put, ep_);
+  flagged_by_message_ = paths.by_message;
+  one_stream_ = paths.one_stream;
   thread_->add_channel(shared_from_this());
   return true;
 }

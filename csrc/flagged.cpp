@@ -5,40 +5,24 @@
 // fence's round trip between the two puts (docs/transfer.md, "Flagged writes").
 #include <algorithm>
 #include <cstring>
-#include <utility>
 
 #include "internal.hpp"
 #include "wire.hpp"
 
 namespace rdmaflow {
 
-namespace {
-// How many of ep's lanes there are (0 if UCX cannot say) and whether every one is tcp.
-std::pair<unsigned, bool> tcp_lanes(ucp_ep_h ep) {
+EndpointPaths flagged_paths(FlaggedWrites mode, ucp_ep_h ep) {
+  if (mode != FlaggedWrites::Auto) return {mode == FlaggedWrites::Message, false};
   ucp_transport_entry_t entries[32];
   ucp_ep_attr_t attr{};
   attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
   attr.transports.entries = entries;
   attr.transports.num_entries = 32;
   attr.transports.entry_size = sizeof(entries[0]);
-  if (ucp_ep_query(ep, &attr) != UCS_OK) return {0, false};
-  bool all_tcp = true;
+  if (ucp_ep_query(ep, &attr) != UCS_OK || attr.transports.num_entries == 0) return {false, false};
   for (unsigned i = 0; i < attr.transports.num_entries; ++i)
-    all_tcp = all_tcp && std::strcmp(entries[i].transport_name, "tcp") == 0;
-  return {attr.transports.num_entries, all_tcp};
-}
-}  // namespace
-
-bool flagged_by_message(FlaggedWrites mode, ucp_ep_h ep) {
-  if (mode != FlaggedWrites::Auto) return mode == FlaggedWrites::Message;
-  auto [n, all_tcp] = tcp_lanes(ep);
-  return n > 0 && all_tcp;
-}
-
-bool one_tcp_stream(FlaggedWrites mode, ucp_ep_h ep) {
-  if (mode != FlaggedWrites::Auto) return false;
-  auto [n, all_tcp] = tcp_lanes(ep);
-  return n == 1 && all_tcp;
+    if (std::strcmp(entries[i].transport_name, "tcp") != 0) return {false, false};
+  return {true, attr.transports.num_entries == 1};
 }
 
 bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t local_off,

@@ -59,11 +59,13 @@ sockaddr_storage resolve(const std::string& ep, socklen_t* len, bool passive);
 std::string listening_endpoint(const std::string& configured, const sockaddr_storage& bound);
 
 // flagged.cpp
-// Whether write_flagged takes the message path on ep (FlaggedWrites::Auto: every lane is tcp).
-bool flagged_by_message(FlaggedWrites mode, ucp_ep_h ep);
-// Whether ep has a single lane and it is tcp: one connection, whose bytes the target's UCX
-// applies in the order they were sent (FlaggedWrites::Auto; false for Put and Message).
-bool one_tcp_stream(FlaggedWrites mode, ucp_ep_h ep);
+// write_flagged's paths on ep, from one ucp_ep_query. by_message: the message path
+// (FlaggedWrites::Auto: every lane is tcp). one_stream: Auto and a single lane that is tcp, one
+// connection whose bytes the target's UCX applies in the order they were sent.
+struct EndpointPaths {
+  bool by_message, one_stream;
+};
+EndpointPaths flagged_paths(FlaggedWrites mode, ucp_ep_h ep);
 
 // same_host.cpp
 // Whether UCX_TLS leaves shared-memory transports on.
