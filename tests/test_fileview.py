@@ -14,8 +14,10 @@ Skipped, with the reason, only where the machine has no FUSE (/dev/fuse, libfuse
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -203,6 +206,74 @@ def test_c_client_does_one_step(tmp_path):
         assert j.stop_mount(0) == 0, j.logs()
 
 
+def _aio_writes(fd: int, requests: list[tuple[int, bytes]]) -> None:
+    from rdmaflow.bench.aio import PWRITE, Aio
+
+    bufs = [ctypes.create_string_buffer(data, len(data)) for _, data in requests]
+    with Aio(32) as aio:
+        aio.run(fd, PWRITE, [(ctypes.addressof(b), len(data), at) for b, (at, data) in zip(bufs, requests)])
+
+
+def _cut(rng, lo: int, hi: int, unit: int, count: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut at ``count`` random multiples of ``unit``, as (start, stop) pairs."""
+    cuts = sorted({lo, hi, *(rng.integers(lo // unit + 1, hi // unit, count) * unit).tolist()})
+    return list(itertools.pairwise(cuts))
+
+
+@pytest.mark.parametrize("client", ["aio-dsync", "threads"])
+def test_concurrent_writes_push_exactly_their_sum(tmp_path, client):
+    """Many writes in flight at once: Linux AIO on O_DIRECT|O_DSYNC descriptors (each write
+    returns once its bytes are in the shard's memory), or a thread pool of plain pwrites (each
+    returns once posted). Blocks of 4 KiB (1024 elements), each step's writes in random order:
+
+    - blocks 0-2 written once, cut at random elements: the step does not send them again, so
+      the writes' own WRITEs must have put every element in place;
+    - block 3 cut at random bytes (elements split between writes) and block 4 written, then
+      partly written again: the step sends both again, after a fence;
+    - block 5 written in step 1 only: step 2 sends its zeros (its slot still holds step 1's).
+
+    The second step's writes come right behind the first step's fsync, so they wait for the
+    blocks' new weights (delivered in chunks of 4 KiB). The weights end as SGD on the sums."""
+    n, lr, init = 6000, 1.0, 0.5
+    decl = tmp_path / "model.json"
+    decl.write_text(json.dumps({"variables": [{"name": "flat", "shape": [n], "dtype": "float32", "init": init}],
+                                "optimizer": {"name": "SGD", "lr": lr}}))
+    rng = np.random.default_rng(7)
+    with MountJob(tmp_path, {}) as j:
+        j.start_mounts(1, 1, str(decl), "--block-bytes", "4096", extra={"RDMAFLOW_PS_CHUNK_BYTES": "4096"})
+        m = j.mounts[0]
+        flags = os.O_DIRECT | os.O_DSYNC if client == "aio-dsync" else 0
+        grad = os.open(f"{m}/grad", os.O_WRONLY | flags)
+        expected = np.full(n, init, np.float32)
+        pool = ThreadPoolExecutor(16)
+        for step in range(2):
+            g = rng.standard_normal(n).astype(np.float32)
+            again = np.zeros(n, np.float32)
+            again[4200:4700] = rng.standard_normal(500).astype(np.float32)
+            if step == 1:
+                g[5120:] = 0.0
+            raw = g.tobytes()
+            spans = _cut(rng, 0, 4 * 3072, 4, 20) + _cut(rng, 4 * 3072, 4 * 4096, 1, 20) + _cut(rng, 4 * 4096, 4 * 5120, 4, 5)
+            if step == 0:
+                spans += _cut(rng, 4 * 5120, 4 * n, 4, 3)
+            requests = [(a, raw[a:b]) for a, b in spans]
+            requests += [(4 * a, again[a : a + 100].tobytes()) for a in range(4200, 4700, 100)]
+            requests = [requests[i] for i in rng.permutation(len(requests))]
+            if client == "aio-dsync":
+                _aio_writes(grad, requests)
+            else:
+                assert list(pool.map(lambda r: os.pwrite(grad, r[1], r[0]), requests)) == [len(d) for _, d in requests]
+            os.fsync(grad)
+            expected -= lr * (g + again)
+        pool.shutdown()
+        weights = os.open(f"{m}/weights", os.O_RDONLY)
+        np.testing.assert_allclose(np.frombuffer(os.pread(weights, 4 * n, 0), np.float32), expected, rtol=1e-5,
+                                   atol=1e-5)
+        os.close(grad)
+        os.close(weights)
+        assert j.stop_mount(0) == 0, j.logs()
+
+
 def _oserror(fn) -> int:
     try:
         fn()
@@ -257,38 +328,41 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         assert not is_mounted(m)
 
 
-def test_unmount_with_a_push_in_flight_fails_it_and_tells_the_job(tmp_path):
-    """Two workers in sync mode; worker 0 pushes and waits for worker 1, which never pushes.
-    SIGTERM to worker 0's mount: the waiting fsync fails with EIO, the mount is gone, and the
-    job is aborted with the reason: the shard stops, and worker 1's idle mount unmounts itself."""
+@pytest.mark.parametrize("in_flight", ["read", "step"])
+def test_unmount_with_a_step_in_flight_fails_it_and_tells_the_job(tmp_path, in_flight):
+    """Two workers in sync mode; worker 0 pushes (fsync returns once the push has landed) and
+    worker 1 never does, so step 1's weights never come. SIGTERM to worker 0's mount, with a
+    read of the weights waiting for them ("read": it fails with EIO) or with nothing waiting
+    ("step": the mount gives the weights a few seconds): the mount is gone, and the job is
+    aborted with the reason: the shard stops, and worker 1's idle mount unmounts itself."""
     decl = declaration(tmp_path / "model.json")
     with MountJob(tmp_path, {}) as j:
         j.start_mounts(2, 1, decl)
         m = j.mounts[0]
         grad = os.open(f"{m}/grad", os.O_WRONLY)
+        weights = os.open(f"{m}/weights", os.O_RDONLY)
         os.pwrite(grad, b"\0" * 4, 0)
+        os.fsync(grad)
         result: dict = {}
-        started = threading.Event()
-
-        def push():
-            started.set()
-            result["errno"] = _oserror(lambda: os.fsync(grad))
-
-        t = threading.Thread(target=push, daemon=True)
-        t.start()
-        started.wait(10)
-        time.sleep(1.0)  # let the fsync reach the mount (no assertion depends on how long it takes)
+        t = threading.Thread(target=lambda: result.update(errno=_oserror(lambda: os.pread(weights, 4, 0))),
+                             daemon=True)
+        if in_flight == "read":
+            t.start()
+            time.sleep(1.0)  # let the read reach the mount (no assertion depends on how long it takes)
         rc = j.stop_mount(0)
-        t.join(DETECT_TIMEOUT)
-        assert not t.is_alive(), "the fsync in flight never returned"
-        assert result["errno"] in (errno.EIO, errno.ENOTCONN), result
+        if in_flight == "read":
+            t.join(DETECT_TIMEOUT)
+            assert not t.is_alive(), "the read in flight never returned"
+            assert result["errno"] in (errno.EIO, errno.ENOTCONN), result
         assert rc != 0, j.logs()
         assert not is_mounted(m)
-        assert _oserror(lambda: os.close(grad)) in (0, errno.ENOTCONN)  # the connection was ended
-        assert "unmounted with requests in flight" in j.proc("worker0").output(), j.logs()
+        for fd in (grad, weights):
+            assert _oserror(lambda fd=fd: os.close(fd)) in (0, errno.ENOTCONN)  # the connection was ended
+        said = {"read": "unmounted with requests in flight", "step": "unmounted with step 1 pushed"}[in_flight]
+        assert said in j.proc("worker0").output(), j.logs()
         rcs = j.wait(DETECT_TIMEOUT)
         assert rcs["shard0"] != 0 and rcs["worker1"] != 0, rcs
-        assert "unmounted with requests in flight" in j.proc("shard0").output(), j.logs()
+        assert said in j.proc("shard0").output(), j.logs()
         assert "the job was aborted" in j.proc("worker1").output(), j.logs()
         assert not is_mounted(j.mounts[1])  # the idle mount saw the abort and unmounted itself
 
@@ -323,7 +397,8 @@ def test_bad_mountpoint_and_unreachable_job(tmp_path):
 
 def test_bench_file_runs_and_writes_its_outputs(tmp_path):
     """A short run of `rdmaflow bench file`'s code path (no timing is asserted): both jobs run,
-    every cell is measured, and the table, CSV, JSON profile and plot are written."""
+    every cell of every client (synchronous, asynchronous through Linux AIO, plain) is
+    measured, and the table, CSV, JSON profile and plot are written."""
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "file", "--sizes", "64K,1M", "--model-bytes", "1M",
                         "--steps", "1", "--repeats", "1", "--out", str(out)],
@@ -332,8 +407,9 @@ def test_bench_file_runs_and_writes_its_outputs(tmp_path):
     assert "file-qd32 / file-qd1 at 1M" in r.stdout, r.stdout
     rows = (out / "file.csv").read_text().splitlines()
     systems = {line.split(",")[0] for line in rows[1:]}
-    assert systems == {"file-qd1", "file-qd32", "python-api"}, rows
-    assert len(rows) == 1 + 3 * 2
+    files = {"file-qd1", "file-qd32", "file-plain-qd1"}
+    assert systems == files | {"python-api"}, rows
+    assert len(rows) == 1 + 4 * 2
     doc = json.loads((out / "file.json").read_text())
-    assert {(p["qd"], p["block"]) for p in doc["profile"]} == {(q, b) for q in (1, 32) for b in (65536, 1 << 20)}
+    assert {(p["system"], p["block"]) for p in doc["profile"]} == {(f, b) for f in files for b in (65536, 1 << 20)}
     assert (out / "file.png").stat().st_size > 0

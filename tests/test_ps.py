@@ -35,7 +35,7 @@ from conftest import HERE
 from typing_extensions import Self
 
 from rdmaflow.bench.perftest import ucx_env
-from rdmaflow.ps.layout import make_plan, runs_of, spec_of
+from rdmaflow.ps.layout import Unit, covered_once, make_plan, runs_of, spec_of
 from rdmaflow.testing.netns import TwoHosts, netns_unavailable_reason
 
 JOBS = os.path.join(HERE, "ps_jobs")
@@ -301,6 +301,23 @@ def test_variable_policy_places_contiguous_balanced_runs():
             assert len(runs_of(plan.units_of(s))) == 1, (shards, s)
     block = make_plan(spec, 2, "block", 256)
     assert len(runs_of(block.units_of(0))) == len(block.units_of(0)) > 1
+
+
+def test_covered_once_tells_units_a_step_need_not_send_again():
+    """The units that ranges written ahead of a step (DistributedOptimizer.push_range, the file
+    view) cover whole and exactly once; the others they touch are sent again by the step."""
+    units = [Unit(i, i % 2, 10 * i, 10, 10 * (i // 2), f"block {i}") for i in range(5)]  # [0, 50)
+    assert covered_once(units, []) == (set(), set())
+    assert covered_once(units, [(0, 50)]) == ({0, 1, 2, 3, 4}, {0, 1, 2, 3, 4})
+    # Adjacent ranges, in any order, cover exactly once; a unit partly covered is only touched.
+    assert covered_once(units, [(10, 20), (0, 10), (20, 25)]) == ({0, 1}, {0, 1, 2})
+    # Overlapping ranges: every unit the overlap touches is sent again, the rest are not.
+    assert covered_once(units, [(0, 30), (29, 31), (31, 50)]) == ({0, 1, 3, 4}, {0, 1, 2, 3, 4})
+    assert covered_once(units, [(0, 50), (12, 13)]) == ({0, 2, 3, 4}, {0, 1, 2, 3, 4})
+    # An element split between two writes: both ranges hold it (the file view's outward rounding).
+    assert covered_once(units, [(0, 5), (4, 10), (10, 20)]) == ({1}, {0, 1})
+    # Empty ranges count for nothing.
+    assert covered_once(units, [(5, 5), (0, 10)]) == ({0}, {0})
 
 
 def test_small_units_move_in_one_write_per_run(tmp_path):

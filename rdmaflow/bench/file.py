@@ -1,12 +1,15 @@
 """``rdmaflow bench file``: a training step through the file view, fio-style (iRDMA Figure 5).
 
-One step = write the whole gradient in ``block``-sized ``pwrite``s, ``fsync`` (push and wait for
-the new weights), read the whole weights in ``block``-sized ``pread``s. Queue depth 1 issues
-the requests one after another (synchronous I/O); queue depth 32 keeps 32 in flight from a
-thread pool (asynchronous I/O: libfuse's multi-threaded loop serves them concurrently). Next
-to it, in the same run, the same model stepped through ``DistributedOptimizer``'s push and
-pull. Each side is a real job: one shard and one worker (`rdmaflow mount`, or the Python
-worker), over UCX ``--transport``.
+One step = write the whole gradient in ``block``-sized requests, ``fsync`` (push), read the
+whole weights in ``block``-sized requests (each waits for its part of the new weights).
+Synchronous I/O (queue depth 1) issues the requests one after another; asynchronous I/O (queue
+depth 32) keeps 32 in flight with Linux AIO, as iRDMA's libaio clients do (libfuse's
+multi-threaded loop serves them concurrently). Both open the files ``O_DSYNC``, so a write
+completes once its bytes are in the shards' memory, as a block request to iRDMA's server does.
+The plain client (queue depth 1, no ``O_DSYNC``) is what a loop of ``pwrite`` gets: a write
+returns once posted, and ``fsync`` waits for the rest. Next to them, in the same run, the same
+model stepped through ``DistributedOptimizer``'s push and pull. Each side is a real job: one
+shard and one worker (`rdmaflow mount`, or the Python worker), over UCX ``--transport``.
 
 Throughput is gradient plus weight bytes per second of a step. The JSON has each file step's
 split into writing, pushing (fsync) and reading: what bounds the file path.
@@ -14,16 +17,19 @@ split into writing, pushing (fsync) and reading: what bounds the file path.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
+import mmap
 import os
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from rdmaflow.bench import harness as h
 from rdmaflow.bench import plots, processes
+from rdmaflow.bench.aio import PREAD, PWRITE, Aio, aio_problem
 
 BARS = [("file-qd32", "file-qd1", 1.5), ("file-qd32", "python-api", 0.3)]
 BAR_POINT = 1 << 20
@@ -37,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="measurements per cell (default 3)")
     p.add_argument("--depths", default="1,32", help="queue depths (default 1,32)")
     p.add_argument("--transport", default="tcp", help="UCX transport of the jobs (default tcp)")
+    p.add_argument("--no-plain", action="store_true",
+                   help="leave out the plain client (queue depth 1, no O_DSYNC: writes return once posted)")
     p.add_argument("--out", default="bench-results/file", help="directory for CSV, JSON and plot")
 
 
@@ -70,54 +78,76 @@ def _wait_mounted(path: str, procs: list[processes.ChildProcess]) -> None:
         time.sleep(0.1)
 
 
-def file_step(fds: tuple[int, int], nbytes: int, block: int, pool: ThreadPoolExecutor | None,
-              payload: bytes) -> tuple[float, float, float]:
-    """One step through the mount; returns the seconds spent writing, pushing and reading."""
-    grad, weights = fds
-    offsets = range(0, nbytes, block)
+class Clients:
+    """The file clients of a run, each a pair of descriptors (gradient, weights) and buffers the
+    size of the model, as a training loop has: ``sync`` issues one request at a time
+    (``pwrite``/``preadv``), ``aio`` keeps ``depth`` in flight with Linux AIO (``O_DIRECT``; a
+    thread pool would not: the kernel serializes a file's direct writes, rdmaflow/bench/aio.py).
+    ``through`` opens with ``O_DSYNC``: each write returns once its bytes are in the shards'
+    memory (iRDMA's block requests); without it a write returns once posted and the push waits."""
 
-    def put(at: int) -> None:
-        n = min(block, nbytes - at)
-        if os.pwrite(grad, payload[:n], at) != n:
-            raise processes.BenchError("short write")
+    def __init__(self, mnt: str, nbytes: int, through: bool, direct: bool):
+        flags = (os.O_DSYNC if through else 0) | (os.O_DIRECT if direct else 0)
+        self.grad = os.open(os.path.join(mnt, "grad"), os.O_WRONLY | flags)
+        self.weights = os.open(os.path.join(mnt, "weights"), os.O_RDONLY | flags)
+        self.buf = mmap.mmap(-1, 2 * nbytes)  # gradient, then weights; page-aligned for O_DIRECT
+        self.view = memoryview(self.buf)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        self.nbytes = nbytes
 
-    def get(at: int) -> None:
-        n = min(block, nbytes - at)
-        if len(os.pread(weights, n, at)) != n:
-            raise processes.BenchError("short read")
+    def step(self, block: int, aio: Aio | None) -> tuple[float, float, float]:
+        """One step through the mount; returns the seconds spent writing, pushing and reading."""
+        n = self.nbytes
+        reqs = [(at, min(block, n - at)) for at in range(0, n, block)]
+        t0 = time.perf_counter()
+        if aio:
+            aio.run(self.grad, PWRITE, [(self.addr + at, k, at) for at, k in reqs])
+        else:
+            for at, k in reqs:
+                if os.pwrite(self.grad, self.view[at : at + k], at) != k:
+                    raise processes.BenchError("short write")
+        t1 = time.perf_counter()
+        os.fsync(self.grad)
+        t2 = time.perf_counter()
+        if aio:
+            aio.run(self.weights, PREAD, [(self.addr + n + at, k, at) for at, k in reqs])
+        else:
+            for at, k in reqs:
+                if os.preadv(self.weights, [self.view[n + at : n + at + k]], at) != k:
+                    raise processes.BenchError("short read")
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-    run = (lambda f: list(pool.map(f, offsets))) if pool else (lambda f: [f(o) for o in offsets])
-    t0 = time.perf_counter()
-    run(put)
-    t1 = time.perf_counter()
-    os.fsync(grad)
-    t2 = time.perf_counter()
-    run(get)
-    return t1 - t0, t2 - t1, time.perf_counter() - t2
+    def close(self) -> None:
+        os.close(self.grad)
+        os.close(self.weights)
+        self.view.release()
+        self.buf.close()
 
 
 def measure_files(mnt: str, nbytes: int, sizes: list[int], depths: list[int], steps: int, repeats: int,
-                  m: h.Measurements, profile: list[dict]) -> None:
-    grad = os.open(os.path.join(mnt, "grad"), os.O_WRONLY)
-    weights = os.open(os.path.join(mnt, "weights"), os.O_RDONLY)
-    payload = bytes(max(sizes))  # zeros: the model does not move, the bytes do
+                  m: h.Measurements, profile: list[dict], plain: bool) -> None:
+    # (system, queue depth, through, O_DIRECT)
+    cells = [(f"file-qd{qd}", qd, True, qd > 1) for qd in depths]
+    if plain:
+        cells.append(("file-plain-qd1", 1, False, False))
+    clients = {c[0]: Clients(mnt, nbytes, c[2], c[3]) for c in cells}
     try:
         for _ in range(repeats):
             for size in sizes:
-                for qd in depths:
-                    pool = ThreadPoolExecutor(qd) if qd > 1 else None
-                    file_step((grad, weights), nbytes, size, pool, payload)  # warm-up
-                    parts = [file_step((grad, weights), nbytes, size, pool, payload) for _ in range(steps)]
-                    if pool:
-                        pool.shutdown()
+                for system, qd, _through, _direct in cells:
+                    with contextlib.ExitStack() as stack:
+                        aio = stack.enter_context(Aio(qd)) if qd > 1 else None
+                        clients[system].step(size, aio)  # warm-up
+                        parts = [clients[system].step(size, aio) for _ in range(steps)]
                     total = sum(sum(p) for p in parts)
-                    m.add(f"file-qd{qd}", size, 2 * nbytes * steps / total / 1e9)
-                    profile.append({"qd": qd, "block": size, "write_s": statistics.median(p[0] for p in parts),
+                    m.add(system, size, 2 * nbytes * steps / total / 1e9)
+                    profile.append({"system": system, "qd": qd, "block": size,
+                                    "write_s": statistics.median(p[0] for p in parts),
                                     "push_s": statistics.median(p[1] for p in parts),
                                     "read_s": statistics.median(p[2] for p in parts)})
     finally:
-        os.close(grad)
-        os.close(weights)
+        for c in clients.values():
+            c.close()
 
 
 def run(args) -> int:
@@ -126,7 +156,7 @@ def run(args) -> int:
     nbytes = h.parse_size(args.model_bytes) // 4 * 4
     from rdmaflow.fileview import fuse_problem, unmount
 
-    problem = fuse_problem()
+    problem = fuse_problem() or (aio_problem() if any(d > 1 for d in depths) else None)
     if problem:
         print(f"rdmaflow bench file: {problem}", file=sys.stderr)
         return 1
@@ -141,7 +171,7 @@ def run(args) -> int:
         procs = _start_job(["-m", "rdmaflow", "mount", mnt, "--model", decl], "mount", args.transport, args.out)
         try:
             _wait_mounted(mnt, procs)
-            measure_files(mnt, nbytes, sizes, depths, args.steps, args.repeats, m, profile)
+            measure_files(mnt, nbytes, sizes, depths, args.steps, args.repeats, m, profile, not args.no_plain)
             procs[1].signal(15)  # SIGTERM: the mount unmounts and leaves the job
             procs[1].wait(60)
         finally:

@@ -1,5 +1,6 @@
 """The file operations of a mounted model (mfusepy ``Operations``): which path is what, and what
-each POSIX call does on it.
+each POSIX call does on it. Reads and writes take libfuse's buffer by address
+(``read_into``/``write_from``, called by ``BufferFUSE``), so no Python ``bytes`` is made.
 
     /model.json           the metadata (read-only)
     /grad                 the flat gradient: write adds, fsync (or closing after a write) pushes
@@ -12,8 +13,10 @@ a write to a read-only file ``EBADF``, a push with elements only partly written 
 and once the job failed (a shard died) ``EIO`` on every operation."""
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
+import os
 import stat
 import sys
 import threading
@@ -48,6 +51,8 @@ class ModelFiles(Operations):
         self.mounted = threading.Event()
         self._fh = itertools.count(1)
         self._wrote: dict[int, int] = {}  # file handle -> the step it last wrote into
+        self._dsync: set[int] = set()     # file handles opened O_SYNC or O_DSYNC: writes go through
+        self.fsyncs = 0                   # fsync and flush calls that pushed a step
         self._t = time.time_ns()
         n = flat.nbytes
         self.nodes = {"/model.json": Node("meta", 0, len(metadata)), "/grad": Node("grad", 0, n),
@@ -96,7 +101,10 @@ class ModelFiles(Operations):
 
     def open(self, path, flags):
         self._node(path)
-        return next(self._fh)
+        fh = next(self._fh)
+        if flags & os.O_DSYNC:  # O_SYNC includes it
+            self._dsync.add(fh)
+        return fh
 
     def create(self, path, mode, fi=None):
         raise FuseOSError(errno.EACCES)  # the layout is the model's: no new files
@@ -106,29 +114,49 @@ class ModelFiles(Operations):
 
     def release(self, path, fh):
         self._wrote.pop(fh, None)
+        self._dsync.discard(fh)
 
     # -- data --------------------------------------------------------------------------------
-    def read(self, path, size, offset, fh):
+    def read_into(self, path, dest: int, size: int, offset: int, fh) -> int:
         node = self._node(path)
         if node.kind == "meta":
-            return self.metadata[offset : offset + size]
+            chunk = self.metadata[offset : offset + size]
+            ctypes.memmove(dest, chunk, len(chunk))
+            return len(chunk)
         with self.gate.shared(self.step_timeout, "a read"):
             self._check()
             if offset >= node.size:
-                return b""
-            return self.flat.read(node.kind, node.offset + offset, min(size, node.size - offset))
+                return 0
+            try:
+                return self.flat.read_into(node.kind, node.offset + offset, min(size, node.size - offset), dest)
+            except RdmaflowError as e:
+                self.fail(f"a read at byte {node.offset + offset} failed: {e}")
+                raise FuseOSError(errno.EIO) from None
 
-    def write(self, path, data, offset, fh):
+    def write_from(self, path, src: int, size: int, offset: int, fh) -> int:
         node = self._node(path)
         if node.kind != "grad":
             raise FuseOSError(errno.EBADF)
-        if offset < 0 or offset + len(data) > node.size:
+        if offset < 0 or offset + size > node.size:
             raise FuseOSError(errno.EINVAL)
         with self.gate.shared(self.step_timeout, "a write"):
             self._check()
-            self.flat.add(node.offset + offset, data)
+            try:
+                self.flat.write(node.offset + offset, (ctypes.c_char * size).from_address(src), fh in self._dsync)
+            except RdmaflowError as e:
+                self.fail(f"a write at byte {node.offset + offset} failed: {e}")
+                raise FuseOSError(errno.EIO) from None
             self._wrote[fh] = self.steps
-        return len(data)
+        return size
+
+    # mfusepy's own interface, with bytes (BufferFUSE calls the two above instead).
+    def read(self, path, size, offset, fh):
+        buf = ctypes.create_string_buffer(size)
+        return buf.raw[: self.read_into(path, ctypes.addressof(buf), size, offset, fh)]
+
+    def write(self, path, data, offset, fh):
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        return self.write_from(path, ctypes.addressof(buf), len(data), offset, fh)
 
     def fsync(self, path, datasync, fh):
         if self._node(path).kind == "grad":

@@ -3,10 +3,13 @@ buffers, addressed by byte offset.
 
 ``DistributedOptimizer`` (zero copy) keeps every parameter and every gradient in one flat
 buffer in registered memory, in declaration order. A gradient write adds straight into the
-gradient buffer that the next push sends by one-sided WRITE; a weight read copies out of the
-parameter buffer that the shards WRITE into. Writes may have any size and alignment: the
-whole elements in a write are added at once, and the bytes of an element cut by a write's
-edges wait in a small table until the element is complete."""
+gradient buffer and WRITEs the elements it touched to their shards before it returns (as a
+block device's request completes at the server: iRDMA's asynchronous I/O keeps many in flight);
+the step then sends only what those writes did not cover exactly once, and the push flag. A
+weight read copies out of the parameter buffer that the shards WRITE into, once the chunks
+holding it have landed. Writes may have any size and alignment: the whole elements in a write
+are added at once, and the bytes of an element cut by a write's edges wait in a small table
+until the element is complete."""
 from __future__ import annotations
 
 import ctypes
@@ -16,7 +19,7 @@ import warnings
 
 import torch
 
-from rdmaflow import InvalidArgumentError
+from rdmaflow import InvalidArgumentError, RdmaflowError
 
 STRIPE = 1 << 20  # bytes covered by one accumulation lock: concurrent writes to disjoint stripes never wait
 
@@ -40,8 +43,9 @@ def flat_view(tensors: list[torch.Tensor], numel: int, what: str) -> torch.Tenso
 class FlatModel:
     """Byte-addressed access to a worker's flat gradients and weights, and the step between them."""
 
-    def __init__(self, optimizer, params: list[torch.nn.Parameter]):
+    def __init__(self, optimizer, params: list[torch.nn.Parameter], timeout: float):
         self.opt = optimizer
+        self.timeout = timeout  # seconds for a write's WRITEs to land
         self.params = params
         self.dtype = params[0].dtype
         self.itemsize = params[0].element_size()
@@ -69,8 +73,25 @@ class FlatModel:
             for lk in reversed(locks):
                 lk.release()
 
-    def add(self, offset: int, data: bytes) -> None:
-        """Adds ``data`` (raw elements of the model's dtype) into this step's gradient at byte ``offset``."""
+    def _elements(self, offset: int, size: int) -> tuple[int, int]:
+        """The elements that bytes [offset, offset + size) touch."""
+        return offset // self.itemsize, -(-(offset + size) // self.itemsize)
+
+    def write(self, offset: int, data, through: bool) -> None:
+        """Adds ``data`` (a buffer of raw elements of the model's dtype) into this step's gradient
+        at byte ``offset`` and WRITEs the touched elements to the shards; with ``through``
+        returns once they are in the shards' memory, else once posted (the step completes them)."""
+        lo, hi = self._elements(offset, len(data))
+        self.opt.wait_range(lo, hi)  # the shards are done with the last step's gradient there
+        self.add(offset, data)
+        futs = self.opt.push_range(lo, hi)
+        if through:
+            for f in futs:
+                f.result(self.timeout)
+
+    def add(self, offset: int, data) -> None:
+        """Adds ``data`` (a buffer of raw elements of the model's dtype) into this step's gradient at byte ``offset``."""
+        data = memoryview(data).cast("B")
         isz = self.itemsize
         head = min((-offset) % isz, len(data))
         if head:
@@ -82,7 +103,7 @@ class FlatModel:
         if tail < len(data):
             self._add_partial(offset + tail, data[tail:])
 
-    def _add_partial(self, offset: int, chunk: bytes) -> None:
+    def _add_partial(self, offset: int, chunk: memoryview) -> None:
         isz = self.itemsize
         elem, pos = divmod(offset, isz)
         bits = ((1 << len(chunk)) - 1) << pos
@@ -104,17 +125,32 @@ class FlatModel:
             return sorted(e * self.itemsize for e in self._partials)
 
     # -- reads -------------------------------------------------------------------------------
-    def read(self, which: str, offset: int, size: int) -> bytes:
-        """A copy of ``size`` bytes of the weights or gradients at ``offset`` (clipped to the end)."""
-        t = self.weights if which == "weights" else self.grads
+    def read_into(self, which: str, offset: int, size: int, dest: int) -> int:
+        """Copies ``size`` bytes of the weights (once they have landed) or of this step's
+        gradient at ``offset`` (clipped to the end) to address ``dest``; returns the count."""
         size = max(0, min(size, self.nbytes - offset))
-        return ctypes.string_at(t.data_ptr() + offset, size) if size else b""
+        if not size:
+            return 0
+        if which == "weights":
+            self.opt.wait_range(*self._elements(offset, size))
+        t = self.weights if which == "weights" else self.grads
+        ctypes.memmove(dest, t.data_ptr() + offset, size)  # a foreign call: the GIL is released
+        return size
+
+    def landed(self, timeout: float) -> bool:
+        """Whether the newest weights (those of the last push) are all in, waiting up to ``timeout``."""
+        try:
+            self.opt.wait_range(0, self.numel, timeout)
+        except RdmaflowError:
+            return False
+        return True
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> None:
-        """Pushes this step's gradient and waits for the weights the mode allows (the
-        optimizer's push and pull), then starts the next step's gradient at zero."""
-        self.opt.step()
+        """Pushes what the writes did not, and the push flag; returns once that has landed
+        (reads and the next step's writes wait for the new weights, chunk by chunk). The next
+        step's gradient starts at zero."""
+        self.opt.step(wait=False)
         self.opt.zero_grad()
         with self._partial_lock:
             self._partials.clear()

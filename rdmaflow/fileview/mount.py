@@ -30,6 +30,7 @@ from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES
 MOUNT_TIMEOUT = 30.0   # seconds for libfuse to mount, or to finish after an unmount
 MAX_THREADS = 64       # libfuse's worker threads: requests in flight at once
 LINGER = 2.0           # seconds for libfuse to end by itself after the unmount, before its connection is aborted
+STEP_LINGER = 5.0      # seconds an unmount waits for the weights of the last push before it leaves the step undone
 ABORT_CHECK = 1.0      # seconds between looks at the job's abort key while idle
 UNMOUNTING = "the file view is unmounting"
 
@@ -81,12 +82,11 @@ def serve(args) -> int:
     model, optimizer = decl.build()
     opt = ps.DistributedOptimizer(model, optimizer, mode=args.mode, staleness=args.staleness, policy=args.policy,
                                   block_bytes=args.block_bytes, overlap=False, zero_copy=True, progress=False)
-    from mfusepy import FUSE
-
+    from rdmaflow.fileview.binding import BufferFUSE
     from rdmaflow.fileview.files import ModelFiles
     from rdmaflow.fileview.flat import FlatModel
 
-    files = ModelFiles(FlatModel(opt, list(model.parameters())), decl,
+    files = ModelFiles(FlatModel(opt, list(model.parameters()), ctx.step_timeout), decl,
                        decl.metadata(ctx.role.num_shards, args.policy, args.block_bytes, args.mode),
                        step_timeout=ctx.step_timeout, label=label)
     stop = threading.Event()
@@ -97,7 +97,7 @@ def serve(args) -> int:
 
     def loop() -> None:
         try:
-            FUSE(files, mountpoint, foreground=True, nothreads=False, debug=args.debug, direct_io=True,
+            BufferFUSE(files, mountpoint, foreground=True, nothreads=False, debug=args.debug, direct_io=True,
                  max_threads=MAX_THREADS, max_idle_threads=MAX_THREADS, fsname="rdmaflow", subtype="rdmaflow")
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
@@ -143,9 +143,13 @@ def _serve_until_stopped(thread: threading.Thread, stop: threading.Event, files,
 
 
 def _stop(thread: threading.Thread, files, store, mountpoint: str, conn: int | None, label: str) -> None:
-    if files.gate.busy and files.failed is None:
+    reason = None
+    if files.failed is None and files.gate.busy:
         reason = f"{label} was unmounted with requests in flight"
-        store.abort(reason)    # the job is told; the waiting step fails and answers EIO
+    elif files.failed is None and not files.flat.landed(STEP_LINGER):
+        reason = f"{label} was unmounted with step {files.steps} pushed and its weights not in"
+    if reason:
+        store.abort(reason)    # the job is told; a waiting request fails and answers EIO
         files.fail(reason)
     else:
         files.fail(UNMOUNTING, quiet=True)

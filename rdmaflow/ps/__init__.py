@@ -138,8 +138,26 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.model = model
 
-    def step(self) -> None:
-        self.worker.step()
+    def step(self, *, wait: bool = True) -> None:
+        """Pushes this step's gradients. Without overlap it blocks until the new weights are in
+        the parameters, or with ``wait=False`` only until the push has landed on the shards
+        (``wait_weights``/``wait_range`` then wait for the weights). With overlap it returns
+        at once. Not thread-safe against ``push_range``/``wait_range`` of the same step."""
+        self.worker.step(wait)
+
+    def push_range(self, start: int, stop: int) -> list:
+        """Writes flat gradient elements [start, stop) (the parameters' gradients concatenated
+        in registration order) to their shards now and returns the futures (``f.result(timeout)``
+        blocks until the bytes are in the shard's memory). Does not block. ``step()`` then resends
+        only what such ranges did not cover exactly once. For callers that fill the gradient
+        buffer themselves (the file view); needs ``overlap=False``. Thread-safe."""
+        return self.worker.push_range(start, stop)
+
+    def wait_range(self, start: int, stop: int, timeout: float | None = None) -> None:
+        """Blocks until the newest weights of flat elements [start, stop) have landed: they can
+        be read, and the next step's gradient of those elements can be written and pushed.
+        Bounded by ``timeout`` (default the step timeout): ``rdmaflow.TimeoutError``. Thread-safe."""
+        self.worker.wait_range(start, stop, timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.worker.zero_grad()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -156,6 +157,34 @@ def runs_of(units: Sequence[Unit]) -> list[Run]:
         else:
             out.append(Run(u.offset, u.shard_offset, u.numel))
     return out
+
+
+def covered_once(units: Sequence[Unit], ranges: Sequence[tuple[int, int]]) -> tuple[set[int], set[int]]:
+    """Of ``units`` (sorted by offset), the indices of those that element ranges [lo, hi) cover
+    whole and exactly once, and of those they touch at all."""
+    starts = [u.offset for u in units]
+
+    def within(lo: int, hi: int) -> range:
+        return range(max(bisect_right(starts, lo) - 1, 0), bisect_left(starts, hi))
+
+    merged: list[list[int]] = []
+    twice: set[int] = set()
+    for lo, hi in sorted(r for r in ranges if r[0] < r[1]):
+        if merged and lo < merged[-1][1]:
+            twice.update(within(lo, min(hi, merged[-1][1])))  # sorted by start: only the last can overlap
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    once, touched = set(), set()
+    for lo, hi in merged:
+        for i in within(lo, hi):
+            u = units[i]
+            if u.offset + u.numel > lo and u.offset < hi:
+                touched.add(i)
+                if lo <= u.offset and u.offset + u.numel <= hi and i not in twice:
+                    once.add(i)
+    return once, touched
 
 
 def make_plan(spec: list[dict], num_shards: int, policy: str = "block",

@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 
 import torch
 from tqdm import tqdm
@@ -32,6 +32,7 @@ from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import (
     BATCH_BYTES,
     MIN_CHUNK_BYTES,
+    covered_once,
     describe_difference,
     make_plan,
     runs_of,
@@ -43,6 +44,7 @@ from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, p
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 
 POLL = 0.05
+REPLY_SLICE = 0.002  # seconds a reply poller waits before it looks for a smaller target
 MODES = ("sync", "async", "bounded")
 EMA = 0.3  # weight of the newest sample in the moving averages of adaptive pulling
 
@@ -155,6 +157,9 @@ class Worker:
                     p.grad = self._gview(0, info)
                 self._params.append((p, info))
         self.reply = [Word.at(raw, L.reply + FLAG * s) for s in range(self.role.num_shards)]
+        self._reply_cv = [threading.Condition() for _ in range(self.role.num_shards)]
+        self._reply_polling = [False] * self.role.num_shards
+        self._reply_targets: list[list[int]] = [[] for _ in range(self.role.num_shards)]
         self.push_src = [raw[L.push_src + FLAG * s : L.push_src + FLAG * s + 8].view(torch.int64)
                          for s in range(self.role.num_shards)]
         self.pull_src = [raw[L.pull_src + FLAG * s : L.pull_src + FLAG * s + 8].view(torch.int64)
@@ -181,6 +186,7 @@ class Worker:
         self._pending = list(self._unit_need)
         self._push_futs: list[list] = [[], []]  # of finished steps, per gradient buffer
         self._cur_futs: list = []                # of this step's units
+        self._ranges: list[tuple[int, int]] = []  # element ranges push_range wrote this step
         # Per shard, the small units waiting for one WRITE per run (docs/parameter-server.md).
         self._batch: list[set[int]] = [set() for _ in range(self.role.num_shards)]
         self._batch_bytes = [0] * self.role.num_shards
@@ -222,7 +228,7 @@ class Worker:
         """Which units each parameter touches, and per shard which chunk holds each unit."""
         plan = self.plan
         self.units = sorted(plan.units, key=lambda u: u.offset)
-        starts = [u.offset for u in self.units]
+        starts = self._unit_starts = [u.offset for u in self.units]
         uidx = {u.key: i for i, u in enumerate(self.units)}
         self.chunk_of = [0] * len(self.units)
         self.nchunks = []
@@ -267,7 +273,8 @@ class Worker:
                 lambda m, args, need=waits, own=own: self._before_forward(need, own)))
 
     # -- waiting ------------------------------------------------------------------------------
-    def _wait_word(self, s: int, target: int, what: str) -> None:
+    def _wait_word(self, s: int, target: int, what: str, timeout: float | None = None) -> None:
+        timeout = self.ctx.step_timeout if timeout is None else timeout
         word = self.reply[s]
         sh = self.shards[s]
 
@@ -283,9 +290,9 @@ class Worker:
             return False
 
         def too_late():
-            raise TimeoutError(f"shard {s} did not deliver {what} within {self.ctx.step_timeout:.0f} s")
+            raise TimeoutError(f"shard {s} did not deliver {what} within {timeout:g} s")
 
-        wait_flag(word, target, Deadline(self.ctx.step_timeout), what, give_up=shard_gone,
+        wait_flag(word, target, Deadline(timeout), what, give_up=shard_gone,
                   abort_reason=self.store.abort_reason, aborted=WorkerFailure, on_timeout=too_late, poll=POLL)
         if word.get() >= ABORT:
             raise WorkerFailure(f"the job was aborted: {self.store.aborted() or 'by a shard'}")
@@ -320,7 +327,89 @@ class Worker:
                     p.data.copy_(self._pview(self.pbuf, info))
         self._ready = True
 
+    def _units_in(self, lo: int, hi: int) -> range:
+        """Indices into ``self.units`` (sorted by offset) of the units holding elements [lo, hi)."""
+        return range(max(bisect_right(self._unit_starts, lo) - 1, 0), bisect_left(self._unit_starts, hi))
+
+    def wait_range(self, lo: int, hi: int, timeout: float | None = None) -> None:
+        """Blocks until the chunks of the newest weights that hold flat elements [lo, hi) have
+        landed (bounded by ``timeout`` seconds per shard, default the step timeout). Then those weights can be read whole, and the
+        shards have read every gradient element of the last step there, so the next step's
+        gradient may be written and pushed into them. Thread-safe."""
+        if self._ready:
+            return
+        v = self._version
+        need: dict[int, int] = {}
+        for i in self._units_in(lo, hi):
+            s = self.units[i].shard
+            need[s] = max(need.get(s, 0), self.chunk_of[i])
+        timeout = self.ctx.step_timeout if timeout is None else timeout
+        deadline = Deadline(timeout)
+        for s, k in sorted(need.items()):
+            self._wait_reply(s, progress(v, k), f"the weights of version {v}", deadline, timeout)
+
+    def _wait_reply(self, s: int, target: int, what: str, deadline: Deadline, timeout: float) -> None:
+        """Waits until shard s's reply word reaches ``target``. Of the threads waiting on one
+        shard, one polls the word for the smallest target asked for and the others sleep until it
+        moves (many spinning waiters would starve the threads that receive the weights)."""
+        word, cv = self.reply[s], self._reply_cv[s]
+        with cv:
+            waiting = self._reply_targets[s]
+            waiting.append(target)
+            try:
+                while word.get() < target:
+                    if deadline.passed():
+                        raise TimeoutError(f"shard {s} did not deliver {what} within {timeout:g} s")
+                    if self._reply_polling[s]:
+                        cv.wait(deadline.slice(POLL))
+                        continue
+                    self._reply_polling[s] = True
+                    low = min(waiting)
+                    cv.release()
+                    try:
+                        self._wait_word(s, low, what, deadline.slice(REPLY_SLICE))
+                    except TimeoutError:
+                        pass  # a slice: look again at the smallest target and the deadline
+                    finally:
+                        cv.acquire()
+                        self._reply_polling[s] = False
+                        cv.notify_all()
+            finally:
+                waiting.remove(target)
+
     # -- pushing ------------------------------------------------------------------------------
+    def push_range(self, lo: int, hi: int) -> list:
+        """WRITEs flat elements [lo, hi) of this step's gradient buffer into their shards' slots
+        now, one WRITE per run, and returns the futures; does not block. For a caller that fills
+        the gradient buffer itself (the file view) and wants it on the wire before ``step()``:
+        ``step()`` then sends again only the units that these ranges did not cover exactly once.
+        Without overlap only, after ``wait_range(lo, hi)``. Thread-safe."""
+        if self.overlap:
+            raise InvalidArgumentError("push_range needs overlap=False (overlap pushes units from backward)")
+        t, isz = self.step_count + 1, self.itemsize
+        src = self.base + self.layout.grads_at(self.gbuf)
+        runs: list[list[int]] = []  # [shard, local byte, remote byte, bytes]
+        for i in self._units_in(lo, hi):
+            u = self.units[i]
+            a, b = max(lo, u.offset), min(hi, u.offset + u.numel)
+            if a >= b:
+                continue
+            sh = self.shards[u.shard]
+            local = src + a * isz
+            remote = sh["base"] + sh["layout"].gslot(self.id, t) + (u.shard_offset + a - u.offset) * isz
+            last = runs[-1] if runs else None
+            if last and last[0] == u.shard and last[1] + last[3] == local and last[2] + last[3] == remote:
+                last[3] += (b - a) * isz
+            else:
+                runs.append([u.shard, local, remote, (b - a) * isz])
+        futs = [self.shards[s]["channel"].memcpy(self.region, lo_b, self.shards[s]["remote"], ro, n, WRITE)
+                for s, lo_b, ro, n in runs]
+        with self._lock:
+            self._ranges.append((lo, hi))
+            self._cur_futs.extend(futs)
+            self.push_writes += len(futs)
+        return futs
+
     def _stage_grad(self, i: int) -> None:
         """Puts parameter i's gradient into the registered buffer of this step."""
         p, info = self._params[i]
@@ -407,6 +496,11 @@ class Worker:
                 for i in range(len(self._params)):
                     if i not in self._fired:
                         self._stage_grad(i)  # no gradient this step (unused), or set by hand
+            if self._ranges:
+                self._pushed, touched = covered_once(self.units, self._ranges)
+                self._dirty = touched - self._pushed
+            for s in sorted({self.units[u].shard for u in self._dirty}):
+                self.shards[s]["channel"].fence()  # a unit written again lands after its earlier WRITE
             for u in range(len(self.units)):
                 if u not in self._pushed or u in self._dirty:
                     self._push_unit(u, t)
@@ -423,6 +517,7 @@ class Worker:
             self._pushed = set()
             self._fired = set()
             self._dirty = set()
+            self._ranges = []
             self._pending = list(self._unit_need)
         return futs
 
@@ -481,9 +576,11 @@ class Worker:
         self._request_pull(t + 1, bubble)
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, wait: bool = True) -> None:
         """Pushes this step's gradients to the shards. Without overlap it waits for the new
-        weights; with overlap the next forward (sync) or the buffer switch (async) does."""
+        weights, or with ``wait=False`` only until the push has landed (``wait_weights`` and
+        ``wait_range`` wait for the weights); with overlap the next forward (sync) or the buffer
+        switch (async) does."""
         if self._closed:
             raise InvalidArgumentError("this parameter-server worker is closed")
         t0 = time.monotonic()
@@ -492,16 +589,19 @@ class Worker:
         if not self.switching:
             self.wait_weights()  # the weights this step computed on (a step without a forward)
         t = self.step_count + 1
-        self.push(t)
+        flags = self.push(t)
         t1 = time.monotonic()
         if self.switching:
             self._switch(t)
         else:
             self._version = t + 1
             self._ready = False
-            if not self.overlap:
+            if not self.overlap and wait:
                 self.wait_weights()
                 self._wait_pushes(self.gbuf)
+            elif not self.overlap:
+                for f in flags:
+                    f.result(self.ctx.timeout)
         t2 = time.monotonic()
         self.profile["step_push"] += t1 - t0
         self.profile["step_wait"] += t2 - t1
