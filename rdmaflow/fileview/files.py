@@ -52,7 +52,6 @@ class ModelFiles(Operations):
         self._fh = itertools.count(1)
         self._wrote: dict[int, int] = {}  # file handle -> the step it last wrote into
         self._dsync: set[int] = set()     # file handles opened O_SYNC or O_DSYNC: writes go through
-        self.fsyncs = 0                   # fsync and flush calls that pushed a step
         self._t = time.time_ns()
         n = flat.nbytes
         self.nodes = {"/model.json": Node("meta", 0, len(metadata)), "/grad": Node("grad", 0, n),

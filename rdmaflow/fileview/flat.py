@@ -3,9 +3,10 @@ buffers, addressed by byte offset.
 
 ``DistributedOptimizer`` (zero copy) keeps every parameter and every gradient in one flat
 buffer in registered memory, in declaration order. A gradient write adds straight into the
-gradient buffer and WRITEs the elements it touched to their shards before it returns (as a
-block device's request completes at the server: iRDMA's asynchronous I/O keeps many in flight);
-the step then sends only what those writes did not cover exactly once, and the push flag. A
+gradient buffer and WRITEs the elements it touched to their shards at once (a write-through
+one returns when they have landed, as iRDMA's block requests complete at the server, so
+asynchronous I/O keeps many on the wire); the step then sends only what those writes did not
+cover exactly once, and the push flag. A
 weight read copies out of the parameter buffer that the shards WRITE into, once the chunks
 holding it have landed. Writes may have any size and alignment: the whole elements in a write
 are added at once, and the bytes of an element cut by a write's edges wait in a small table

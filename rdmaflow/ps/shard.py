@@ -286,7 +286,9 @@ class Shard:
             for k, (lo, hi) in enumerate(self.spans):
                 agg = self.aggregate[lo:hi]
                 if len(ws) == 1:
-                    agg.copy_(self.gslots[ws[0]][0][lo:hi])
+                    # Applied from the slot itself, as async mode does: the worker writes it again
+                    # only once this chunk's reply has landed, and optimizers never change a grad.
+                    agg = self.gslots[ws[0]][0][lo:hi]
                 elif len(ws) == 2:
                     # The mean of two in one pass over memory (not two: add, then scale).
                     torch.lerp(self.gslots[ws[0]][0][lo:hi], self.gslots[ws[1]][0][lo:hi], 0.5, out=agg)

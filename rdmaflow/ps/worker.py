@@ -294,6 +294,10 @@ class Worker:
 
         wait_flag(word, target, Deadline(timeout), what, give_up=shard_gone,
                   abort_reason=self.store.abort_reason, aborted=WorkerFailure, on_timeout=too_late, poll=POLL)
+        self._check_reply(word)
+
+    def _check_reply(self, word: Word) -> None:
+        """A shard that gave up writes ABORT into the reply flags: it is above every target."""
         if word.get() >= ABORT:
             raise WorkerFailure(f"the job was aborted: {self.store.aborted() or 'by a shard'}")
 
@@ -333,9 +337,9 @@ class Worker:
 
     def wait_range(self, lo: int, hi: int, timeout: float | None = None) -> None:
         """Blocks until the chunks of the newest weights that hold flat elements [lo, hi) have
-        landed (bounded by ``timeout`` seconds per shard, default the step timeout). Then those weights can be read whole, and the
-        shards have read every gradient element of the last step there, so the next step's
-        gradient may be written and pushed into them. Thread-safe."""
+        landed (within ``timeout`` seconds, default the step timeout). Then those weights can be
+        read whole, and the shards have read every gradient element of the last step there, so
+        the next step's gradient may be written and pushed into them. Thread-safe."""
         if self._ready:
             return
         v = self._version
@@ -353,6 +357,9 @@ class Worker:
         shard, one polls the word for the smallest target asked for and the others sleep until it
         moves (many spinning waiters would starve the threads that receive the weights)."""
         word, cv = self.reply[s], self._reply_cv[s]
+        if word.get() >= target:
+            self._check_reply(word)
+            return
         with cv:
             waiting = self._reply_targets[s]
             waiting.append(target)
@@ -376,6 +383,7 @@ class Worker:
                         cv.notify_all()
             finally:
                 waiting.remove(target)
+        self._check_reply(word)
 
     # -- pushing ------------------------------------------------------------------------------
     def push_range(self, lo: int, hi: int) -> list:
