@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,11 @@ def test_smoke_run_measures_every_system_and_writes_its_outputs(tmp_path):
     r, out = _bench(tmp_path, "--quick", "--models", "varlen", "--stages", "2", "--transport", "tcp")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "varlen 2 stages tcp: rdmaflow/pipelining-gloo = " in r.stdout, r.stdout
+    # each rdmaflow job says what placement did on stage 0: this transformer's phases are declined
+    assert re.search(r"varlen 2 stages tcp rdmaflow: .*; stage 0: 0/\d+ sends zero-copy \(placement declined: "
+                     r"its forward runs \d+ ops", r.stdout), r.stdout
+    assert re.search(r"varlen 2 stages tcp rdmaflow-copy: .*; stage 0: 0/\d+ sends zero-copy \(.*copy mode",
+                     r.stdout), r.stdout
     with open(out / "pipeline.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(x["system"], x["model"], x["stages"], x["transport"]) for x in rows} == {

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.export import Dim
 
+import rdmaflow
 from rdmaflow import graph
 from rdmaflow.graph.analysis import GRADIENT, TOKEN
 
@@ -121,6 +122,8 @@ def test_zero_copy_reasons():
     assert not f.zero_copy and "non-contiguous view" in f.why
     copy_mode = graph.pipeline(TwoLinear(), (torch.randn(MB, 8),)).plan(2, zero_copy=False)
     assert all(not e.zero_copy and "copy mode" in e.why for e in copy_mode.edges)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"zero_copy must be one of .*'sometimes'"):
+        graph.pipeline(TwoLinear(), (torch.randn(MB, 8),)).build_stage(0, zero_copy="sometimes")
 
 
 def test_arena_holds_every_slot_in_flight():

@@ -44,7 +44,7 @@ GRAPH_TIMEOUT = "90"          # the stages' own waits: far longer, so a pass saw
 LIB_ERROR = r"rdmaflow\.(graph\.)?\w*Error: "
 
 
-def start(j: Job, stages: int, hosts=None) -> Job:
+def start(j: Job, stages: int, hosts=None, transport_env: dict | None = None) -> Job:
     port = free_port() if hosts is None else 29810
     for rank in range(stages):
         extra = {"GRAPH_TEST_CONFIG": json.dumps(j.cfg), "RANK": str(rank), "WORLD_SIZE": str(stages),
@@ -52,7 +52,7 @@ def start(j: Job, stages: int, hosts=None) -> Job:
                      "MASTER_ADDR": "127.0.0.1" if hosts is None else hosts[0].addr,
                      "RDMAFLOW_GRAPH_TIMEOUT": GRAPH_TIMEOUT}
         if hosts is None:
-            j.spawn(f"rank{rank}", [sys.executable, TRAIN], j.env(extra))
+            j.spawn(f"rank{rank}", [sys.executable, TRAIN], j.env(extra, transport_env=transport_env))
         else:
             host = hosts[rank]
             j.spawn(f"rank{rank}", host.argv([sys.executable, TRAIN]),
@@ -128,11 +128,12 @@ CASES = [  # model, stages, schedule
 
 @pytest.mark.parametrize("model,stages,schedule", CASES)
 def test_training_equals_single_process(tmp_path, model, stages, schedule):
-    cfg = {"model": model, "stages": stages, "schedule": schedule, "microbatches": 4, "batch": 16, "steps": 3}
+    cfg = {"model": model, "stages": stages, "schedule": schedule, "microbatches": 4, "batch": 16, "steps": 3,
+           "zero_copy": "always"}
     with Job(tmp_path, cfg) as j:
         j.check_ok(start(j, stages).wait())
         res = assert_matches_reference(j, stages)
-    # these models have no reason to copy: every steady-state send is zero-copy
+    # placed wherever it can be: these models have no reason to copy, every steady-state send is zero-copy
     assert assert_steady_zero_copy(res) == sum(st["steady_sends"] for r in res for st in r["stats"].values())
     assert all(r["placed"] > 0 for r in res), "no output was born in the arena"
 
@@ -153,6 +154,25 @@ def test_copy_mode_copies_every_send_and_says_why(tmp_path):
         for name, st in r["stats"].items():
             assert st["zero_copy"] == 0 and "copy mode" in st["copy_reason"], (name, st)
         assert r["placed"] == 0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "sm"])
+def test_default_placement_copies_where_placing_saves_nothing_or_costs_more(tmp_path, transport):
+    """zero_copy=True (auto). A 3-block transformer of d_model 16 sends a few KiB per microbatch
+    after about a hundred ops per phase: over tcp the placement mode would cost more than the
+    copies, so each phase is declined; on one host (sm) a send copies from any memory into the
+    receiver's mapped slot, so placement would save nothing. Either way every send copies, says
+    why in explain(), and training equals one process."""
+    cfg = {"model": "transformer", "stages": 2, "microbatches": 2, "batch": 4, "steps": 3}
+    with Job(tmp_path, cfg) as j:
+        j.check_ok(start(j, 2, transport_env=ucx_env(transport)).wait())
+        res = assert_matches_reference(j, 2)
+    why = "placement declined" if transport == "tcp" else "placement would save none"
+    assert assert_steady_zero_copy(res) == 0
+    for r in res:
+        assert r["placed"] == 0
+        for name, st in r["stats"].items():
+            assert why in st["copy_reason"], (name, st)
 
 
 def test_compute_runs_while_a_receive_is_pending(tmp_path):
@@ -241,7 +261,7 @@ def test_variable_sequence_lengths_train_like_one_process(tmp_path, stages, sche
     steps = 4
     assert len({job.seq_length(1, t) for t in range(steps)}) == steps
     cfg = {"model": "transformer", "stages": stages, "schedule": schedule, "microbatches": 2, "batch": 4,
-           "steps": steps}
+           "steps": steps, "zero_copy": "always"}
     with Job(tmp_path, cfg) as j:
         j.check_ok(start(j, stages).wait())
         res = assert_matches_reference(j, stages)
@@ -282,7 +302,7 @@ NETNS = netns_unavailable_reason()
 
 @pytest.mark.skipif(NETNS is not None, reason=f"network namespaces unavailable: {NETNS}")
 def test_two_stages_on_two_hosts(tmp_path):
-    cfg = {"model": "mlp", "stages": 2, "schedule": "1f1b", "steps": 3}
+    cfg = {"model": "mlp", "stages": 2, "schedule": "1f1b", "steps": 3, "zero_copy": "always"}
     with TwoHosts() as hosts, Job(tmp_path, cfg) as j:
         j.check_ok(start(j, 2, hosts=list(hosts)).wait())
         res = assert_matches_reference(j, 2)

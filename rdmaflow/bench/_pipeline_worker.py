@@ -34,7 +34,8 @@ SYSTEMS = ("rdmaflow", "rdmaflow-copy", "pipelining-gloo")
 
 
 def _schedule(system: str, work, model, loss_fn, cfg: dict):
-    """(step(x, y), optimizer, close) of this rank's stage under ``system``."""
+    """(step(x, y), optimizer, close, sends) of this rank's stage under ``system``; sends() is
+    rdmaflow's per-edge send counts (``PipelineStage.send_stats``), None for pipelining."""
     import torch
 
     from rdmaflow.bench.pipeline_models import SEQ_MAX
@@ -60,7 +61,7 @@ def _schedule(system: str, work, model, loss_fn, cfg: dict):
                 sched.step(target=y)
             else:
                 sched.step()
-        return step, opt, dist.destroy_process_group
+        return step, opt, dist.destroy_process_group, lambda: None
 
     from rdmaflow import graph
 
@@ -69,7 +70,7 @@ def _schedule(system: str, work, model, loss_fn, cfg: dict):
     stage = pipe.build_stage(zero_copy=system == "rdmaflow", timeout=cfg["timeout"])
     sched = graph.ScheduleGPipe(stage, cfg["microbatches"], loss_fn=loss_fn)
     opt = torch.optim.SGD(stage.submod.parameters(), lr=cfg["lr"])
-    return (lambda x, y: sched.step(x, target=y)), opt, stage.close
+    return (lambda x, y: sched.step(x, target=y)), opt, stage.close, lambda: stage.send_stats
 
 
 def run(cfg: dict) -> dict | None:
@@ -83,7 +84,7 @@ def run(cfg: dict) -> dict | None:
     work = Workload(cfg["model"], int(cfg["stages"]), int(cfg.get("seed", 0)))
     padded = system == "pipelining-gloo" and work.name == "varlen"
     real_length = [0]
-    step, opt, close = _schedule(system, work, work.model(), masked_mse(real_length), cfg)
+    step, opt, close, sends = _schedule(system, work, work.model(), masked_mse(real_length), cfg)
     n = cfg["warmup"] + cfg["steps"]
     lengths = work.lengths(n)
     # Made before the clock starts, as a data loader would have them ready: varlen's batches
@@ -101,11 +102,12 @@ def run(cfg: dict) -> dict | None:
             opt.zero_grad(set_to_none=False)
             times.append(time.perf_counter() - t0)
     finally:
+        stats = sends()
         close()
     if int(os.environ["RANK"]) != 0:
         return None
     return {"system": system, "model": work.name, "stages": work.stages,
-            "times": times[cfg["warmup"]:], "lengths": lengths[cfg["warmup"]:]}
+            "times": times[cfg["warmup"]:], "lengths": lengths[cfg["warmup"]:], "sends": stats}
 
 
 def main() -> None:

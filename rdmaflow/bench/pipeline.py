@@ -286,7 +286,7 @@ def run(args) -> int:
                         rate = len(res["times"]) / sum(res["times"])
                         m.add(s, c, rate)
                         print(f"[{rep + 1}/{args.repeats}] {c.label()} {s}: {rate:.3g} steps/s "
-                              f"({time.monotonic() - t0:.1f} s)", flush=True)
+                              f"({time.monotonic() - t0:.1f} s){_sends_note(res.get('sends'))}", flush=True)
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted; every benchmark process was stopped", file=sys.stderr)
@@ -302,6 +302,16 @@ def run(args) -> int:
     if args.quick:
         print("(--quick: a smoke run, not a measurement)")
     return 130 if interrupted else (1 if failures else 0)
+
+
+def _sends_note(sends: dict | None) -> str:
+    """What stage 0's allocation-site placement did (rdmaflow systems): its zero-copy sends, and
+    why the others copied."""
+    if not sends:
+        return ""
+    zero, total = sum(st["zero_copy"] for st in sends.values()), sum(st["sends"] for st in sends.values())
+    why = sorted({st["copy_reason"] for st in sends.values() if st["copy_reason"]})
+    return f"; stage 0: {zero}/{total} sends zero-copy" + (f" ({'; '.join(why)})" if why else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,10 +26,15 @@ class Pipe:
         """The RDMA-aware analysis for ``n_microbatches`` microbatches in flight."""
         return Plan(self.stages, self.outputs, self.inputs, n_microbatches, training, zero_copy, schedule)
 
-    def build_stage(self, stage_index: int | None = None, *, zero_copy: bool = True, timeout: float | None = None,
-                    trace: bool = False):
-        """The stage of this rank (``$RANK`` unless ``stage_index``). ``zero_copy=False`` turns
-        allocation-site placement off: every send copies (seed 000's copy mode)."""
+    def build_stage(self, stage_index: int | None = None, *, zero_copy: bool | str = True,
+                    timeout: float | None = None, trace: bool = False):
+        """The stage of this rank (``$RANK`` unless ``stage_index``).
+
+        ``zero_copy``: ``True`` (or ``"auto"``) places a sent tensor's op in the arena where that
+        saves a copy and the placement mode costs less than the copy (docs/graph.md, "Allocation
+        sites"); ``"always"`` places every site that can be placed; ``False`` turns placement
+        off: every send copies (seed 000's copy mode). ``stage.explain()`` says per edge why it
+        copies."""
         from rdmaflow.graph.stage import PipelineStage
 
         return PipelineStage(self, stage_index, zero_copy=zero_copy, timeout=timeout, trace=trace)

@@ -21,9 +21,19 @@ forward of a microbatch, or its backward). It numbers the ATen ops the call runs
 A site whose op, shape or dtype no longer matches what was recorded runs normally (the send
 then copies and ``stats`` counts it). Ops are identified by their position in the call, which
 is the same for every microbatch of a static graph.
+
+The mode is not free: every op of a phase that keeps a site pays a Python call, and a small
+transformer block runs a hundred ops to send a few KiB. So, unless told to
+place ``always``, ``settle(phase)`` weighs it after ``learn``: the phase's ops times the
+mode's cost per op (measured once per process) against the copies its sites save (a copy of
+each site's bytes into freshly allocated memory, also measured), and drops the phase's sites
+when the mode costs more than ``MODE_COST_MARGIN`` times those copies; the sends then copy,
+and ``settle`` says why.
 """
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +41,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import rdmaflow
+
+# Placement is declined only when the mode costs clearly more than the copies it saves: the
+# estimate of either side is good to a factor of about two.
+MODE_COST_MARGIN = 4.0
 
 
 def out_variant(func) -> tuple[object, list[str]] | None:
@@ -60,6 +74,13 @@ def aliases_input(func) -> bool:
     """The op returns a view of an input or updates one in place (schema alias annotations)."""
     schema = getattr(func, "_schema", None)
     return bool(schema and any(r.alias_info is not None for r in schema.returns))
+
+
+def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 def op_name(func) -> str:
@@ -92,17 +113,63 @@ class Site:
 @dataclass
 class PhaseTrace:
     recorded: bool = False
+    ops: int = 0             # ATen ops the recorded call ran under the mode
     alloc: dict[int, Alloc] = field(default_factory=dict)
     sites: dict[int, Site] = field(default_factory=dict)
+    settled: bool = False
+
+
+def _best_of(trials: int, fn) -> float:
+    best = float("inf")
+    for _ in range(trials):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@functools.cache
+def mode_cost_per_op() -> float:
+    """Seconds that running under ``Placement`` (a phase already recorded) adds to one ATen op,
+    measured once per process on small adds, with and without the mode."""
+    a, n = torch.zeros(4), 200
+
+    def ops() -> None:
+        for _ in range(n):
+            torch.add(a, a)
+
+    mode = Placement(None)
+    mode._trace = PhaseTrace(recorded=True)
+
+    def under_mode() -> None:
+        with mode:
+            ops()
+
+    ops()
+    under_mode()
+    return max(0.0, (_best_of(5, under_mode) - _best_of(5, ops)) / n)
+
+
+COPY_PROBE_MAX = 64 << 20  # larger copies are timed at this size and scaled
+
+
+@functools.cache
+def copy_cost(nbytes: int) -> float:
+    """Seconds a send's copy of ``nbytes`` costs: into freshly allocated memory, as the output
+    of an unplaced op is (a fresh buffer of megabytes is often new pages to fault in)."""
+    n = max(1, min(nbytes, COPY_PROBE_MAX))
+    src = torch.ones(n, dtype=torch.uint8)
+    return _best_of(3, lambda: torch.empty(n, dtype=torch.uint8).copy_(src)) * nbytes / n
 
 
 class Placement(TorchDispatchMode):
     """Records allocation sites in each phase's first call and redirects them afterwards."""
 
-    def __init__(self, arena, enabled: bool = True):
+    def __init__(self, arena, enabled: bool = True, weigh: bool = True):
         super().__init__()
         self.arena = arena
         self.enabled = enabled
+        self.weigh = weigh     # settle() may decline a phase whose mode costs more than its copies
         self.phases: dict[str, PhaseTrace] = {}
         self._trace: PhaseTrace | None = None
         self._count = 0
@@ -122,6 +189,8 @@ class Placement(TorchDispatchMode):
                 return fn(*args, **kwargs)
         finally:
             self._trace = None
+            if not trace.recorded:
+                trace.ops = self._count
             trace.recorded = True
 
     def learn(self, phase: str, tensor: torch.Tensor, max_nbytes: int | None = None) -> str | None:
@@ -146,6 +215,26 @@ class Placement(TorchDispatchMode):
             return f"{op_name(hit.func)} has no out= overload to place its output"
         trace.sites[hit.index] = Site(hit, out[0], out[1], max_nbytes)
         return None
+
+    def settle(self, phase: str) -> str | None:
+        """After the ``learn`` calls of ``phase``'s first call: keeps its sites, or (when
+        weighing) drops them if the mode would cost more than ``MODE_COST_MARGIN`` times the
+        copies they save, and returns why. Decides once per phase."""
+        trace = self.phases.get(phase)
+        if trace is None or trace.settled:
+            return None
+        trace.settled = True
+        if not self.weigh or not trace.sites:
+            return None
+        saved = sum(copy_cost(s.max_nbytes if s.max_nbytes is not None
+                              else _nbytes(s.alloc.shapes[s.alloc.k], s.alloc.dtypes[s.alloc.k]))
+                    for s in trace.sites.values())
+        mode = trace.ops * mode_cost_per_op()
+        if mode <= MODE_COST_MARGIN * saved:
+            return None
+        trace.sites.clear()  # the phase now runs without the mode
+        return (f"placement declined: its {phase} runs {trace.ops} ops under the placement mode "
+                f"(~{mode * 1e6:.0f} µs) to save copies of ~{saved * 1e6:.0f} µs")
 
     # -- the mode -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

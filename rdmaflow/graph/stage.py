@@ -30,6 +30,10 @@ from rdmaflow.transfer import (
     StaticSender,
 )
 
+# True is "auto": allocation-site placement where it saves a copy and pays for itself (see
+# Placement.settle); "always": every site that can be placed is; False: copy mode.
+ZERO_COPY = (True, False, "auto", "always")
+
 TIMEOUT_ENV = "RDMAFLOW_GRAPH_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
 
@@ -114,8 +118,10 @@ class PipelineStage:
     """The stage this rank runs (rank r runs stage r). Its ``submod`` holds the stage's
     parameters under the model's names: give ``submod.parameters()`` to the stage's optimizer."""
 
-    def __init__(self, pipe, stage_index: int | None = None, *, zero_copy: bool = True,
+    def __init__(self, pipe, stage_index: int | None = None, *, zero_copy: bool | str = True,
                  timeout: float | None = None, trace: bool = False):
+        if zero_copy not in ZERO_COPY:
+            raise rdmaflow.InvalidArgumentError(f"zero_copy must be one of {ZERO_COPY}, got {zero_copy!r}")
         rank, world = env_rank()
         self.stage_index = rank if stage_index is None else stage_index
         self.timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)) if timeout is None else timeout
@@ -133,7 +139,8 @@ class PipelineStage:
         self.num_stages = pipe.num_stages
         self.graph = pipe.stages[self.stage_index]
         self.submod = StageModule(self.graph)
-        self.zero_copy = zero_copy
+        self.zero_copy = zero_copy is not False
+        self.always_place = zero_copy == "always"
         self.trace: list | None = [] if trace else None
         self.plan: Plan | None = None
         self.device = None
@@ -198,7 +205,7 @@ class PipelineStage:
             self.senders[e.id] = cls(self.device, endpoints[e.consumer], tag + e.name, *args, timeout=self.timeout)
             self.stats[e.id] = EdgeStats(copy_reason=None if e.zero_copy else e.why)
         self.rdv.barrier("senders")  # every pair introduced: nothing is exchanged from here on
-        self.placement = Placement(self.device.arena, enabled=self.zero_copy)
+        self.placement = Placement(self.device.arena, enabled=self.zero_copy, weigh=not self.always_place)
         self._edges = plan.edges
         self._fwd_in = {e.source: e for e in recvs if e.direction == "forward"}
         self._fwd_out = [e for e in sends if e.direction == "forward"]
@@ -292,6 +299,7 @@ class PipelineStage:
                 int(e.source.rsplit(" ", 1)[1])]
             mb.sent[e.id] = t
             sends.append(self._send(e, t, m, "forward"))
+        self._settle("forward", self._fwd_out)
         self._learned.add("forward")
         return sends
 
@@ -351,6 +359,7 @@ class PipelineStage:
                 leaf = mb.leaves[fid]
                 t = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             sends.append(self._send(e, t, m, "backward"))
+        self._settle("backward", self._bwd_out.values())
         self._learned.add("backward")
         self._mbs[m].leaves, self._mbs[m].sent = {}, {}  # frees the graph of this microbatch
         return sends
@@ -362,7 +371,12 @@ class PipelineStage:
             t = t.contiguous()
         st = self.stats[e.id]
         if phase not in self._learned and e.payload != TOKEN and st.copy_reason is None:
-            st.copy_reason = self.placement.learn(phase, t, e.nbytes if e.cls == BOUNDED else None)
+            sender = self.senders[e.id]
+            if not self.always_place and getattr(sender, "copies_from_any_memory", False):
+                st.copy_reason = ("on one host a send is one copy into the receiver's slot from any memory: "
+                                  "placement would save none")
+            else:
+                st.copy_reason = self.placement.learn(phase, t, e.nbytes if e.cls == BOUNDED else None)
         zero = e.payload == TOKEN or self.device.arena.offset_of(t) is not None
         st.sends += 1
         st.zero_copy += zero
@@ -372,6 +386,18 @@ class PipelineStage:
         holder = self._slot_holder(t, m)
         done = (lambda op, fut: holder.holds.append(fut)) if holder is not None else (lambda op, fut: None)
         return SendOp(e, self.senders[e.id], t, m, done)
+
+    def _settle(self, phase: str, edges) -> None:
+        """After the first call of ``phase``: its sites stay, or are declined for what the
+        placement mode would cost (Placement.settle); the edges then say why they copy."""
+        if phase in self._learned:
+            return
+        why = self.placement.settle(phase)
+        if why is not None:
+            for e in edges:
+                st = self.stats[e.id]
+                if e.payload != TOKEN and st.copy_reason is None and st.zero_copy < st.sends:
+                    st.copy_reason = why
 
     def _slot_holder(self, t: torch.Tensor, m: int) -> RecvOp | None:
         """The receive whose slot ``t`` views (a tensor passed through this stage): its slot must

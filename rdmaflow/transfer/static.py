@@ -107,6 +107,13 @@ class StaticSender(Sender):
         self._ack_addr = self.ack.address
         self._arena_lo, self._arena_hi = self.arena.base, self.arena.base + self.arena.nbytes
 
+    @property
+    def copies_from_any_memory(self) -> bool:
+        """The receiver is on this host and this sender's mode is "auto": a send is one copy by the
+        caller's thread from the tensor wherever it lives into the receiver's mapped slot, so a
+        tensor in the arena saves no copy here."""
+        return self._direct is not None and self.mode == "auto"
+
     def _validate(self, meta: dict) -> None:
         shape, code, nbytes = meta.get("shape"), meta.get("dtype"), meta.get("nbytes")
         if not isinstance(shape, list) or len(shape) > 64 or not all(

@@ -7,7 +7,7 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
                 "masked" (stage 0 sends the rows a boolean mask selects: a data-dependent shape)
                                          stages      2 | 3 (split points of that model)
     schedule    "gpipe" | "1f1b"         inference   true: forward only, no loss
-    microbatches, batch, steps, lr, seed, zero_copy (allocation-site placement on/off)
+    microbatches, batch, steps, lr, seed, zero_copy (allocation-site placement: true/"auto", "always", false)
     trace       record the executor's events
     out         directory for the results: rank{r}.pt (parameters by name, losses, outputs,
                 the send statistics, explain(), the trace)
