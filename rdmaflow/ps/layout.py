@@ -159,13 +159,18 @@ def runs_of(units: Sequence[Unit]) -> list[Run]:
     return out
 
 
+def units_holding(starts: Sequence[int], lo: int, hi: int) -> range:
+    """Indices of the units holding flat elements [lo, hi), given the units' sorted offsets."""
+    return range(max(bisect_right(starts, lo) - 1, 0), bisect_left(starts, hi))
+
+
 def covered_once(units: Sequence[Unit], ranges: Sequence[tuple[int, int]]) -> tuple[set[int], set[int]]:
     """Of ``units`` (sorted by offset), the indices of those that element ranges [lo, hi) cover
     whole and exactly once, and of those they touch at all."""
     starts = [u.offset for u in units]
 
     def within(lo: int, hi: int) -> range:
-        return range(max(bisect_right(starts, lo) - 1, 0), bisect_left(starts, hi))
+        return units_holding(starts, lo, hi)
 
     merged: list[list[int]] = []
     twice: set[int] = set()

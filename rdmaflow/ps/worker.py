@@ -21,7 +21,6 @@ import os
 import sys
 import threading
 import time
-from bisect import bisect_left, bisect_right
 
 import torch
 from tqdm import tqdm
@@ -38,6 +37,7 @@ from rdmaflow.ps.layout import (
     runs_of,
     spec_entries,
     spec_of,
+    units_holding,
 )
 from rdmaflow.ps.optim import describe_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
@@ -241,13 +241,8 @@ class Worker:
         self.units_of_param: list[list[int]] = []
         self._unit_need = [0] * len(self.units)
         for _, info in self._params:
-            lo = bisect_right(starts, info.offset) - 1
-            touched = []
-            i = max(lo, 0)
-            while i < len(self.units) and self.units[i].offset < info.offset + info.numel:
-                if self.units[i].offset + self.units[i].numel > info.offset:
-                    touched.append(i)
-                i += 1
+            touched = [i for i in units_holding(starts, info.offset, info.offset + info.numel)
+                       if self.units[i].offset + self.units[i].numel > info.offset]
             self.units_of_param.append(touched)
             for i in touched:
                 self._unit_need[i] += 1
@@ -333,7 +328,7 @@ class Worker:
 
     def _units_in(self, lo: int, hi: int) -> range:
         """Indices into ``self.units`` (sorted by offset) of the units holding elements [lo, hi)."""
-        return range(max(bisect_right(self._unit_starts, lo) - 1, 0), bisect_left(self._unit_starts, hi))
+        return units_holding(self._unit_starts, lo, hi)
 
     def wait_range(self, lo: int, hi: int, timeout: float | None = None) -> None:
         """Blocks until the chunks of the newest weights that hold flat elements [lo, hi) have
