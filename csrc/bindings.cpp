@@ -314,15 +314,25 @@ PYBIND11_MODULE(_core, m) {
           "write_flagged",
           [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t local_offset,
              const std::shared_ptr<RemoteRegion>& remote, int64_t remote_offset, int64_t nbytes,
-             int64_t word_offset, uint64_t value, int64_t word_remote_offset, py::object callback) {
+             int64_t word_offset, uint64_t value, int64_t word_remote_offset, py::object callback,
+             const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
+             uint64_t rider_value, int64_t rider_remote_offset) {
             size_t lo = check_offset(local_offset, "local_offset");
             size_t ro = check_offset(remote_offset, "remote_offset");
             size_t n = check_offset(nbytes, "nbytes");
             size_t wo = check_offset(word_offset, "word_offset");
             size_t wro = check_offset(word_remote_offset, "word_remote_offset");
+            Channel::Rider rider;
+            if (rider_remote) {
+              rider.remote = rider_remote;
+              rider.local_off = check_offset(rider_offset, "rider_offset");
+              rider.remote_off = check_offset(rider_remote_offset, "rider_remote_offset");
+              rider.value = rider_value;
+            }
             Callback cb = make_callback(callback);
             try {
-              return ch.write_flagged(local, lo, remote, ro, n, wo, value, wro, std::move(cb));
+              return ch.write_flagged(local, lo, remote, ro, n, wo, value, wro, std::move(cb),
+                                      rider_remote ? &rider : nullptr);
             } catch (...) {
               if (!callback.is_none()) Py_DECREF(callback.ptr());
               throw;
@@ -331,8 +341,22 @@ PYBIND11_MODULE(_core, m) {
           py::arg("local_region"), py::arg("local_offset"), py::arg("remote_region"),
           py::arg("remote_offset"), py::arg("nbytes"), py::arg("word_offset"), py::arg("value"),
           py::arg("word_remote_offset"), py::arg("callback") = py::none(),
+          py::arg("rider_remote_region") = nullptr, py::arg("rider_offset") = 0,
+          py::arg("rider_value") = 0, py::arg("rider_remote_offset") = 0,
           "One command: WRITE nbytes, fence, then store value at local word_offset and WRITE "
-          "it to word_remote_offset. The future completes when both are visible at the peer.")
+          "it to word_remote_offset. The future completes when both are visible at the peer. "
+          "A rider (rider_remote_region given) is a second word for the same peer: rider_value, "
+          "stored first at local rider_offset, lands at rider_remote_offset of "
+          "rider_remote_region after the word (in the same message on the message path).")
+      .def_property_readonly("flagged_by_message", &Channel::flagged_by_message,
+                             "Whether write_flagged of at most flagged_message_bytes takes the "
+                             "message path (data, word and rider in one message); known once "
+                             "the endpoint exists.")
+      .def_property_readonly_static("flagged_message_bytes",
+                                    [](py::object) { return Channel::flagged_message_bytes(); })
+      .def("progress_now", &Channel::progress_now, py::call_guard<py::gil_scoped_release>(),
+           "Progresses the channel's worker once on the caller's thread, unless another thread "
+           "drives it (completions it is owed run here instead of waking a progress thread).")
       .def("direct_window", &Channel::direct_window, py::arg("remote_region"),
            py::call_guard<py::gil_scoped_release>(),
            "The peer's region written by the caller's thread (same host, shared memory), or "

@@ -4,6 +4,8 @@
 // for a WRITE). Ordering follows UCX's documented semantics: operations on one endpoint are
 // ordered only by ucp_worker_fence, and a put is visible at the target once a flush covering
 // it completes (ucp_put_nbx, ucp_ep_flush_nbx).
+#include <tuple>
+
 #include "internal.hpp"
 
 namespace rdmaflow {
@@ -225,81 +227,103 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
 Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
                               const std::shared_ptr<RemoteRegion>& remote, size_t remote_off,
                               size_t n, size_t word_local_off, uint64_t value,
-                              size_t word_remote_off, Callback cb) {
+                              size_t word_remote_off, Callback cb, const Rider* rider) {
   check_range(local, local_off, remote, remote_off, n);
   check_inside(word_local_off, 8, local->length(), "local");  // the rest is checked above
   check_inside(word_remote_off, 8, remote->length, "remote");
-  // The caller's future completes when both parts have: ok only if both are.
-  struct Both {
+  if (rider) {
+    check_range(local, rider->local_off, rider->remote, rider->remote_off, 8);
+    if (rider->local_off == word_local_off)
+      throw Error(ErrorKind::Invalid, "the rider's source word is the write's own word");
+  }
+  // The caller's future completes when every part has: ok only if all are.
+  struct Parts {
     int left = 0;
     ErrorKind kind = ErrorKind::Generic;
     std::string error;
   };
   auto fut = std::make_shared<FutureState>();
   fut->on_complete = std::move(cb);
-  auto both = std::make_shared<Both>();
-  both->left = n ? 2 : 1;
-  auto part_done = [fut, both](const Future& f) {  // on the progress thread
-    if (!f->ok() && both->error.empty()) {
-      both->kind = f->error_kind();
-      both->error = f->error();
+  auto parts = std::make_shared<Parts>();
+  parts->left = (n ? 2 : 1) + (rider ? 1 : 0);
+  auto part_done = [fut, parts](const Future& f) {  // on the progress thread
+    if (!f->ok() && parts->error.empty()) {
+      parts->kind = f->error_kind();
+      parts->error = f->error();
     }
-    if (--both->left > 0) return;
-    if (both->error.empty()) fut->complete_ok();
-    else fut->complete_error(both->kind, both->error);
+    if (--parts->left > 0) return;
+    if (parts->error.empty()) fut->complete_ok();
+    else fut->complete_error(parts->kind, parts->error);
+  };
+  auto part = [&](const std::shared_ptr<RemoteRegion>& r) {
+    auto f = std::make_shared<FutureState>();
+    f->on_complete = part_done;
+    return std::make_pair(f, make_op(f, local, r));
   };
   Op* data = nullptr;
   Future data_fut;
-  if (n) {
-    data_fut = std::make_shared<FutureState>();
-    data_fut->on_complete = part_done;
-    data = make_op(data_fut, local, remote);
+  if (n) std::tie(data_fut, data) = part(remote);
+  Op* word = part(remote).second;
+  RiderPost rp;
+  if (rider) {
+    rp = {part(rider->remote).second, rider->local_off, rider->remote_off, rider->value};
+    __atomic_store_n(reinterpret_cast<uint64_t*>(local->addr_ + rider->local_off), rider->value,
+                     __ATOMIC_RELEASE);
   }
-  auto wf = std::make_shared<FutureState>();
-  wf->on_complete = part_done;
-  Op* word = make_op(wf, local, remote);
   __atomic_store_n(reinterpret_cast<uint64_t*>(local->addr_ + word_local_off), value,
                    __ATOMIC_RELEASE);
   ProgressThread* t = thread_;
   Path data_path{local_off, remote_off, n, true};
   Path word_path{word_local_off, word_remote_off, 8, true};
-  auto task = [data, data_fut, word, t, data_path, word_path, value]() {
+  auto task = [data, data_fut, word, t, data_path, word_path, value, rp]() {
     t->track(word);
     if (data) t->track(data);
-    Channel* ch = word->ch.get();
-    bool behind = !ch->deferred_.empty();  // an earlier word still waits: this one waits too
-    bool mapped = data && data_path.same_host(t, data);
-    if (!mapped && !behind &&
-        send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off,
-                             data_path.n, word_path.remote_off, value))
+    if (rp.op) t->track(rp.op);
+    if (post_flagged(t, data, data_fut, word, data_path, word_path, value, rp.op ? &rp : nullptr) ||
+        !rp.op)
       return;
-    const bool put_data = data && !mapped;
-    if (put_data) data_path.ucx(t, data);
-    if (put_data && ch->one_stream_ && !behind) {  // one tcp connection: the word follows the data
-      t->device()->stream_words_.fetch_add(1, std::memory_order_relaxed);
-      word_path.ucx(t, word);
-      return;
-    }
-    if (put_data || behind) {
-      // The word is put once the data's flush (and every earlier word) has completed
-      // (post_ready_words), not behind a fence: UCX's strong fence holds every later operation
-      // of the worker back until everything before it has completed (docs/transfer.md).
-      ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off,
-                               put_data ? data_fut : nullptr});
-      t->note_deferred(ch);
-      return;
-    }
-    // The word never lands before the data, nor before what the channel posted earlier (mapped
-    // copies are ordered by running in order; one tcp connection by its stream).
-    if (!ch->one_stream_) ucp_worker_fence(t->handle());
-    if (!word_path.same_host(t, word)) word_path.ucx(t, word);
+    post_flagged(t, nullptr, nullptr, rp.op, Path{0, 0, 0, true},
+                 Path{rp.local_off, rp.remote_off, 8, true}, rp.value, nullptr);
   };
   if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
-    if (data) unpost(data);
-    unpost(word);
+    for (Op* op : {data, word, rp.op})
+      if (op) unpost(op);
     throw Error(ErrorKind::Closed, "device is closed");
   }
   return fut;
+}
+
+bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, Op* word,
+                           const Path& data_path, const Path& word_path, uint64_t value,
+                           const RiderPost* rider) {
+  Channel* ch = word->ch.get();
+  bool behind = !ch->deferred_.empty();  // an earlier word still waits: this one waits too
+  bool mapped = data && data_path.same_host(t, data);
+  if (!mapped && !behind &&
+      send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off, data_path.n,
+                           word_path.remote_off, value, rider))
+    return true;
+  const bool put_data = data && !mapped;
+  if (put_data) data_path.ucx(t, data);
+  if (put_data && ch->one_stream_ && !behind) {  // one tcp connection: the word follows the data
+    t->device()->stream_words_.fetch_add(1, std::memory_order_relaxed);
+    word_path.ucx(t, word);
+    return false;
+  }
+  if (put_data || behind) {
+    // The word is put once the data's flush (and every earlier word) has completed
+    // (post_ready_words), not behind a fence: UCX's strong fence holds every later operation
+    // of the worker back until everything before it has completed (docs/transfer.md).
+    ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off,
+                             put_data ? data_fut : nullptr});
+    t->note_deferred(ch);
+    return false;
+  }
+  // The word never lands before the data, nor before what the channel posted earlier (mapped
+  // copies are ordered by running in order; one tcp connection by its stream).
+  if (!ch->one_stream_) ucp_worker_fence(t->handle());
+  if (!word_path.same_host(t, word)) word_path.ucx(t, word);
+  return false;
 }
 
 void Channel::post_ready_words(ProgressThread* t, bool now) {

@@ -11,6 +11,8 @@
 
 namespace rdmaflow {
 
+size_t Channel::flagged_message_bytes() { return kFlaggedMaxBytes; }
+
 EndpointPaths flagged_paths(FlaggedWrites mode, ucp_ep_h ep) {
   if (mode != FlaggedWrites::Auto) return {mode == FlaggedWrites::Message, false};
   ucp_transport_entry_t entries[32];
@@ -27,7 +29,7 @@ EndpointPaths flagged_paths(FlaggedWrites mode, ucp_ep_h ep) {
 
 bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t local_off,
                                    size_t remote_off, size_t n, size_t word_remote_off,
-                                   uint64_t value) {
+                                   uint64_t value, const RiderPost* rider) {
   Channel* ch = word->ch.get();
   // Puts still in flight on this endpoint are not ordered with a message (unless the endpoint is
   // one tcp connection): they keep the put path. Beyond kFlaggedMaxBytes the messages' extra
@@ -63,11 +65,19 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
   const char* laddr = reinterpret_cast<const char*>(lead->local->addr_) + local_off;
   for (size_t i = 0; i < parts; ++i) {
     const size_t off = i * kFlaggedPartBytes, len = std::min(kFlaggedPartBytes, n - off);
-    FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, remote_off + off, word_remote_off, value, parts};
+    FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, remote_off + off, word_remote_off, value, parts,
+                    0, 0, 0, 0};
+    if (rider) {
+      const RemoteRegion& rr = *rider->op->remote;
+      h.rider_region_id = rr.region_id;
+      h.rider_region_addr = rr.addr;
+      h.rider_off = rider->remote_off;
+      h.rider_value = rider->value;
+    }
     ucs_status_ptr_t sp = ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h,
                                           const_cast<char*>(laddr + off), len, &p);
     if (UCS_PTR_IS_ERR(sp) && i == 0) {
-      for (Op* op : {data, word}) {
+      for (Op* op : {data, word, rider ? rider->op : nullptr}) {
         if (!op) continue;
         op->pending = 1;
         t->op_note(op, UCS_PTR_STATUS(sp));
@@ -80,11 +90,18 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
     }
     if (sp == nullptr) t->op_note(lead, UCS_OK);
   }
-  for (Op* op : {data, word})
+  for (Op* op : {data, word, rider ? rider->op : nullptr})
     if (op) ch->unflushed_.push_back(op);
   t->mark_dirty(ch);
   return true;
 }
+
+namespace {
+// An aligned 8-byte word at off lies inside r.
+bool word_inside(const MemRegion& r, uint64_t off) {
+  return off <= r.length() && 8 <= r.length() - off && (off & 7) == 0;
+}
+}  // namespace
 
 // Runs on whichever thread drives the worker. The sender checked the ranges against the
 // region's authenticated descriptor; a message that names no live region of this device (freed
@@ -98,17 +115,20 @@ ucs_status_t Device::flagged_cb(void* arg, const void* header, size_t header_len
     return UCS_OK;
   }
   std::memcpy(&h, header, sizeof h);
-  std::shared_ptr<MemRegion> r;
+  std::shared_ptr<MemRegion> r, rider;
   {
     std::lock_guard<std::mutex> lk(d->m_);
     auto it = d->regions_.find(h.region_id);
     if (it != d->regions_.end()) r = it->second.lock();
+    if (h.rider_region_id) {
+      it = d->regions_.find(h.rider_region_id);
+      if (it != d->regions_.end()) rider = it->second.lock();
+    }
   }
   size_t len = r ? r->length_ : 0;
   if (h.magic != kFlaggedMagic || h.parts == 0 || h.parts > kFlaggedMaxBytes / kFlaggedPartBytes ||
       !r || r->freed() || r->addr_ != h.region_addr ||
-      h.data_off > len || length > len - h.data_off || h.word_off > len || 8 > len - h.word_off ||
-      (h.word_off & 7)) {
+      h.data_off > len || length > len - h.data_off || !word_inside(*r, h.word_off)) {
     d->dropped_writes_.fetch_add(1, std::memory_order_relaxed);
     return UCS_OK;
   }
@@ -120,6 +140,16 @@ ucs_status_t Device::flagged_cb(void* arg, const void* header, size_t header_len
     uint64_t seen = ++d->parts_seen_[key];
     if (seen < h.parts) return UCS_OK;
     d->parts_seen_.erase(key);
+  }
+  // The rider first: a peer that sees the word sees the rider too (a reply's flag and the
+  // credit it hands back arrive together).
+  if (h.rider_region_id) {
+    if (rider && !rider->freed() && rider->addr_ == h.rider_region_addr &&
+        word_inside(*rider, h.rider_off))
+      __atomic_store_n(reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(rider->addr_) + h.rider_off),
+                       h.rider_value, __ATOMIC_RELEASE);
+    else
+      d->dropped_writes_.fetch_add(1, std::memory_order_relaxed);
   }
   __atomic_store_n(reinterpret_cast<uint64_t*>(base + h.word_off), h.value, __ATOMIC_RELEASE);
   return UCS_OK;

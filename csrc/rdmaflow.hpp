@@ -205,10 +205,23 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // both are visible at the peer, or on the message path (n of at most 256 KiB) when its
   // messages have left: the word itself tells the peer. It fails if either part failed.
   // Throws like memcpy for either range.
+  //
+  // A rider, when given, is a second word for the same peer (a receiver handing a slot back to
+  // its sender on this channel, in the message of a transfer of its own): `value` is stored
+  // first into local[local_off] (a registered source no WRITE in flight uses) and lands at
+  // remote[remote_off] behind every earlier word of the channel: on the message path in the
+  // same message, stored just before the write's own word (a peer that sees the word sees the
+  // rider); elsewhere as a word-only write_flagged posted right behind this one. The future
+  // completes when it has too. Its range is checked like the word's.
+  struct Rider {
+    std::shared_ptr<RemoteRegion> remote;
+    size_t local_off = 0, remote_off = 0;
+    uint64_t value = 0;
+  };
   Future write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
                        const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
                        size_t word_local_off, uint64_t value, size_t word_remote_off,
-                       Callback cb);
+                       Callback cb, const Rider* rider = nullptr);
   // The peer's region written by the caller's own thread (DirectWindow), when it is shared
   // memory on this host and the same-host path is on; null otherwise. Authenticates and
   // validates `remote` like memcpy (it may wait for the owner's answer).
@@ -218,6 +231,10 @@ class Channel : public std::enable_shared_from_this<Channel> {
   void progress_now() const;
   // A waiter that drives the worker counts itself in (+1) and out (-1) (ProgressThread::drivers).
   void count_driver(int d) const { drivers_->fetch_add(d); }
+  // Whether write_flagged of at most flagged_message_bytes() takes the message path here (data,
+  // word and rider in one message): known once the endpoint exists (any post made it).
+  bool flagged_by_message() const { return flagged_by_message_.load(); }
+  static size_t flagged_message_bytes();
   int qp_idx() const { return qp_; }
   std::string remote_endpoint() const;
   bool failed() const { return failed_.load(); }
@@ -241,9 +258,21 @@ class Channel : public std::enable_shared_from_this<Channel> {
   static void unpost(Op* op);  // undoes make_op when the post fails
   // flagged.cpp: write_flagged's data and word as one active message, when this endpoint takes
   // that path (FlaggedWrites) and n allows; false (nothing posted) otherwise. Progress thread.
+  // A posted rider: its op (remote: the rider's region), where its word goes, its value.
+  struct RiderPost {
+    Op* op = nullptr;
+    size_t local_off = 0, remote_off = 0;
+    uint64_t value = 0;
+  };
   static bool send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t local_off,
                                    size_t remote_off, size_t n, size_t word_remote_off,
-                                   uint64_t value);
+                                   uint64_t value, const RiderPost* rider = nullptr);
+  // write_flagged as its command runs (progress thread, or the caller's under the worker lock):
+  // the message path, else the data's path and the word behind it. True when the message
+  // carried the rider; else the caller posts it as a word-only write of its own.
+  static bool post_flagged(ProgressThread* t, Op* data, const Future& data_fut, Op* word,
+                           const Path& data_path, const Path& word_path, uint64_t value,
+                           const RiderPost* rider);
 
   // Progress-thread only.
   bool ensure_ep();
@@ -268,7 +297,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::vector<Op*> unflushed_;
   int rma_pending_ = 0;  // UCX puts/gets not yet complete; mapped copies wait for them
   int am_pending_ = 0;   // flagged writes sent as messages, not yet flushed; mapped copies wait
-  bool flagged_by_message_ = false;  // write_flagged's path on this endpoint (FlaggedWrites)
+  std::atomic<bool> flagged_by_message_{false};  // write_flagged's path on this endpoint (FlaggedWrites)
   bool one_stream_ = false;  // Auto and one tcp lane: everything on ep_ lands in posting order
   bool dirty_ = false;
   // write_flagged words waiting for their data's flush, in posting order (channel.cpp).

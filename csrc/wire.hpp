@@ -35,11 +35,13 @@ constexpr uint16_t kFlaggedAmId = 0x5247;  // "RG"
 constexpr size_t kFlaggedPartBytes = size_t(64) << 10;  // the data one message carries at most
 constexpr size_t kFlaggedMaxBytes = size_t(256) << 10;  // larger flagged writes take the put path
 constexpr const char* kFlaggedSegSize = "72k";      // UCX tcp segment that holds one message
-constexpr uint64_t kFlaggedMagic = 0x32574752;  // "RGW2"
+constexpr uint64_t kFlaggedMagic = 0x33574752;  // "RGW3"
 // A flagged write's message header: the payload goes to [data_off, data_off + payload length) of
 // the target's region. A write of more than kFlaggedPartBytes goes as `parts` messages, each with
 // its part of the data and the same word_off and value; the target stores `value` to the 8-byte
-// word at word_off once it has applied all `parts` of them, in whatever order they came.
+// word at word_off once it has applied all `parts` of them, in whatever order they came; just
+// before it, the rider (when rider_region_id is not 0): rider_value to the word at rider_off of
+// that region.
 struct FlaggedHeader {
   uint64_t magic;
   uint64_t region_id;
@@ -48,6 +50,10 @@ struct FlaggedHeader {
   uint64_t word_off;
   uint64_t value;
   uint64_t parts;
+  uint64_t rider_region_id;  // 0: no rider (region ids start at 1)
+  uint64_t rider_region_addr;
+  uint64_t rider_off;
+  uint64_t rider_value;
 };
 
 enum CtrlType : uint32_t {

@@ -3,9 +3,13 @@
     python examples/static_pingpong.py [SIZE_BYTES] [ROUND_TRIPS]
     UCX_TLS=tcp python examples/static_pingpong.py 1024 2000     # over UCX tcp (loopback)
 
+    PINGPONG_RELEASE=1 UCX_TLS=tcp python examples/static_pingpong.py 1024 2000
+                                        # each send hands the slot it answers back (release=)
+
 The first process starts the second; they find each other through a temporary directory.
 Uses only names every rdmaflow version since the first transfer layer has (Device,
-StaticSender, StaticReceiver, Device.empty), so the same script times older checkouts too.
+StaticSender, StaticReceiver, Device.empty), so the same script times older checkouts too;
+PINGPONG_RELEASE=1 needs ``send(..., release=)`` (2026-11-25).
 """
 import os
 import subprocess
@@ -44,15 +48,16 @@ def main() -> None:
         sender = StaticSender(dev, f.read(), "to_" + other, mode="zerocopy")
     x = dev.empty((size,), torch.uint8)
     x.fill_(1)
+    kw = {"release": receiver} if os.environ.get("PINGPONG_RELEASE") == "1" else {}
     times = []
     for _ in range(iters + iters // 10):  # the first tenth warms up
         t0 = time.perf_counter()
         if role == "ping":
-            sender.send(x)
+            sender.send(x, **kw)
             receiver.recv()
         else:
             receiver.recv()
-            sender.send(x)
+            sender.send(x, **kw)
         times.append(time.perf_counter() - t0)
     if role == "ping":
         t = sorted(times[iters // 10:])

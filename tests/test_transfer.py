@@ -1037,6 +1037,82 @@ def test_racing_on_each_flagged_path(tpeer, job_secret, transport, flagged, busy
                                 words=None if flagged == "message" else "flush")
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("nbytes,n", [(8, 2000), (64 * 1024, 1000), (8 * MiB, 20)])
+def test_racing_with_each_send_handing_the_last_receive_back(tpeer, dev, transport, depth, nbytes, n):
+    """The race above, both sides sending with ``release=`` their receiver: each side's credit
+    then comes back with the other side's next transfer where it can (over tcp in the same
+    message, up to 256 KiB; at 8 MiB as a word-only write behind the put), and on its own where
+    the sender would wait for a credit first (depth 1: both sides send at once, and neither may
+    hold its ack back until it has a credit). No deadlock, and every element checked."""
+    theirs = race(tpeer(), dev, nbytes, n, transport == "sm", depth=depth, release=True)
+    for counts in (dev.transfer_counts(), theirs["counts"]):
+        assert counts["dropped"] == 0, counts
+
+
+@pytest.mark.parametrize("nbytes,n", [(8, 1500), (64 * 1024, 1000), (256 * 1024, 300), (1 * MiB, 100)])
+def test_a_reply_carries_the_ack_of_the_request_it_answers(tpeer, dev, transport, nbytes, n):
+    """Ping-pong with ``send(reply, release=receiver)`` on both sides (depth 1): every element
+    of every ping and pong checked. Over tcp up to 256 KiB the ack rides the reply's message:
+    each side sends one message per transfer, not two (transfer_counts), and none is dropped."""
+    numel = nbytes // 8
+    r = StaticReceiver(dev, "pong_in", (numel,), torch.int64)
+    peer = tpeer()
+    peer.call("static_receiver", name="ping_in", shape=[numel], dtype="int64")
+    peer.call("static_sender", remote=dev.endpoint, name="pong_in")
+    s = StaticSender(dev, peer.endpoint, "ping_in", mode="zerocopy")
+    before = dev.transfer_counts()["message"]
+    peer.post("pong", out="pong_in", **{"in": "ping_in"}, n=n)
+    buf = dev.empty((numel,), torch.int64)
+    bad = None
+    for i in range(n):
+        buf.fill_(i + 1)
+        s.send(buf, timeout=60, release=r).result(60)
+        t = r.recv(timeout=60)
+        lo, hi = int(t.min()), int(t.max())
+        if bad is None and not lo == hi == -(i + 1):
+            bad = {"i": i, "min": lo, "max": hi}
+    r.release()
+    theirs = peer.answer(120)
+    assert bad is None, f"pong {bad['i']} holds {bad['min']}..{bad['max']}"
+    assert theirs["rounds"] == n and theirs["first_mismatch"] is None, theirs
+    mine = dev.transfer_counts()
+    for counts in (mine, theirs["counts"]):
+        assert counts["dropped"] == 0, counts
+    if transport == "tcp" and nbytes <= 256 * 1024:
+        parts = max(1, nbytes // (64 * 1024))  # a write above 64 KiB goes as 64 KiB messages
+        assert mine["message"] - before <= parts * n + 2, mine
+        assert theirs["counts"]["message"] <= parts * n + 2, theirs["counts"]
+
+
+def test_release_takes_a_receiver_of_the_same_device(tpeer, dev, job_secret):
+    peer = tpeer()
+    peer.call("static_receiver", name="rel_in", shape=[4], dtype="int64")
+    s = StaticSender(dev, peer.endpoint, "rel_in")
+    with local_device() as other:
+        other.create_arena(MiB)
+        foreign = StaticReceiver(other, "foreign", (4,), torch.int64)
+        for bad in (foreign, "r", 3):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="release= takes a receiver of this sender's device"):
+                s.send(torch.zeros(4, dtype=torch.int64), release=bad)
+    assert s.seq == 0  # refused before anything was sent
+
+
+def test_a_rider_must_name_the_channels_peer(tpeer, dev, job_secret):
+    """write_flagged's rider word goes to the same peer as the write: a region of another
+    device is refused before anything is posted."""
+    peer = tpeer()
+    peer.call("static_receiver", name="rider_in", shape=[4], dtype="int64")
+    s = StaticSender(dev, peer.endpoint, "rider_in")
+    with local_device() as other:
+        other.create_arena(MiB)
+        elsewhere = rdmaflow.RemoteRegion.from_descriptor(other.arena.region.descriptor())
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="owned by the device at"):
+            s.channel.write_flagged(s.arena.region, 0, s.remote, s.r_base + s.r_data, 8, 64, 1, s.r_base,
+                                    rider_remote_region=elsewhere, rider_offset=72, rider_value=1,
+                                    rider_remote_offset=0)
+
+
 def assert_flagged_path(counts: dict, n: int, by_message: bool, words: str | None = None) -> None:
     """A device's transfer_counts() after sending n transfers: each went as one message, or as
     two puts (data, flag), the flag's put right behind the data's (``words="stream"``) or once
@@ -1050,17 +1126,18 @@ def assert_flagged_path(counts: dict, n: int, by_message: bool, words: str | Non
     assert counts["dropped"] == 0, counts
 
 
-def race(peer, dev, nbytes: int, n: int, direct: bool) -> dict:
-    """Runs n rounds of send-one, receive-one against ``peer`` doing the same (depth 2, int64
-    tensors of nbytes filled with the round's number); asserts every element of every tensor
-    either side received, and returns the peer's answer."""
+def race(peer, dev, nbytes: int, n: int, direct: bool, depth: int = 2, release: bool = False) -> dict:
+    """Runs n rounds of send-one, receive-one against ``peer`` doing the same (int64 tensors of
+    nbytes filled with the round's number; with ``release`` each send hands the tensor received
+    last back); asserts every element of every tensor either side received, and returns the
+    peer's answer."""
     numel = nbytes // 8
-    r = StaticReceiver(dev, f"race_in_{nbytes}", (numel,), torch.int64, depth=2)
-    peer.call("static_receiver", name=f"race_out_{nbytes}", shape=[numel], dtype="int64", depth=2)
+    r = StaticReceiver(dev, f"race_in_{nbytes}", (numel,), torch.int64, depth=depth)
+    peer.call("static_receiver", name=f"race_out_{nbytes}", shape=[numel], dtype="int64", depth=depth)
     peer.call("static_sender", remote=dev.endpoint, name=f"race_in_{nbytes}")
     s = StaticSender(dev, peer.endpoint, f"race_out_{nbytes}", mode="zerocopy")
     assert (s._direct is not None) == direct
-    peer.post("race", out=f"race_in_{nbytes}", **{"in": f"race_out_{nbytes}"}, n=n)
+    peer.post("race", out=f"race_in_{nbytes}", **{"in": f"race_out_{nbytes}"}, n=n, release=release)
     bufs = [dev.empty((numel,), torch.int64) for _ in range(2)]
     futs: list = [None, None]
     bad = None
@@ -1069,7 +1146,7 @@ def race(peer, dev, nbytes: int, n: int, direct: bool) -> dict:
         if futs[j] is not None:
             futs[j].result(60)
         bufs[j].fill_(i + 1)
-        futs[j] = s.send(bufs[j], timeout=60)
+        futs[j] = s.send(bufs[j], timeout=60, release=r if release else None)
         t = r.recv(timeout=60)
         lo, hi = int(t.min()), int(t.max())
         if bad is None and not lo == hi == i + 1:

@@ -224,6 +224,7 @@ def main() -> None:
         as its credits allow."""
         s, r = senders[cmd["out"]], receivers[cmd["in"]]
         timeout = cmd.get("timeout", DEFAULT_TIMEOUT)
+        release = r if cmd.get("release") else None  # each send hands the last tensor received back
         bufs = [dev.empty(s.shape, torch.int64) for _ in range(2)]
         futs: list = [None] * 2
         bad = None
@@ -232,7 +233,7 @@ def main() -> None:
             if futs[j] is not None:
                 futs[j].result(timeout)
             bufs[j].fill_(i + 1)
-            futs[j] = s.send(bufs[j], timeout=timeout)
+            futs[j] = s.send(bufs[j], timeout=timeout, release=release)
             t = r.recv(timeout=timeout)
             lo, hi = int(t.min()), int(t.max())
             if bad is None and not lo == hi == i + 1:
@@ -241,6 +242,22 @@ def main() -> None:
         s.wait_consumed(timeout=timeout)
         return {"rounds": cmd["n"], "direct": s._direct is not None, "first_mismatch": bad,
                 "counts": dev.transfer_counts()}
+
+    def pong(cmd) -> dict:
+        """n rounds of: receive on ``in`` (int64, i + 1 in every element, checked), then answer
+        on ``out`` with a tensor of -(i + 1) whose send hands the received slot back."""
+        s, r = senders[cmd["out"]], receivers[cmd["in"]]
+        timeout = cmd.get("timeout", DEFAULT_TIMEOUT)
+        buf = dev.empty(s.shape, torch.int64)
+        bad = None
+        for i in range(cmd["n"]):
+            t = r.recv(timeout=timeout)
+            lo, hi = int(t.min()), int(t.max())
+            if bad is None and not lo == hi == i + 1:
+                bad = {"i": i, "min": lo, "max": hi}
+            buf.fill_(-(i + 1))
+            s.send(buf, timeout=timeout, release=r).result(timeout)
+        return {"rounds": cmd["n"], "first_mismatch": bad, "counts": dev.transfer_counts()}
 
     def forge(cmd) -> dict:
         """Writes a metadata record (valid, then altered by ``set``) + its flag, as a sender would."""
@@ -317,6 +334,8 @@ def main() -> None:
                 reply(ok=True, **send(cmd))
             elif op == "race":
                 reply(ok=True, **race(cmd))
+            elif op == "pong":
+                reply(ok=True, **pong(cmd))
             elif op == "forge":
                 reply(ok=True, **forge(cmd))
             elif op == "publish_raw":

@@ -104,12 +104,12 @@ class RdmaflowWorker:
         self._receiver(cmd)
         ready()
         s, r, src = self._pair(cmd)
-        t = None
-        for _ in range(cmd["count"]):
-            t = r.recv()  # this recv also hands the previous slot back (the ack)
-            s.send(src)
-        bad = 0 if t is None else wrong(t, cmd["tag"], other(self.role))
-        r.release()
+        bad, count = 0, cmd["count"]
+        for i in range(count):
+            t = r.recv()
+            if i == count - 1:  # checked before the pong hands its slot back
+                bad = wrong(t, cmd["tag"], other(self.role))
+            s.send(src, release=r)  # the ping's slot goes back with the pong
         return {"bad": bad}
 
     def ping(self, cmd: dict) -> dict:
@@ -117,7 +117,7 @@ class RdmaflowWorker:
         last = []
 
         def one() -> None:
-            s.send(src)
+            s.send(src, release=r)  # the previous pong's slot goes back with this ping
             last[:] = [r.recv()]
 
         times = round_trips(cmd["count"], one)

@@ -7,8 +7,9 @@ CLOCK_MONOTONIC, the "receiver" answers each message with one of the same size (
 
 ============  ==============================================================================
 rdmaflow      a ``StaticSender`` (zero copy, from an arena tensor) / ``StaticReceiver``
-              (depth 1) pair each way, through the Python API: ``send(src); recv()`` against
-              ``recv(); send(src)``. Each ``recv()`` also hands the previous slot back.
+              (depth 1) pair each way, through the Python API: ``send(src, release=r);
+              recv()`` against ``recv(); send(src, release=r)``: each send hands the slot of
+              the message it answers back, in its own message where it can (docs/transfer.md).
 ucx_perftest  ``ucx_perftest -t ucp_put_lat`` (:func:`rdmaflow.bench.perftest.run_perftest_latency`):
               puts ping-ponging, each side polling on its buffer's last byte; UCX's own floor
 nixl          NIXL WRITE with a notification, host memory, progress thread off, UCX backend

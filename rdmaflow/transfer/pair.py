@@ -127,8 +127,38 @@ class Receiver(Endpoint):
 
     def release(self) -> None:
         """Tells the sender the last received transfer is consumed; its slot may be rewritten."""
-        if self.acked < self.seq:
-            self._ack(self.seq, Deadline(self.timeout))
+        if self.acked >= self.seq:
+            return
+        if self._ack_window is not None:  # same host: one release store, nothing to wait for
+            self._ack_window.store_word(self._sender[2], self.seq)
+            self.acked = self.seq
+            return
+        self._ack(self.seq, Deadline(self.timeout))
+
+    def _rider_for(self, channel, deadline: Deadline) -> dict | None:
+        """Hands the last received transfer back with a send on ``channel`` (``send(...,
+        release=self)``): the ack as that send's rider (write_flagged's keyword arguments) when
+        its sender is at the other end of that very channel, whose posting order keeps the
+        acks in order; otherwise (same host, another channel, nothing owed) the ack is made
+        here, on its own, and None is returned. The caller posts the send, then ``_rode``."""
+        if self.acked >= self.seq:
+            return None
+        sender = self._connect_sender(deadline)
+        if self._ack_window is not None or sender[0] is not channel:
+            self._ack(self.seq, deadline)
+            return None
+        i = self._ack_next
+        prev = self._ack_futures[i]
+        if prev is not None:
+            prev.result(deadline.left())
+        return {"rider_remote_region": sender[1], "rider_offset": self._ack_block.offset + 8 * i,
+                "rider_value": self.seq, "rider_remote_offset": sender[2]}
+
+    def _rode(self, future) -> None:
+        """The send that carried ``_rider_for``'s ack was posted as ``future``."""
+        self._ack_futures[self._ack_next] = future
+        self._ack_next = (self._ack_next + 1) % ACK_CELLS
+        self.acked = self.seq
 
     def _sender_if_known(self):
         """The channel to the sender once it has introduced itself, connecting on first sight,
@@ -325,13 +355,23 @@ class Sender(Endpoint):
             )
         return off
 
-    def _post(self, k: int, slot: int, local_off: int = 0, data_off: int = 0, nbytes: int = 0):
+    def _post(self, k: int, slot: int, local_off: int = 0, data_off: int = 0, nbytes: int = 0,
+              rider: dict | None = None):
         """One command: WRITE ``nbytes`` from the arena at ``local_off`` to the receiver's region
         at ``data_off``, fence, WRITE k into the flag of ``slot``: the flag never lands before
-        the payload."""
+        the payload. ``rider``: a receiver's ack to the same peer, right behind the flag
+        (``Receiver._rider_for``)."""
         return self.channel.write_flagged(self.arena.region, local_off, self.remote, data_off, nbytes,
                                           self._off(self._flags_off + FLAG_STRIDE * slot), k,
-                                          self.r_base + FLAG_STRIDE * slot)
+                                          self.r_base + FLAG_STRIDE * slot, **(rider or {}))
+
+    def _check_release(self, release) -> None:
+        """``send(..., release=...)`` takes a receiver of this device, or None."""
+        if release is not None and not (isinstance(release, Receiver) and release.device is self.device):
+            raise InvalidArgumentError(
+                f"release= takes a receiver of this sender's device (whose last transfer the send "
+                f"hands back), got {type(release).__name__}"
+            )
 
     def consumed(self) -> int:
         """How many transfers the receiver has acknowledged."""

@@ -140,22 +140,33 @@ class StaticSender(Sender):
                 f"this sender declared {describe(d_shape or self.shape, d_dtype or self.dtype)}"
             )
 
-    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0) -> Future:
+    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0, release: Receiver | None = None) -> Future:
         """Writes ``tensor`` into the receiver's next slot, then its flag.
 
         Returns a future that completes when both are visible at the receiver. With zero copy
         the tensor is read in place: do not modify it before the future completes. On one
         host (the same-host path) the copy is made before ``send`` returns, and so is the future.
+
+        ``release``: a receiver of this device whose last received tensor the caller is done
+        with. Over UCX its ack leaves with this send, as by ``release.release()``: in this
+        send's message when that receiver's sender is at the other end of this sender's channel
+        and the message path carries it (a reply that hands the request's slot back, as in a
+        ping-pong, costs one message, not two), else on its own right behind the send. On one
+        host it is a store that the receiver's next ``recv()`` makes (call ``release()`` to make
+        it now). Either way it goes first when this send has to wait for a credit. Blocks like
+        ``send``; not thread-safe with ``release``'s own calls.
         """
         if timeout == -1.0:
             timeout = self.timeout
         if not (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
                 and tensor.is_cpu and tensor.is_contiguous()):
             self._refuse(tensor)
+        if release is not None:
+            self._check_release(release)
         with self._send_lock:
             if self._direct is not None:
-                return self._send_direct(tensor, timeout)
-            return self._send(tensor, timeout)
+                return self._send_direct(tensor, timeout, release)
+            return self._send(tensor, timeout, release)
 
     def _refuse(self, tensor) -> None:
         """Raises InvalidArgumentError naming why ``tensor`` cannot be sent (returns if it can)."""
@@ -166,13 +177,27 @@ class StaticSender(Sender):
                 f"'{self.name}' ({describe(self.shape, self.dtype)})"
             )
 
-    def _send(self, tensor: torch.Tensor, timeout: float | None) -> Future:
+    def _send(self, tensor: torch.Tensor, timeout: float | None, release: Receiver | None = None) -> Future:
         deadline = Deadline(timeout)
         k = self.seq + 1
+        rider, release_after = None, None
+        if release is not None:
+            # A send that waits for a credit must not hold back an ack its peer may wait for:
+            # the ack goes first. Else it rides this send's message where there is one, or goes
+            # right behind the send's post (on the put path an ack before it would put a fence
+            # in front of the data, and a rider would land only behind the data's flush).
+            if self.ack.get() < k - self.depth:
+                release.release()
+            elif self.channel.flagged_by_message and self.nbytes <= self.channel.flagged_message_bytes:
+                rider = release._rider_for(self.channel, deadline)
+            else:
+                release_after = release
         slot = self._wait_credit(k, deadline)
         prev = self._pending[slot]
-        if prev is not None:
-            prev[0].result(deadline.left())  # its source buffer may be reused now
+        if prev is not None:  # its source buffer may be reused once it completed
+            if not prev[0].done():  # its flush completes on the next drive of the worker: drive it here
+                self.channel.progress_now()
+            prev[0].result(deadline.left())
         keep, off = tensor, 0
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
@@ -181,9 +206,14 @@ class StaticSender(Sender):
                 keep = self._stage(tensor, slot)
                 off = self.arena.offset_of(keep)
         self._write_size(slot, k, tensor)  # fenced behind, like the data, by the flag's post
-        f = self._post(k, slot, off, self.r_base + self.r_data + slot * self.r_stride + self.header_bytes, nbytes)
+        f = self._post(k, slot, off, self.r_base + self.r_data + slot * self.r_stride + self.header_bytes, nbytes,
+                       rider)
+        if rider is not None:
+            release._rode(f)
         self._pending[slot] = (f, keep)
         self.seq = k
+        if release_after is not None:
+            release_after.release()
         return f
 
     def _stage(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
@@ -197,7 +227,7 @@ class StaticSender(Sender):
     def _write_size(self, slot: int, k: int, tensor: torch.Tensor) -> None:
         """Bounded transfers write the tensor's actual shape here; a static one has none to write."""
 
-    def _send_direct(self, tensor: torch.Tensor, timeout: float | None) -> Future:
+    def _send_direct(self, tensor: torch.Tensor, timeout: float | None, release: Receiver | None = None) -> Future:
         """Same host: the credit, the copy into the slot and the flag's release store, all on
         this thread in one call into the core. The copy is the transfer itself: a tensor
         outside the arena needs no staging (mode "copy" stages anyway: the paper's RDMA.cp)."""
@@ -215,6 +245,11 @@ class StaticSender(Sender):
             elif not self._arena_lo <= source <= self._arena_hi - nbytes:
                 self._arena_offset(tensor)  # refuses a tensor outside the arena, as on every path
         need, flag = k - self.depth, self._flag_at[slot]
+        # On one host the ack is a store that the receiver's next recv() makes in its own call (a
+        # store here, before or after the copy, measured slower: docs/benchmarks.md), unless this
+        # send has no credit yet: then its peer may be waiting for that ack, which goes first.
+        if release is not None and self.ack.get() < need:
+            release.release()
 
         def attempt(t: float) -> int:
             return self._direct.send_slot(self._ack_addr, need, CLOSED, data, source, nbytes, flag, k, t, *header)
