@@ -359,8 +359,8 @@ class Sender(Endpoint):
               rider: dict | None = None):
         """One command: WRITE ``nbytes`` from the arena at ``local_off`` to the receiver's region
         at ``data_off``, fence, WRITE k into the flag of ``slot``: the flag never lands before
-        the payload. ``rider``: a receiver's ack to the same peer, right behind the flag
-        (``Receiver._rider_for``)."""
+        the payload. ``rider``: a receiver's ack to the same peer, in the same message (stored
+        just before the flag), else as a word of its own right behind it (``Receiver._rider_for``)."""
         return self.channel.write_flagged(self.arena.region, local_off, self.remote, data_off, nbytes,
                                           self._off(self._flags_off + FLAG_STRIDE * slot), k,
                                           self.r_base + FLAG_STRIDE * slot, **(rider or {}))
