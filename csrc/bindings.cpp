@@ -347,7 +347,8 @@ PYBIND11_MODULE(_core, m) {
           "it to word_remote_offset. The future completes when both are visible at the peer. "
           "A rider (rider_remote_region given) is a second word for the same peer: rider_value, "
           "stored first at local rider_offset, lands at rider_remote_offset of "
-          "rider_remote_region after the word (in the same message on the message path).")
+          "rider_remote_region: in the same message on the message path, stored just before "
+          "the word; elsewhere as a word of its own right behind it.")
       .def_property_readonly("flagged_by_message", &Channel::flagged_by_message,
                              "Whether write_flagged of at most flagged_message_bytes takes the "
                              "message path (data, word and rider in one message); known once "

@@ -266,7 +266,7 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   Op* word = part(remote).second;
   RiderPost rp;
   if (rider) {
-    rp = {part(rider->remote).second, rider->local_off, rider->remote_off, rider->value};
+    rp = {part(rider->remote).second, *rider};
     __atomic_store_n(reinterpret_cast<uint64_t*>(local->addr_ + rider->local_off), rider->value,
                      __ATOMIC_RELEASE);
   }
@@ -283,7 +283,7 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
         !rp.op)
       return;
     post_flagged(t, nullptr, nullptr, rp.op, Path{0, 0, 0, true},
-                 Path{rp.local_off, rp.remote_off, 8, true}, rp.value, nullptr);
+                 Path{rp.rider.local_off, rp.rider.remote_off, 8, true}, rp.rider.value, nullptr);
   };
   if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
     for (Op* op : {data, word, rp.op})

@@ -68,11 +68,10 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
     FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, remote_off + off, word_remote_off, value, parts,
                     0, 0, 0, 0};
     if (rider) {
-      const RemoteRegion& rr = *rider->op->remote;
-      h.rider_region_id = rr.region_id;
-      h.rider_region_addr = rr.addr;
-      h.rider_off = rider->remote_off;
-      h.rider_value = rider->value;
+      h.rider_region_id = rider->rider.remote->region_id;
+      h.rider_region_addr = rider->rider.remote->addr;
+      h.rider_off = rider->rider.remote_off;
+      h.rider_value = rider->rider.value;
     }
     ucs_status_ptr_t sp = ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h,
                                           const_cast<char*>(laddr + off), len, &p);

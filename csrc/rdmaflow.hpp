@@ -256,14 +256,13 @@ class Channel : public std::enable_shared_from_this<Channel> {
   Op* make_op(const Future& fut, const std::shared_ptr<MemRegion>& local,
               const std::shared_ptr<RemoteRegion>& remote);
   static void unpost(Op* op);  // undoes make_op when the post fails
-  // flagged.cpp: write_flagged's data and word as one active message, when this endpoint takes
-  // that path (FlaggedWrites) and n allows; false (nothing posted) otherwise. Progress thread.
-  // A posted rider: its op (remote: the rider's region), where its word goes, its value.
+  // A rider as write_flagged's command posts it: the caller's Rider and the op that tracks it.
   struct RiderPost {
     Op* op = nullptr;
-    size_t local_off = 0, remote_off = 0;
-    uint64_t value = 0;
+    Rider rider;
   };
+  // flagged.cpp: write_flagged's data and word as one active message, when this endpoint takes
+  // that path (FlaggedWrites) and n allows; false (nothing posted) otherwise. Progress thread.
   static bool send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t local_off,
                                    size_t remote_off, size_t n, size_t word_remote_off,
                                    uint64_t value, const RiderPost* rider = nullptr);
