@@ -6,7 +6,7 @@ namespace rdmaflow {
 
 bool FutureState::wait(double timeout_s) {
   if (done()) return true;
-  ProgressThread::unpark_all();
+  ProgressThread::Relying relying;
   std::unique_lock<std::mutex> lk(m_);
   if (timeout_s < 0) {
     cv_.wait(lk, [&] { return done(); });

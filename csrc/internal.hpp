@@ -161,14 +161,19 @@ class ProgressThread {
   // Progresses the worker on the caller's thread unless someone else drives it: a waiting
   // receiver applies incoming puts itself (tcp) instead of waiting for the progress thread.
   void progress_now();
-  // Wakes every parked progress thread of the process. A thread about to block on a future
-  // calls it: it is no longer a driver, and the future's completion needs a progress thread
-  // that is not parked for up to a whole period (progress.cpp, park).
+  // A thread that blocks without driving (on a future, on a word without drive) holds one of
+  // these while it blocks: it wakes every parked progress thread of the process, whose
+  // completion the thread now relies on, and keeps them from parking for a recent driver
+  // (progress.cpp, park) until it is done.
+  struct Relying {
+    Relying();
+    ~Relying();
+  };
   static void unpark_all();
   // Threads waiting on a word while they drive this worker (wait_word with drive): while there
   // are any, the progress thread parks instead of waking on UCX's events, so that each message
   // wakes one thread, not two. Shared so that a channel can count itself after the thread is gone.
-  const std::shared_ptr<std::atomic<int>>& drivers() const { return drivers_; }
+  const std::shared_ptr<Drivers>& drivers() const { return drivers_; }
   ucp_worker_h handle() const { return w_; }
   const std::string& address() const { return addr_; }
   int index() const { return idx_; }
@@ -189,6 +194,8 @@ class ProgressThread {
   // Sleeps, without UCX's wakeup fd, until a command is posted or a look (every park_ns_,
   // adaptive: progress.cpp) finds no waiter driving.
   void park();
+  // A driving waiter left within kRecentNs, and no thread blocks relying on this one.
+  bool driven_recently() const;
   // Wakes the thread if it sleeps or parks (after a command was queued).
   void wake();
   void unpark();  // signals the park eventfd
@@ -210,7 +217,7 @@ class ProgressThread {
   std::atomic<bool> parked_{false};
   int park_fd_ = -1;  // eventfd that wakes a parked thread
   long park_ns_ = 0;  // how long a park sleeps before it looks again (park(); this thread only)
-  std::shared_ptr<std::atomic<int>> drivers_ = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<Drivers> drivers_ = std::make_shared<Drivers>();
   std::mutex wm_;                     // the worker lock
   bool stopped_ = false;              // under wm_: the worker takes no more work
   static thread_local const ProgressThread* driving_;  // the worker this thread drives, if any

@@ -54,6 +54,8 @@ Started& started() {
 }
 // How many progress threads are parked: a waiter that finds none skips the registry's mutex.
 std::atomic<int> g_parked{0};
+// How many threads block relying on the progress threads (ProgressThread::Relying).
+std::atomic<int> g_relying{0};
 }  // namespace
 
 ProgressThread::~ProgressThread() {
@@ -71,6 +73,13 @@ void ProgressThread::start() {
   std::lock_guard<std::mutex> lk(started().m);
   started().threads.insert(this);
 }
+
+ProgressThread::Relying::Relying() {
+  g_relying.fetch_add(1, std::memory_order_seq_cst);
+  unpark_all();
+}
+
+ProgressThread::Relying::~Relying() { g_relying.fetch_sub(1, std::memory_order_seq_cst); }
 
 void ProgressThread::unpark_all() {
   if (g_parked.load(std::memory_order_seq_cst) == 0) return;
@@ -133,6 +142,7 @@ bool ProgressThread::post_inline(std::function<void()> fn) {
     fn();
     drive();
   }
+  drivers_->touch();  // a caller drove the worker: as recent as a waiter that left now
   // The progress thread is not woken: what was started here completes on the next driving of
   // the worker, by a waiter or by the progress thread, which the worker's wakeup fd (armed
   // before it slept) wakes when the peer answers. On two cores a wake-up per transfer costs
@@ -146,6 +156,7 @@ void ProgressThread::progress_now() {
   if (stopped_) return;
   Driving d(driving_, this);
   drive();
+  drivers_->touch();
 }
 
 bool ProgressThread::drive() {
@@ -184,6 +195,9 @@ bool ProgressThread::run_commands() {
     batch.swap(q_);
     qsize_.store(0, std::memory_order_seq_cst);
   }
+  // A command handed to this thread (a large WRITE, or one that found the worker busy) is this
+  // thread's to carry through: no recent driver sends it back to park until a caller drives again.
+  if (!batch.empty()) drivers_->forget();
   for (auto& fn : batch) fn();
   return !batch.empty();
 }
@@ -275,11 +289,16 @@ void ProgressThread::loop() {
     }
     if (did) {
       idle_since = Clock::now();
-      continue;
+      // With a waiter driving (or one moments ago) this thread has done what was queued for
+      // it; what arrives next is the waiter's. Staying awake, it would take the worker lock
+      // from the waiter and the posts with it.
+      if (drivers_->count.load() == 0 && !driven_recently()) continue;
     }
     // A waiter driving the worker sees what arrives before this thread could: spinning (or
-    // sleeping on the wakeup fd) beside it would only take its core, even with busy_poll.
-    if (drivers_->load() > 0) {
+    // sleeping on the wakeup fd) beside it would only take its core, even with busy_poll. So does
+    // one that left moments ago (a stream's waits, between the caller's own work), unless a
+    // thread blocks relying on this one.
+    if (drivers_->count.load() > 0 || driven_recently()) {
       park();  // idle_since stays: after the park, straight back to parking or sleeping
       continue;
     }
@@ -306,12 +325,25 @@ namespace {
 // A parked progress thread looks every park_ns_ whether a waiter still drives the worker. Each
 // look is a wake-up, which on a virtual machine's two cores costs a round trip tens of us, so
 // the period adapts: it doubles (to kMaxParkNs) each time a look finds a waiter still driving,
-// and halves (to kMinParkNs) each time it finds none. UCX events that arrive after the last
-// driving waiter left wait at most one period: kMinParkNs in a process that mostly computes,
-// up to kMaxParkNs in one that mostly waits (and so comes back to drive within microseconds).
+// and halves (to kMinParkNs) each time it finds none (none now, and none within kRecentNs). UCX
+// events that arrive after the last driving waiter left wait at most kRecentNs plus one period:
+// kMinParkNs in a process that mostly computes, up to kMaxParkNs in one that mostly waits (and
+// so comes back to drive within microseconds).
 constexpr long kMinParkNs = 500'000;
 constexpr long kMaxParkNs = 16'000'000;
+// A caller's thread that drove the worker within kRecentNs (a waiter that left, an inline post,
+// progress_now: Drivers::touch) counts as driving it: a look parks again for the same period (no
+// doubling: an event after the last drive waits at most kRecentNs plus one period), and a thread
+// that woke parks once it has done its work. In a stream the waits are separated by the caller's
+// own work (a reduction, the next send's Python), and a thread that woke for such a gap would
+// take a core and the worker lock from it, then wake on each message until the next wait.
+constexpr int64_t kRecentNs = 1'000'000;
 }  // namespace
+
+bool ProgressThread::driven_recently() const {
+  return g_relying.load(std::memory_order_seq_cst) == 0 &&
+         Drivers::now_ns() - drivers_->left_ns.load(std::memory_order_relaxed) <= kRecentNs;
+}
 
 void ProgressThread::park() {
   parked_.store(true, std::memory_order_seq_cst);
@@ -321,9 +353,12 @@ void ProgressThread::park() {
     pollfd pfd{park_fd_, POLLIN, 0};
     timespec ts{0, park_ns_};
     if (ppoll(&pfd, 1, &ts, nullptr) != 0) break;  // a command, or stop
-    if (drivers_->load() == 0) {
-      park_ns_ = std::max(park_ns_ / 2, kMinParkNs);
-      break;
+    if (drivers_->count.load() == 0) {
+      if (!driven_recently()) {
+        park_ns_ = std::max(park_ns_ / 2, kMinParkNs);
+        break;
+      }
+      continue;  // between two waits: the same period again, so that no more than one passes
     }
     park_ns_ = std::min(park_ns_ * 2, kMaxParkNs);
   }

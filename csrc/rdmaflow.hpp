@@ -27,6 +27,7 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -176,6 +177,26 @@ class RemoteRegion {
   uint64_t verified_for = 0;
 };
 
+// The waiters driving one worker (wait_word with drive), and when a caller's thread last drove it
+// (a waiter that left, a post or a progress_now on the caller's thread): while any waiter drives,
+// or a caller drove it within the last millisecond (a process between two waits of a stream),
+// the worker's progress thread stays parked (progress.cpp, park).
+struct Drivers {
+  std::atomic<int> count{0};
+  std::atomic<int64_t> left_ns{0};  // steady_clock, when a caller's thread last drove the worker
+  void enter() { count.fetch_add(1); }
+  void leave() {
+    touch();
+    count.fetch_sub(1);
+  }
+  void touch() { left_ns.store(now_ns(), std::memory_order_relaxed); }
+  void forget() { left_ns.store(0, std::memory_order_relaxed); }
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+};
+
 // A queue pair to one peer (Xue et al. §3.1). Made by Device::channel.
 class Channel : public std::enable_shared_from_this<Channel> {
  public:
@@ -230,7 +251,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // over tcp a put is applied by the target's progress, so a waiting receiver applies it.
   void progress_now() const;
   // A waiter that drives the worker counts itself in (+1) and out (-1) (ProgressThread::drivers).
-  void count_driver(int d) const { drivers_->fetch_add(d); }
+  void count_driver(int d) const { d > 0 ? drivers_->enter() : drivers_->leave(); }
   // Whether write_flagged of at most flagged_message_bytes() takes the message path here (data,
   // word and rider in one message): known once the endpoint exists (any post made it).
   bool flagged_by_message() const { return flagged_by_message_.load(); }
@@ -287,7 +308,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::shared_ptr<Peer> peer_;
   int qp_ = 0;
   ProgressThread* thread_ = nullptr;
-  std::shared_ptr<std::atomic<int>> drivers_;  // thread_'s
+  std::shared_ptr<Drivers> drivers_;  // thread_'s
   int remote_thread_ = 0;
   // Progress-thread-only state.
   ucp_ep_h ep_ = nullptr;

@@ -2,6 +2,7 @@
 // policy for how a waiter spends the time between a word's arrival and its noticing it
 // (Xue et al. §3.2 and §4: receives poll; here bounded, then asleep).
 #include <algorithm>
+#include <optional>
 #include <thread>
 
 #include "internal.hpp"
@@ -39,7 +40,8 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
   auto ready = [&] { return __atomic_load_n(p, __ATOMIC_ACQUIRE) >= value; };
   if (ready()) return WaitStatus::Ok;
   // A waiter that does not drive relies on the progress threads (over UCX): none may stay parked.
-  if (!drive) ProgressThread::unpark_all();
+  std::optional<ProgressThread::Relying> relying;
+  if (!drive) relying.emplace();
   struct Counted {  // this waiter, counted in while it drives (ProgressThread::drivers)
     const Channel* ch;
     explicit Counted(const Channel* c) : ch(c) { if (ch) ch->count_driver(1); }

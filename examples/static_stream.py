@@ -53,9 +53,11 @@ def main() -> None:
         n, span = len(gaps), arrivals[-1] - arrivals[0]
         stalls = [g for g in gaps if g > STALL_S]
         us = [1e6 * gaps[int(q * (n - 1))] for q in (0.5, 0.9, 0.99, 1.0)]
-        print(f"{size} B, depth {depth}: {size * n / span / 1e9:.2f} GB/s; between arrivals median "
-              f"{us[0]:.0f} us, p90 {us[1]:.0f}, p99 {us[2]:.0f}, max {us[3]:.0f}; {len(stalls)} of {n} "
-              f"over {STALL_S * 1e3:.0f} ms, {sum(stalls) / span:.0%} of the run")
+        slow = [g for g in gaps if g > 4 * gaps[n // 2]]  # the tail that separates mean from median
+        print(f"{size} B, depth {depth}: {size * n / span / 1e9:.4g} GB/s; between arrivals mean "
+              f"{1e6 * span / n:.1f} us, median {us[0]:.1f}, p90 {us[1]:.0f}, p99 {us[2]:.0f}, max {us[3]:.0f}; "
+              f"{len(slow)} over 4x the median ({sum(slow) / span:.0%} of the run); {len(stalls)} over "
+              f"{STALL_S * 1e3:.0f} ms ({sum(stalls) / span:.0%})")
         time.sleep(0.3)  # the sender's last wait for credits ends before this process goes
     else:
         deadline = time.monotonic() + 60

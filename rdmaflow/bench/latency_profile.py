@@ -2,7 +2,8 @@
 goes, seen from Python, without touching the C++ core.
 
 The same ping-pong as ``bench latency`` (two processes, a ``StaticSender``/``StaticReceiver``
-pair each way, zero copy, depth 1), with every step of a transfer timestamped on
+pair each way, zero copy, depth 1, each send handing back the slot of the transfer it answers
+with ``release=``), with every step of a transfer timestamped on
 CLOCK_MONOTONIC, which both processes share:
 
 * sender: ``send()`` called; the credit granted (``_wait_credit`` returned); the post of
@@ -10,7 +11,8 @@ CLOCK_MONOTONIC, which both processes share:
   ``_send_direct``: credit, copy and flag store in one call into the core); ``send()``
   returned. The transfer's Python methods are wrapped on the instances; a step whose method
   no longer exists is reported as not measured.
-* receiver: ``recv()`` called; its ack of the previous transfer (``_ack``, over UCX); its
+* receiver: ``recv()`` called; its ack of the previous transfer (``_ack``, over UCX, where
+  the send's ``release=`` did not carry it already); its
   wait for the flag begins and ends (``_await``, which on one host also stores the ack);
   ``recv()`` returned. In ``spin`` mode the receiver
   first spins on ``poll()`` (yielding the core between looks, for at most ``SPIN_S``), so a
@@ -192,18 +194,19 @@ class ProfileWorker(RdmaflowWorker):
         ready()
         s, r, src = self._pair(cmd)
         spin = cmd.get("mode") == "spin"
-        last = []
+        bad = []
 
         def loop() -> dict:
-            for _ in range(cmd["count"]):
-                last[:] = [self._receive(r, spin)]
-                s.send(src)
+            count = cmd["count"]
+            for i in range(count):
+                t = self._receive(r, spin)
+                if i == count - 1:  # checked before the pong hands its slot back
+                    bad.append(wrong(t, cmd["tag"], other(self.role)))
+                s.send(src, release=r)  # as bench latency: the ping's slot goes back with the pong
             return {}
 
         out = self._profiled(cmd, loop)
-        bad = wrong(last[0], cmd["tag"], other(self.role)) if last else 0
-        r.release()
-        return {**out, "bad": bad}
+        return {**out, "bad": bad[0] if bad else 0}
 
     def ping(self, cmd: dict) -> dict:
         s, r, src = self._pair(cmd)
@@ -211,7 +214,7 @@ class ProfileWorker(RdmaflowWorker):
         last = []
 
         def one() -> None:
-            s.send(src)
+            s.send(src, release=r)  # the previous pong's slot goes back with this ping
             last[:] = [self._receive(r, spin)]
 
         out = self._profiled(cmd, lambda: {"one_way_us": round_trips(cmd["count"], one)})

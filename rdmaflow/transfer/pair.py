@@ -330,7 +330,7 @@ class Sender(Endpoint):
         if self.ack.get() >= CLOSED:
             raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
         need = k - self.depth
-        if need > 0:
+        if need > 0 and self.ack.get() < need:  # (the message is built only for a wait)
             wait_flag(self.ack, need, deadline,
                       f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
                       f"(a sender never overwrites a slot its receiver has not consumed)", peer=self.channel,
