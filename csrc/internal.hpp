@@ -169,7 +169,6 @@ class ProgressThread {
     Relying();
     ~Relying();
   };
-  static void unpark_all();
   // Threads waiting on a word while they drive this worker (wait_word with drive): while there
   // are any, the progress thread parks instead of waking on UCX's events, so that each message
   // wakes one thread, not two. Shared so that a channel can count itself after the thread is gone.
@@ -194,7 +193,9 @@ class ProgressThread {
   // Sleeps, without UCX's wakeup fd, until a command is posted or a look (every park_ns_,
   // adaptive: progress.cpp) finds no waiter driving.
   void park();
-  // A driving waiter left within kRecentNs, and no thread blocks relying on this one.
+  static void unpark_all();  // wakes every parked progress thread of the process (Relying)
+  // A caller's thread drove the worker within kRecentNs (Drivers::touch), and no thread blocks
+  // relying on this one.
   bool driven_recently() const;
   // Wakes the thread if it sleeps or parks (after a command was queued).
   void wake();

@@ -114,15 +114,23 @@ class Receiver(Endpoint):
             self._ack_window.store_word(ack_off, k)
             self.acked = k
             return
-        i = self._ack_next
-        self._ack_next = (i + 1) % ACK_CELLS
-        prev = self._ack_futures[i]
-        if prev is not None:
-            prev.result(deadline.left())
-        off = self._ack_block.offset + 8 * i
+        off = self._ack_cell(deadline)
         # Acks must land in order (a late smaller one would take credits back for good):
         # write_flagged fences before the word (tcp: one message each, applied in order).
-        self._ack_futures[i] = channel.write_flagged(self.arena.region, off, remote, ack_off, 0, off, k, ack_off)
+        self._acked(k, channel.write_flagged(self.arena.region, off, remote, ack_off, 0, off, k, ack_off))
+
+    def _ack_cell(self, deadline: Deadline) -> int:
+        """The arena offset of the next ack's source word, once the write that last used it
+        completed (over UCX an ack is a write_flagged, or a rider of one, from its own cell)."""
+        prev = self._ack_futures[self._ack_next]
+        if prev is not None:
+            prev.result(deadline.left())
+        return self._ack_block.offset + 8 * self._ack_next
+
+    def _acked(self, k: int, future) -> None:
+        """Ack ``k`` was posted from the next cell as (part of) ``future``."""
+        self._ack_futures[self._ack_next] = future
+        self._ack_next = (self._ack_next + 1) % ACK_CELLS
         self.acked = k
 
     def release(self) -> None:
@@ -142,18 +150,12 @@ class Receiver(Endpoint):
         if self._ack_window is not None or sender[0] is not channel:
             self._ack(self.seq, deadline)
             return None
-        i = self._ack_next
-        prev = self._ack_futures[i]
-        if prev is not None:
-            prev.result(deadline.left())
-        return {"rider_remote_region": sender[1], "rider_offset": self._ack_block.offset + 8 * i,
+        return {"rider_remote_region": sender[1], "rider_offset": self._ack_cell(deadline),
                 "rider_value": self.seq, "rider_remote_offset": sender[2]}
 
     def _rode(self, future) -> None:
         """The send that carried ``_rider_for``'s ack was posted as ``future``."""
-        self._ack_futures[self._ack_next] = future
-        self._ack_next = (self._ack_next + 1) % ACK_CELLS
-        self.acked = self.seq
+        self._acked(self.seq, future)
 
     def _sender_if_known(self):
         """The channel to the sender once it has introduced itself, connecting on first sight,
