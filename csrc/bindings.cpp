@@ -559,13 +559,15 @@ PYBIND11_MODULE(_core, m) {
             r["dropped"] = d.dropped_writes();
             r["word_after_flush"] = d.flushed_words();
             r["word_in_stream"] = d.stream_words();
+            r["carried"] = d.carried_posts();
             return r;
           },
           "How many memcpys went through a same-host mapping and how many through UCX; how many "
           "flagged writes left as one message, and how many arriving ones were dropped (they "
           "named no live region of this device); of the flagged writes over puts, how many words "
           "were put once their data's flush completed, and how many right behind their data on "
-          "one tcp connection.")
+          "one tcp connection; how many posts run on the caller's thread handed what was left of "
+          "them to the progress thread.")
       .def_property_readonly("copy_threads",
                              [](const Device& d) { return d.config().copy_threads; })
       .def_property_readonly("same_host_mapping", &Device::same_host_mapping,

@@ -39,7 +39,7 @@ bool Channel::Path::same_host(ProgressThread* t, Op* op) const {
   Channel* ch = op->ch.get();
   // Only when no UCX operation of this channel is outstanding, so that fences keep ordering
   // mapped and UCX operations.
-  if (ch->rma_pending_ != 0 || ch->am_pending_ != 0 || ch->failed()) return false;
+  if (ch->rma_pending_ != 0 || ch->failed()) return false;
   Device* dev = t->device();
   if (dev->closed()) {  // close() cancels what has not started
     finish_now(t, op, UCS_ERR_CANCELED);
@@ -47,6 +47,10 @@ bool Channel::Path::same_host(ProgressThread* t, Op* op) const {
   }
   Mapping* m = ch->mapping_for(*op->remote);
   if (!m) return false;
+  if (ch->am_pending_ != 0) {  // a message may still be on its way: flush, and take UCX's path
+    if (ch->am_unflushed_ != 0) t->mark_dirty(ch);
+    return false;
+  }
   char* l = reinterpret_cast<char*>(op->local->addr_) + local_off;
   char* r = static_cast<char*>(m->base) + remote_off;
   if (write)
@@ -193,7 +197,18 @@ namespace {
 // (through a same-host mapping, or cma) would make memcpy synchronous and take the caller's
 // thread for milliseconds; it goes to the progress thread and memcpy stays asynchronous.
 constexpr size_t kInlineMaxBytes = size_t(64) << 10;
+// Over sockets alone a post copies nothing on the caller's thread (the kernel takes the buffer),
+// so posts up to this size run there too, and the progress thread carries what the socket could
+// not take yet (post_inline's carry).
+constexpr size_t kInlineSocketMaxBytes = size_t(1) << 20;
 }  // namespace
+
+bool Channel::post_data(size_t n, const Future& fut, std::function<void()> task) {
+  if (n <= kInlineMaxBytes) return thread_->post_inline(std::move(task));
+  if (n <= kInlineSocketMaxBytes && sockets_only_.load(std::memory_order_relaxed))
+    return thread_->post_inline(std::move(task), fut.get());
+  return thread_->post(std::move(task));
+}
 
 void Channel::unpost(Op* op) {
   op->local->inflight_.fetch_sub(1);
@@ -217,7 +232,7 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
     t->track(op);
     if (!path.same_host(t, op)) path.ucx(t, op);
   };
-  if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
+  if (!post_data(n, fut, std::move(task))) {
     unpost(op);
     throw Error(ErrorKind::Closed, "device is closed");
   }
@@ -285,7 +300,7 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
     post_flagged(t, nullptr, nullptr, rp.op, Path{0, 0, 0, true},
                  Path{rp.rider.local_off, rp.rider.remote_off, 8, true}, rp.rider.value, nullptr);
   };
-  if (!(n <= kInlineMaxBytes ? t->post_inline(std::move(task)) : t->post(std::move(task)))) {
+  if (!post_data(n, fut, std::move(task))) {
     for (Op* op : {data, word, rp.op})
       if (op) unpost(op);
     throw Error(ErrorKind::Closed, "device is closed");
@@ -417,6 +432,7 @@ bool Channel::ensure_ep() {
       flagged_paths(dev ? dev->config().flagged_writes : FlaggedWrites::Put, ep_);
   flagged_by_message_ = paths.by_message;
   one_stream_ = paths.one_stream;
+  sockets_only_ = paths.sockets_only;
   thread_->add_channel(shared_from_this());
   return true;
 }

@@ -14,17 +14,17 @@ namespace rdmaflow {
 size_t Channel::flagged_message_bytes() { return kFlaggedMaxBytes; }
 
 EndpointPaths flagged_paths(FlaggedWrites mode, ucp_ep_h ep) {
-  if (mode != FlaggedWrites::Auto) return {mode == FlaggedWrites::Message, false};
   ucp_transport_entry_t entries[32];
   ucp_ep_attr_t attr{};
   attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
   attr.transports.entries = entries;
   attr.transports.num_entries = 32;
   attr.transports.entry_size = sizeof(entries[0]);
-  if (ucp_ep_query(ep, &attr) != UCS_OK || attr.transports.num_entries == 0) return {false, false};
-  for (unsigned i = 0; i < attr.transports.num_entries; ++i)
-    if (std::strcmp(entries[i].transport_name, "tcp") != 0) return {false, false};
-  return {true, attr.transports.num_entries == 1};
+  bool tcp = ucp_ep_query(ep, &attr) == UCS_OK && attr.transports.num_entries != 0;
+  for (unsigned i = 0; tcp && i < attr.transports.num_entries; ++i)
+    tcp = std::strcmp(entries[i].transport_name, "tcp") == 0;
+  if (mode != FlaggedWrites::Auto) return {mode == FlaggedWrites::Message, false, tcp};
+  return {tcp, tcp && attr.transports.num_entries == 1, tcp};
 }
 
 bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t local_off,
@@ -37,19 +37,34 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
   if (n > kFlaggedMaxBytes || (ch->rma_pending_ != 0 && !ch->one_stream_) || ch->failed() ||
       !ch->ensure_ep() || !ch->flagged_by_message_)
     return false;
-  // The op that carries the sends: the data's, or the word's alone (n is 0: an ack).
-  Op* lead = data ? data : word;
   const RemoteRegion& r = *word->remote;
+  Op* lead = data ? data : word;  // the op whose buffer the sends read: the data's, or the word's
   const size_t parts = std::max<size_t>(1, (n + kFlaggedPartBytes - 1) / kFlaggedPartBytes);
+  // The write's ops complete together when its last part has left: the handler applies data and
+  // word in order, so no flush is needed for the word's order, and waiting for one would cost a
+  // request/reply through the peer's progress per message (docs/transfer.md, "Completion").
+  struct Group {
+    ProgressThread* t;
+    Op* ops[3];
+    size_t left;
+    ucs_status_t st = UCS_OK;
+    void note(ucs_status_t s) {
+      if (s != UCS_OK && st == UCS_OK) st = s;
+      if (--left > 0) return;
+      for (Op* op : ops)
+        if (op) t->op_note(op, st);
+      delete this;
+    }
+  };
+  auto* g = new Group{t, {data, word, rider ? rider->op : nullptr}, parts};
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.cb.send = [](void* req, ucs_status_t st, void* user) {
-    Op* op = static_cast<Op*>(user);
-    op->ch->thread_->op_note(op, st);
+    static_cast<Group*>(user)->note(st);
     ucp_request_free(req);
   };
-  p.user_data = lead;
+  p.user_data = g;
   // Eager: each message fits one UCX tcp segment (kFlaggedSegSize); rendezvous would add a round
   // trip of its own.
   p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
@@ -57,41 +72,31 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     p.memh = lead->local->memh_;
   }
-  // lead: each send and the endpoint flush behind them; the word beside it: the flush alone.
-  lead->pending = int(parts) + 1;
-  lead->am = true;
+  for (Op* op : g->ops)
+    if (op) op->pending = 1;
+  // Mapped copies wait until a flush covers the message (Path::same_host).
   ++ch->am_pending_;
+  ++ch->am_unflushed_;
   t->device()->message_writes_.fetch_add(1, std::memory_order_relaxed);
   const char* laddr = reinterpret_cast<const char*>(lead->local->addr_) + local_off;
+  FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, 0, word_remote_off, value, parts, 0, 0, 0, 0};
+  if (rider) {
+    h.rider_region_id = rider->rider.remote->region_id;
+    h.rider_region_addr = rider->rider.remote->addr;
+    h.rider_off = rider->rider.remote_off;
+    h.rider_value = rider->rider.value;
+  }
   for (size_t i = 0; i < parts; ++i) {
     const size_t off = i * kFlaggedPartBytes, len = std::min(kFlaggedPartBytes, n - off);
-    FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, remote_off + off, word_remote_off, value, parts,
-                    0, 0, 0, 0};
-    if (rider) {
-      h.rider_region_id = rider->rider.remote->region_id;
-      h.rider_region_addr = rider->rider.remote->addr;
-      h.rider_off = rider->rider.remote_off;
-      h.rider_value = rider->rider.value;
-    }
+    h.data_off = remote_off + off;
     ucs_status_ptr_t sp = ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h,
                                           const_cast<char*>(laddr + off), len, &p);
-    if (UCS_PTR_IS_ERR(sp) && i == 0) {
-      for (Op* op : {data, word, rider ? rider->op : nullptr}) {
-        if (!op) continue;
-        op->pending = 1;
-        t->op_note(op, UCS_PTR_STATUS(sp));
-      }
-      return true;
-    }
     if (UCS_PTR_IS_ERR(sp)) {  // parts already sent complete on their own; these never will
-      for (size_t j = i; j < parts; ++j) t->op_note(lead, UCS_PTR_STATUS(sp));
+      for (size_t j = i; j < parts; ++j) g->note(UCS_PTR_STATUS(sp));
       break;
     }
-    if (sp == nullptr) t->op_note(lead, UCS_OK);
+    if (sp == nullptr) g->note(UCS_OK);
   }
-  for (Op* op : {data, word, rider ? rider->op : nullptr})
-    if (op) ch->unflushed_.push_back(op);
-  t->mark_dirty(ch);
   return true;
 }
 

@@ -64,6 +64,7 @@ std::string listening_endpoint(const std::string& configured, const sockaddr_sto
 // connection whose bytes the target's UCX applies in the order they were sent.
 struct EndpointPaths {
   bool by_message, one_stream;
+  bool sockets_only;  // every lane is tcp: a post hands buffers to the kernel and copies nothing
 };
 EndpointPaths flagged_paths(FlaggedWrites mode, ucp_ep_h ep);
 
@@ -140,7 +141,6 @@ struct Op {
   bool finished = false;  // future completed
   ucs_status_t status = UCS_OK;
   bool rma = false;  // went through UCX (counted in ch->rma_pending_)
-  bool am = false;   // a flagged write's message (counted in ch->am_pending_)
   std::shared_ptr<MemRegion> local;
   std::shared_ptr<Channel> ch;
   std::shared_ptr<RemoteRegion> remote;
@@ -154,10 +154,14 @@ class ProgressThread {
   void start();
   void stop();  // closes endpoints, fails what is left, joins the thread
   bool post(std::function<void()> fn);  // false once the thread has stopped
-  // Data-path work (fence, flush, memcpys of at most 64 KiB): runs fn on the caller's thread
+  // Data-path work (fence, flush, memcpys of at most 64 KiB, or 1 MiB over sockets alone:
+  // Channel::post_data): runs fn on the caller's thread
   // when no one drives the worker and nothing is queued, so a transfer leaves without waiting
   // for the progress thread to wake; else post(fn). The caller must hold no core lock.
-  bool post_inline(std::function<void()> fn);
+  // With carry: if carry is not done once fn and a drive of the worker have run (a large put the
+  // socket did not take whole), the caller drives on for up to kCarryDriveUs, then wakes the
+  // progress thread to carry it on.
+  bool post_inline(std::function<void()> fn, const FutureState* carry = nullptr);
   // Progresses the worker on the caller's thread unless someone else drives it: a waiting
   // receiver applies incoming puts itself (tcp) instead of waiting for the progress thread.
   void progress_now();
@@ -183,6 +187,9 @@ class ProgressThread {
   // Notes one of op's completions; the last one completes the future and deletes op.
   void op_note(Op* op, ucs_status_t st);
   void mark_dirty(Channel* ch);
+  // A flush of ch completed with st: it covered ops and the channel's first `messages` flagged
+  // messages not yet covered (Channel::am_pending_).
+  void flushed(Channel* ch, int messages, const std::vector<Op*>& ops, ucs_status_t st);
   // ch has words waiting for their data (Channel::deferred_): each drive posts the ready ones.
   void note_deferred(Channel* ch);
   void add_channel(const std::shared_ptr<Channel>& ch) { channels_.push_back(ch); }

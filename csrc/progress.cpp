@@ -121,7 +121,12 @@ struct Driving {
 };
 }  // namespace
 
-bool ProgressThread::post_inline(std::function<void()> fn) {
+namespace {
+// How long post_inline drives on for a carried post before it hands it to the progress thread.
+constexpr double kCarryDriveUs = 200;
+}  // namespace
+
+bool ProgressThread::post_inline(std::function<void()> fn, const FutureState* carry) {
   if (!dev_->config().inline_posts || driving_ != nullptr || !wm_.try_lock()) return post(std::move(fn));
   std::unique_lock<std::mutex> held(wm_, std::adopt_lock);
   {
@@ -141,6 +146,19 @@ bool ProgressThread::post_inline(std::function<void()> fn) {
     Driving d(driving_, this);
     fn();
     drive();
+    // What the socket did not take yet usually drains within microseconds (the peer reads as it
+    // arrives): drive on for a while rather than wake the progress thread, a third runnable
+    // thread on a small machine.
+    if (carry && !carry->done()) {
+      const auto t0 = Clock::now();
+      while (!carry->done() && seconds_since(t0) * 1e6 < kCarryDriveUs) drive();
+    }
+  }
+  if (carry && !carry->done()) {  // this thread's to carry on: no recent driver keeps it parked
+    dev_->carried_posts_.fetch_add(1, std::memory_order_relaxed);
+    drivers_->forget();
+    wake();
+    return true;
   }
   drivers_->touch();  // a caller drove the worker: as recent as a waiter that left now
   // The progress thread is not woken: what was started here completes on the next driving of
@@ -212,15 +230,25 @@ void ProgressThread::mark_dirty(Channel* ch) {
 namespace {
 struct FlushBatch {
   ProgressThread* thread;
+  std::shared_ptr<Channel> ch;
+  int messages;  // flagged messages it covers
   std::vector<Op*> ops;
+  void done(ucs_status_t st) {
+    thread->flushed(ch.get(), messages, ops, st);
+    delete this;
+  }
 };
 void flush_cb(void* req, ucs_status_t st, void* user) {
-  auto* b = static_cast<FlushBatch*>(user);
-  for (Op* op : b->ops) b->thread->op_note(op, st);
-  delete b;
+  static_cast<FlushBatch*>(user)->done(st);
   ucp_request_free(req);
 }
 }  // namespace
+
+void ProgressThread::flushed(Channel* ch, int messages, const std::vector<Op*>& ops,
+                             ucs_status_t st) {
+  ch->am_pending_ -= messages;
+  for (Op* op : ops) op_note(op, st);
+}
 
 void ProgressThread::flush_dirty() {
   // One flush per endpoint covers every WRITE posted on it since the last one.
@@ -229,11 +257,11 @@ void ProgressThread::flush_dirty() {
     chans.swap(dirty_);
     for (Channel* ch : chans) {
       ch->dirty_ = false;
-      auto* b = new FlushBatch{this, {}};
+      auto* b = new FlushBatch{this, ch->shared_from_this(), ch->am_unflushed_, {}};
+      ch->am_unflushed_ = 0;
       b->ops.swap(ch->unflushed_);
       if (!ch->ep_) {
-        for (Op* op : b->ops) op_note(op, UCS_ERR_CONNECTION_RESET);
-        delete b;
+        b->done(UCS_ERR_CONNECTION_RESET);
         continue;
       }
       ucp_request_param_t p{};
@@ -241,11 +269,7 @@ void ProgressThread::flush_dirty() {
       p.cb.send = flush_cb;
       p.user_data = b;
       ucs_status_ptr_t sp = ucp_ep_flush_nbx(ch->ep_, &p);
-      if (sp == nullptr || UCS_PTR_IS_ERR(sp)) {
-        ucs_status_t st = sp ? UCS_PTR_STATUS(sp) : UCS_OK;
-        for (Op* op : b->ops) op_note(op, st);
-        delete b;
-      }
+      if (sp == nullptr || UCS_PTR_IS_ERR(sp)) b->done(sp ? UCS_PTR_STATUS(sp) : UCS_OK);
     }
   }
 }
@@ -262,7 +286,6 @@ void ProgressThread::op_done(Op* op) {
   op->finished = true;
   inflight_.erase(op);
   if (op->rma && op->ch) --op->ch->rma_pending_;
-  if (op->am && op->ch) --op->ch->am_pending_;
   if (op->local) op->local->inflight_.fetch_sub(1);
   if (op->status == UCS_OK) {
     op->fut->complete_ok();
@@ -277,6 +300,12 @@ void ProgressThread::loop() {
   const auto& cfg = dev_->config();
   auto idle_since = Clock::now();
   for (;;) {
+    // A waiter drives the worker and nothing is queued for this thread: the waiter sees what
+    // arrives first, and a drive here would only take the worker lock (and a core) from it.
+    if (drivers_->count.load() > 0 && qsize_.load(std::memory_order_seq_cst) == 0 && !stop_.load()) {
+      park();
+      continue;
+    }
     bool did;
     {
       std::lock_guard<std::mutex> held(wm_);

@@ -277,6 +277,10 @@ class Channel : public std::enable_shared_from_this<Channel> {
   Op* make_op(const Future& fut, const std::shared_ptr<MemRegion>& local,
               const std::shared_ptr<RemoteRegion>& remote);
   static void unpost(Op* op);  // undoes make_op when the post fails
+  // Runs a memcpy's or write_flagged's command of n bytes: on the caller's thread where that is
+  // cheaper (post_inline; over sockets alone also larger ones, fut carrying what is left), else
+  // on the progress thread. False once the device is closed.
+  bool post_data(size_t n, const Future& fut, std::function<void()> task);
   // A rider as write_flagged's command posts it: the caller's Rider and the op that tracks it.
   struct RiderPost {
     Op* op = nullptr;
@@ -316,9 +320,14 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::unordered_map<uint64_t, std::shared_ptr<Mapping>> mappings_;
   std::vector<Op*> unflushed_;
   int rma_pending_ = 0;  // UCX puts/gets not yet complete; mapped copies wait for them
-  int am_pending_ = 0;   // flagged writes sent as messages, not yet flushed; mapped copies wait
+  // Flagged writes sent as messages (flagged.cpp) that no completed flush covers yet: mapped
+  // copies wait for them, as they would overtake a message still on its way. am_unflushed_: those
+  // no requested flush covers either; a mapped copy that finds some requests one.
+  int am_pending_ = 0;
+  int am_unflushed_ = 0;
   std::atomic<bool> flagged_by_message_{false};  // write_flagged's path on this endpoint (FlaggedWrites)
   bool one_stream_ = false;  // Auto and one tcp lane: everything on ep_ lands in posting order
+  std::atomic<bool> sockets_only_{false};  // every lane of ep_ is tcp (Channel::post_data)
   bool dirty_ = false;
   // write_flagged words waiting for their data's flush, in posting order (channel.cpp).
   struct DeferredWord {
@@ -380,6 +389,9 @@ class Device : public std::enable_shared_from_this<Device> {
   // behind their data on an endpoint of one tcp lane (FlaggedWrites::Auto).
   uint64_t flushed_words() const { return flushed_words_.load(); }
   uint64_t stream_words() const { return stream_words_.load(); }
+  // Posts above 64 KiB run on the caller's thread (over sockets alone) that handed what was left
+  // of them to the progress thread (ProgressThread::post_inline's carry).
+  uint64_t carried_posts() const { return carried_posts_.load(); }
 
  private:
   friend class Channel;
@@ -454,7 +466,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<uint64_t> next_region_{1};
   std::atomic<uint64_t> next_rpc_{1};
   std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0}, message_writes_{0}, dropped_writes_{0};
-  std::atomic<uint64_t> flushed_words_{0}, stream_words_{0};
+  std::atomic<uint64_t> flushed_words_{0}, stream_words_{0}, carried_posts_{0};
   // flagged.cpp: the parts applied so far of flagged writes sent as several messages, by
   // (region id, word offset, value); an entry goes when its last part stores the word.
   std::mutex parts_m_;
@@ -523,8 +535,8 @@ enum class WaitStatus : int {
 };
 
 // Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins for
-// an adaptive time (per thread: about four times the last waits that ended while spinning,
-// between 50 and 250 us), then yields the core 50 times, then sleeps with a backoff of
+// an adaptive time (per thread: about four times the last wait, if that one took at most 1 ms,
+// between 50 and 250 us; halved after a longer one), then yields the core 50 times, then sleeps with a backoff of
 // 1, 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be
 // null) is looked at while sleeping; with `drive`, the waiter also progresses peer's worker
 // between looks (Channel::progress_now). timeout_s < 0: none.

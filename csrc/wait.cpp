@@ -10,12 +10,16 @@
 namespace rdmaflow {
 
 namespace {
-// The spin budget adapts per thread: a wait that ended while spinning sets it to four times
-// what that wait took (within the bounds); a wait that had to sleep halves it. A ping-pong
-// partner that answers in microseconds is seen in microseconds; an idle waiter stops burning
-// the core after kMinSpinNs. (A sleep, however short, costs the timer slack: tens of us.)
+// The spin budget adapts per thread: a wait that took at most kSpinWorthNs, whether it ended
+// while spinning or asleep, sets it to four times what it took (within the bounds); a longer
+// wait halves it. A ping-pong partner that answers in microseconds is seen in microseconds; an
+// idle waiter stops burning the core after kMinSpinNs. (A sleep, however short, costs the timer
+// slack: tens of us.) Halving after every wait that slept, as this once did, let a ping-pong
+// settle where both sides sleep: each answer then waits for a sleeper's wake-up, so every wait
+// outlasts the shrinking budget, and the round trip stays ten times longer.
 constexpr int64_t kMinSpinNs = 50'000;
 constexpr int64_t kMaxSpinNs = 250'000;
+constexpr int64_t kSpinWorthNs = 1'000'000;
 constexpr int kYields = 50;
 constexpr long kMaxSleepUs = 50;  // an idle wait wakes at most every 50 us
 thread_local int64_t spin_budget_ns = 50'000;
@@ -61,7 +65,6 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
     if (drive) peer->progress_now();
     if (ns_since(t0) >= budget) break;
   }
-  spin_budget_ns = std::max<int64_t>(spin_budget_ns / 2, kMinSpinNs);
   long sleep_us = 1;
   int yields = 0;
   while (!ready()) {
@@ -79,6 +82,11 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
       sleep_us = std::min<long>(sleep_us * 2, kMaxSleepUs);
     }
   }
+  const int64_t took = ns_since(t0);
+  if (took <= kSpinWorthNs)
+    spin_budget_ns = std::clamp<int64_t>(4 * took, kMinSpinNs, kMaxSpinNs);
+  else
+    spin_budget_ns = std::max<int64_t>(spin_budget_ns / 2, kMinSpinNs);
   return WaitStatus::Ok;
 }
 

@@ -5,8 +5,11 @@ Two real processes: this one and tests/peer.py. Every byte that crosses is check
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -198,6 +201,43 @@ def test_fence_orders_data_before_flag(spawn_peer):
             ch.flush().result(30)
             data = peer.call("digest", name="d", offset=0, nbytes=size)["digest"]
             assert data == digest(local, 0, size)
+
+
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)
+def test_writes_posted_on_the_callers_thread_arrive_while_it_computes(spawn_peer, transport):
+    """Over sockets alone a WRITE of up to 1 MiB is posted on the caller's thread; what the socket
+    does not take at once, the caller drives on for a moment and then hands to the progress
+    thread. Sixteen back-to-back 1 MiB WRITEs (flagged) to a peer that is stopped for a moment
+    overfill the socket; the caller then only sleeps, never waits nor drives: every future
+    completes, every byte arrives, and posts were handed over."""
+    peer = spawn_peer()
+    size, count = MiB, 16
+    peer.call("alloc", name="c", nbytes=size * count + 8)
+    with local_device() as dev:
+        local = dev.alloc_region(size * count + 8)
+        local.tensor(torch.uint8, size * count + 8).copy_(seeded_bytes(5, size * count + 8))
+        remote = dev.lookup_region(peer.endpoint, "c")
+        ch = dev.channel(peer.endpoint)
+        ch.memcpy(local, 0, remote, 0, 8, rdmaflow.WRITE).result(30)  # the endpoint's lanes are known
+        # The peer stopped: nothing drains, so the socket fills and the posts cannot finish on
+        # the caller's thread (on loopback a running peer drains 1 MiB within the drive).
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.05)  # this device's progress thread asleep: the first post runs inline
+            futs = [ch.write_flagged(local, 8 + k * size, remote, 8 + k * size, size, 0, k + 1, 0)
+                    for k in range(count)]
+            time.sleep(0.1)
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not all(f.done() for f in futs) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert all(f.done() for f in futs), "posts left on the caller's thread were not carried on"
+        for f in futs:
+            f.result(0)
+        assert peer.call("digest", name="c", offset=8, nbytes=size * count)["digest"] == digest(
+            local, 8, size * count)
+        assert dev.transfer_counts()["carried"] > 0, dev.transfer_counts()
 
 
 def test_fence_covers_flags_waiting_for_their_data(spawn_peer):

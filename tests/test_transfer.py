@@ -999,14 +999,16 @@ def test_waiting_wait_any_sleeps(tpeer, dev):
     assert used < 0.25 * took, f"wait_any used {used:.2f} CPU seconds in {took:.2f} s of waiting"
 
 
-@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (256 * 1024, 1000), (8 * MiB, 60)])
+@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (256 * 1024, 1000), (MiB, 300),
+                                     (8 * MiB, 60)])
 def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev, transport, nbytes, n):
     """Both directions at once, each sender as fast as its credits allow (depth 2, so a slot is
     rewritten as soon as it is handed back): every tensor a receiver gets holds its own
     transfer number in every element, i.e. the flag of transfer k was never seen before k's
     data, on the same-host direct path (sm: copy + release store; 8 MiB is copied with
     non-temporal stores) and over UCX: tcp up to 256 KiB as active messages of at most 64 KiB
-    each, the flag stored with the last one applied (the default there); tcp at 8 MiB as WRITE
+    each, the flag stored with the last one applied (the default there); tcp at 1 MiB (posted on
+    the sending thread, the rest carried by the progress thread) and 8 MiB as WRITE
     and the flag's WRITE right behind it on the endpoint's one tcp connection (UCX_NET_DEVICES=lo:
     one lane); sm-cma as WRITE, then the flag's WRITE once the data's flush has completed."""
     direct = transport == "sm"  # sm-cma turns rdmaflow's same-host path off: UCX's own sm moves the data
