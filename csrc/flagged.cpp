@@ -23,7 +23,9 @@ EndpointPaths flagged_paths(FlaggedWrites mode, ucp_ep_h ep) {
   bool tcp = ucp_ep_query(ep, &attr) == UCS_OK && attr.transports.num_entries != 0;
   for (unsigned i = 0; tcp && i < attr.transports.num_entries; ++i)
     tcp = std::strcmp(entries[i].transport_name, "tcp") == 0;
-  if (mode != FlaggedWrites::Auto) return {mode == FlaggedWrites::Message, false, tcp};
+  // Message only where every lane is tcp (FlaggedWrites): elsewhere a flush does not say that
+  // the message's handler has run, so nothing could order a later write behind it.
+  if (mode != FlaggedWrites::Auto) return {tcp && mode == FlaggedWrites::Message, false, tcp};
   return {tcp, tcp && attr.transports.num_entries == 1, tcp};
 }
 

@@ -62,7 +62,12 @@ enum class SameHost : int { Off = 0, On = 1, Auto = 2 };
 // How Channel::write_flagged carries data + word over UCX (docs/transfer.md, "Flagged writes").
 //   Put      put the data; put the word once the data's endpoint flush has completed.
 //   Message  one active message whose handler at the target copies the data, then stores the
-//            word with a release store: ordered by the target's CPU on any transport.
+//            word with a release store: ordered by the target's CPU. Only on endpoints whose
+//            every lane is tcp, Put elsewhere: there a completed endpoint flush means the
+//            handler has run (the peer answers the flush in stream order), which fence() and
+//            the same-host mapping rely on; on shared memory and RDMA a flush completes when
+//            the message is delivered, before its handler runs. Fences and the flush rule
+//            as on several lanes (no stream shortcut).
 //   Auto     Message on endpoints whose every lane is tcp (whose puts the target's software
 //            applies anyway) up to 256 KiB; above it, on an endpoint of one tcp lane (one
 //            connection, applied in stream order), the word put right behind the data put;

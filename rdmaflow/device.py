@@ -126,8 +126,10 @@ class Device(_core.Device):
 
     ``flagged_writes`` (default ``$RDMAFLOW_FLAGGED_WRITES``, else ``"auto"``): how a transfer's
     data and flag travel over UCX: ``"put"`` (put, fence, put), ``"message"`` (one active message
-    that the receiving side applies data first, flag last) or ``"auto"`` (message on endpoints
-    whose every lane is tcp, put elsewhere); docs/transfer.md, "Flagged writes".
+    that the receiving side applies data first, flag last; only where every lane is tcp, put
+    elsewhere, as on other transports a flush does not say the message was applied) or
+    ``"auto"`` (message on endpoints whose every lane is tcp, put elsewhere); docs/transfer.md,
+    "Flagged writes".
 
     A device is a context manager: leaving the ``with`` block closes it.
     """

@@ -65,15 +65,16 @@ def main() -> None:
                 # Polls an 8-byte marker until it reaches `until`: each time it has moved, the
                 # 8-byte flag must be at least as far (a WRITE posted after a fence lands after
                 # everything before the fence). Answers how often it was not, and how many
-                # marker values were seen.
+                # marker values were seen. flag_name: the flag is word 0 of that region instead.
                 words = regions[cmd["name"]].tensor(torch.int64, 2)
+                flags = regions[cmd.get("flag_name", cmd["name"])].tensor(torch.int64, 1)
                 marker, seen, behind = 0, 0, 0
                 end = time.monotonic() + cmd["seconds"]
                 while marker < cmd["until"] and time.monotonic() < end:
                     m = int(words[1])
                     if m != marker:
                         marker, seen = m, seen + 1
-                        behind += int(words[0]) < m
+                        behind += int(flags[0]) < m
                     else:
                         time.sleep(0)
                 reply(ok=True, behind=behind, seen=seen, marker=marker)

@@ -240,6 +240,49 @@ def test_writes_posted_on_the_callers_thread_arrive_while_it_computes(spawn_peer
         assert dev.transfer_counts()["carried"] > 0, dev.transfer_counts()
 
 
+@pytest.mark.parametrize("transport,flagged", [("tcp", "auto"), ("sm", "message")], indirect=["transport"])
+def test_a_mapped_write_behind_a_fence_lands_after_flagged_messages(spawn_peer, transport, flagged):
+    """A flagged write into memory the peer registered in place (not shared, so never mapped),
+    fence(), then an 8-byte WRITE into a region the peer shares. Over tcp with the same-host
+    mapping forced on, the flagged write goes as an active message and the WRITE may go through
+    the mapping (a store by this thread), which could overtake the message: until a completed
+    flush covers it, the WRITE asks for one and takes UCX's path; every other round a flush()
+    first lets it take the mapping. Over sm, "message" is refused (put path): there a flush
+    completes before the message's handler runs, and these WRITEs overtook it. The peer,
+    polling the marker, never sees it ahead of the flag."""
+    peer = spawn_peer(RDMAFLOW_SAME_HOST="1")
+    rounds = 1000
+    peer.call("alloc", name="flag", nbytes=8192, registered=True)
+    peer.call("alloc", name="mark", nbytes=4096)
+    with local_device(flagged_writes=flagged, same_host=True) as dev:
+        local = dev.alloc_region(8192)
+        words = local.tensor(torch.int64, 2)  # [0]: the flag's source, [1]: the marker's
+        flag, mark = dev.lookup_region(peer.endpoint, "flag"), dev.lookup_region(peer.endpoint, "mark")
+        ch = dev.channel(peer.endpoint)
+        box: list = []
+        watcher = threading.Thread(target=lambda: box.append(
+            peer.call("watch", 90, name="mark", flag_name="flag", until=rounds, seconds=60)))
+        watcher.start()
+        before = dev.transfer_counts()
+        for k in range(1, rounds + 1):
+            f = ch.write_flagged(local, 4096, flag, 4096, 4096, 0, k, 0)
+            if k % 2:
+                ch.flush().result(30)
+            ch.fence()
+            words[1] = k
+            ch.memcpy(local, 8, mark, 8, 8, rdmaflow.WRITE).result(30)
+            f.result(30)
+        watcher.join(100)
+        counts = {key: dev.transfer_counts()[key] - before[key] for key in ("message", "mapped", "ucx")}
+        assert box, "the peer did not answer"
+        assert box[0]["marker"] == rounds, box[0]
+        assert box[0]["behind"] == 0, f"a WRITE posted after fence() landed before the flag: {box[0]}"
+        assert counts["message"] == (rounds if transport == "tcp" else 0), counts
+        assert counts["mapped"] >= rounds // 2, counts
+        if transport == "tcp":  # the rounds without a flush() first took UCX's path
+            assert counts["ucx"] >= rounds // 4, counts
+
+
 def test_fence_covers_flags_waiting_for_their_data(spawn_peer):
     """write_flagged on the put path (flagged_writes="put": its word is put once the data's flush
     has completed) leaves the word waiting while 32 MiB are in flight; a WRITE posted after
