@@ -138,11 +138,12 @@ class Receiver(Endpoint):
         if self.acked < self.seq:
             self._ack(self.seq, Deadline(self.timeout))
 
-    def _rider_for(self, channel, deadline: Deadline) -> dict | None:
+    def _rider_for(self, channel, deadline: Deadline) -> tuple | None:
         """Hands the last received transfer back with a send on ``channel`` (``send(...,
         release=self)``): the ack as that send's rider (write_flagged's keyword arguments) when
         its sender is at the other end of that very channel, whose posting order keeps the
-        acks in order; otherwise (same host, another channel, nothing owed) the ack is made
+        acks in order (write_flagged's last four arguments, rider_remote_region, rider_offset,
+        rider_value, rider_remote_offset: positional, cheaper to pass than keywords); otherwise (same host, another channel, nothing owed) the ack is made
         here, on its own, and None is returned. The caller posts the send, then ``_rode``."""
         if self.acked >= self.seq:
             return None
@@ -150,8 +151,7 @@ class Receiver(Endpoint):
         if self._ack_window is not None or sender[0] is not channel:
             self._ack(self.seq, deadline)
             return None
-        return {"rider_remote_region": sender[1], "rider_offset": self._ack_cell(deadline),
-                "rider_value": self.seq, "rider_remote_offset": sender[2]}
+        return sender[1], self._ack_cell(deadline), self.seq, sender[2]
 
     def _rode(self, future) -> None:
         """The send that carried ``_rider_for``'s ack was posted as ``future``."""
@@ -353,14 +353,14 @@ class Sender(Endpoint):
         return off
 
     def _post(self, k: int, slot: int, local_off: int = 0, data_off: int = 0, nbytes: int = 0,
-              rider: dict | None = None):
+              rider: tuple | None = None):
         """One command: WRITE ``nbytes`` from the arena at ``local_off`` to the receiver's region
         at ``data_off``, fence, WRITE k into the flag of ``slot``: the flag never lands before
         the payload. ``rider``: a receiver's ack to the same peer, in the same message (stored
         just before the flag), else as a word of its own right behind it (``Receiver._rider_for``)."""
         return self.channel.write_flagged(self.arena.region, local_off, self.remote, data_off, nbytes,
                                           self._off(self._flags_off + FLAG_STRIDE * slot), k,
-                                          self.r_base + FLAG_STRIDE * slot, **(rider or {}))
+                                          self.r_base + FLAG_STRIDE * slot, None, *(rider or ()))
 
     def _check_release(self, release) -> None:
         """``send(..., release=...)`` takes a receiver of this device, or None."""

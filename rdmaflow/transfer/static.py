@@ -201,7 +201,11 @@ class StaticSender(Sender):
         keep, off = tensor, 0
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
-            off = self._arena_offset(tensor)
+            ptr = tensor.data_ptr()  # (send() checked it is a contiguous host tensor)
+            if self.mode != "copy" and self._arena_lo <= ptr and ptr + nbytes <= self._arena_hi:
+                off = ptr - self._arena_lo
+            else:
+                off = self._arena_offset(tensor)
             if off is None:
                 keep = self._stage(tensor, slot)
                 off = self.arena.offset_of(keep)
