@@ -74,8 +74,6 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     p.memh = lead->local->memh_;
   }
-  for (Op* op : g->ops)
-    if (op) op->pending = 1;
   // Mapped copies wait until a flush covers the message (Path::same_host).
   ++ch->am_pending_;
   ++ch->am_unflushed_;

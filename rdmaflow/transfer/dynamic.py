@@ -131,7 +131,7 @@ class DynamicSender(Sender):
         nbytes = tensor.numel() * tensor.element_size()
         src, off = tensor, 0
         if nbytes:
-            off = self._arena_offset(tensor)
+            off = self._arena_offset(tensor, nbytes)
             if off is None:
                 src = self.arena.empty(tuple(tensor.shape), tensor.dtype)
                 src.copy_(tensor)

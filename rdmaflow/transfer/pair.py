@@ -140,11 +140,11 @@ class Receiver(Endpoint):
 
     def _rider_for(self, channel, deadline: Deadline) -> tuple | None:
         """Hands the last received transfer back with a send on ``channel`` (``send(...,
-        release=self)``): the ack as that send's rider (write_flagged's keyword arguments) when
-        its sender is at the other end of that very channel, whose posting order keeps the
-        acks in order (write_flagged's last four arguments, rider_remote_region, rider_offset,
-        rider_value, rider_remote_offset: positional, cheaper to pass than keywords); otherwise (same host, another channel, nothing owed) the ack is made
-        here, on its own, and None is returned. The caller posts the send, then ``_rode``."""
+        release=self)``): the ack as that send's rider when its sender is at the other end of
+        that very channel, whose posting order keeps the acks in order, as write_flagged's last
+        four arguments (rider_remote_region, rider_offset, rider_value, rider_remote_offset;
+        passed by position, which pybind11 takes faster than keywords); otherwise (same host,
+        another channel, nothing owed) the ack is made here, on its own, and None is returned. The caller posts the send, then ``_rode``."""
         if self.acked >= self.seq:
             return None
         sender = self._connect_sender(deadline)
@@ -296,6 +296,7 @@ class Sender(Endpoint):
         self._intro_off = self._one_off + 64
         total = self._intro_off + CTL_BYTES
         self.block = self.arena.allocate(total)
+        self._arena_lo, self._arena_hi = self.arena.base, self.arena.base + self.arena.nbytes
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
         raw.zero_()
         self._raw = raw
@@ -341,10 +342,17 @@ class Sender(Endpoint):
                 raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
         return (k - 1) % self.depth
 
-    def _arena_offset(self, tensor: torch.Tensor) -> int | None:
-        """Where ``tensor`` lives in the arena, or None when it must be staged (mode "copy", or
-        "auto" with a tensor outside the arena); mode "zerocopy" refuses such a tensor."""
-        off = None if self.mode == "copy" else self.arena.offset_of(tensor)
+    def _arena_offset(self, tensor: torch.Tensor, nbytes: int) -> int | None:
+        """Where ``tensor``'s ``nbytes`` (> 0) live in the arena, or None when they must be staged
+        (mode "copy", or "auto" with a tensor outside the arena); mode "zerocopy" refuses such a
+        tensor. Every send has checked that the tensor is contiguous and on the host, so this is
+        a bounds check against the arena's span (it runs per send: arena.offset_of's own checks
+        cost a ping-pong about 1 µs)."""
+        off = None
+        if self.mode != "copy":
+            ptr = tensor.data_ptr()
+            if self._arena_lo <= ptr and ptr + nbytes <= self._arena_hi:
+                off = ptr - self._arena_lo
         if off is None and self.mode == "zerocopy":
             raise InvalidArgumentError(
                 "zero-copy send needs a tensor that lives in the registered arena: allocate it "

@@ -105,7 +105,6 @@ class StaticSender(Sender):
         self._slot_at = [self.r_base + self.r_data + i * self.r_stride for i in range(self.depth)]
         self._flag_at = [self.r_base + FLAG_STRIDE * i for i in range(self.depth)]
         self._ack_addr = self.ack.address
-        self._arena_lo, self._arena_hi = self.arena.base, self.arena.base + self.arena.nbytes
 
     @property
     def copies_from_any_memory(self) -> bool:
@@ -201,11 +200,7 @@ class StaticSender(Sender):
         keep, off = tensor, 0
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
-            ptr = tensor.data_ptr()  # (send() checked it is a contiguous host tensor)
-            if self.mode != "copy" and self._arena_lo <= ptr and ptr + nbytes <= self._arena_hi:
-                off = ptr - self._arena_lo
-            else:
-                off = self._arena_offset(tensor)
+            off = self._arena_offset(tensor, nbytes)
             if off is None:
                 keep = self._stage(tensor, slot)
                 off = self.arena.offset_of(keep)
@@ -247,7 +242,7 @@ class StaticSender(Sender):
             if self.mode == "copy":
                 source = self._stage(tensor, 0).data_ptr()
             elif not self._arena_lo <= source <= self._arena_hi - nbytes:
-                self._arena_offset(tensor)  # refuses a tensor outside the arena, as on every path
+                self._arena_offset(tensor, nbytes)  # refuses a tensor outside the arena, as on every path
         need, flag = k - self.depth, self._flag_at[slot]
         # On one host the ack is a store that the receiver's next recv() makes in its own call (a
         # store here, before or after the copy, measured slower: docs/benchmarks.md), unless this
