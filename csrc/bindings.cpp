@@ -102,6 +102,11 @@ void run_callbacks() {
   }
 }
 
+std::string gpu_buffer_error(const MemRegion& r) {
+  return "region " + std::to_string(r.id()) + " is GPU memory (CUDA device " +
+         std::to_string(r.cuda_device()) + "): it has no host buffer; use region.tensor()";
+}
+
 size_t check_offset(int64_t v, const char* what) {
   if (v < 0)
     throw Error(ErrorKind::OutOfBounds, std::string(what) + " must not be negative, got " +
@@ -225,6 +230,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("id", &MemRegion::id)
       .def_property_readonly("address", &MemRegion::address)
       .def_property_readonly("nbytes", &MemRegion::length)
+      .def_property_readonly("cuda_device", &MemRegion::cuda_device,
+                             "The CUDA device ordinal of GPU memory; -1 for host memory.")
       .def_property_readonly("freed", &MemRegion::freed)
       .def(
           "descriptor",
@@ -252,6 +259,7 @@ PYBIND11_MODULE(_core, m) {
           "A tensor of dtype and shape viewing the region at byte offset, with no copy; it "
           "keeps the region's memory alive.")
       .def_buffer([](MemRegion& r) {
+        if (r.cuda_device() >= 0) throw Error(ErrorKind::Invalid, gpu_buffer_error(r));
         return py::buffer_info(reinterpret_cast<void*>(r.address()), 1,
                                py::format_descriptor<uint8_t>::format(), 1,
                                {py::ssize_t(r.length())}, {py::ssize_t(1)});
@@ -264,6 +272,8 @@ PYBIND11_MODULE(_core, m) {
           [](py::bytes b) { return RemoteRegion::parse(std::string(b)); },
           py::arg("descriptor"))
       .def_readonly("owner_endpoint", &RemoteRegion::owner_endpoint)
+      .def_readonly("cuda_device", &RemoteRegion::cuda_device,
+                    "The owner's CUDA device ordinal of GPU memory; -1 for host memory.")
       .def_readonly("region_id", &RemoteRegion::region_id)
       .def_readonly("address", &RemoteRegion::addr)
       .def_property_readonly("nbytes", [](const RemoteRegion& r) { return r.length; })
@@ -316,7 +326,8 @@ PYBIND11_MODULE(_core, m) {
              const std::shared_ptr<RemoteRegion>& remote, int64_t remote_offset, int64_t nbytes,
              int64_t word_offset, uint64_t value, int64_t word_remote_offset, py::object callback,
              const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
-             uint64_t rider_value, int64_t rider_remote_offset) {
+             uint64_t rider_value, int64_t rider_remote_offset,
+             const std::shared_ptr<MemRegion>& word_local, const std::shared_ptr<RemoteRegion>& word_remote) {
             size_t lo = check_offset(local_offset, "local_offset");
             size_t ro = check_offset(remote_offset, "remote_offset");
             size_t n = check_offset(nbytes, "nbytes");
@@ -332,7 +343,7 @@ PYBIND11_MODULE(_core, m) {
             Callback cb = make_callback(callback);
             try {
               return ch.write_flagged(local, lo, remote, ro, n, wo, value, wro, std::move(cb),
-                                      rider_remote ? &rider : nullptr);
+                                      rider_remote ? &rider : nullptr, word_local, word_remote);
             } catch (...) {
               if (!callback.is_none()) Py_DECREF(callback.ptr());
               throw;
@@ -343,12 +354,15 @@ PYBIND11_MODULE(_core, m) {
           py::arg("word_remote_offset"), py::arg("callback") = py::none(),
           py::arg("rider_remote_region") = nullptr, py::arg("rider_offset") = 0,
           py::arg("rider_value") = 0, py::arg("rider_remote_offset") = 0,
+          py::arg("word_local_region") = nullptr, py::arg("word_remote_region") = nullptr,
           "One command: WRITE nbytes, fence, then store value at local word_offset and WRITE "
           "it to word_remote_offset. The future completes when both are visible at the peer. "
           "A rider (rider_remote_region given) is a second word for the same peer: rider_value, "
           "stored first at local rider_offset, lands at rider_remote_offset of "
           "rider_remote_region: in the same message on the message path, stored just before "
-          "the word; elsewhere as a word of its own right behind it.")
+          "the word; elsewhere as a word of its own right behind it. word_local_region and "
+          "word_remote_region (default: the data's) hold the word and the rider's source: host "
+          "memory, also for data in GPU memory.")
       .def_property_readonly("flagged_by_message", &Channel::flagged_by_message,
                              "Whether write_flagged of at most flagged_message_bytes takes the "
                              "message path (data, word and rider in one message); known once "
@@ -443,6 +457,22 @@ PYBIND11_MODULE(_core, m) {
       "the flag (progressing the peer channel's worker with drive), the checks. Returns a WaitStatus code (0 ok, 1 timeout, 2 peer failed, "
       "4 another sender, 5 a later transfer in the flag).");
 
+  m.def(
+      "cuda_ipc_export",
+      [](uintptr_t ptr, int ordinal) {
+        auto e = cuda_ipc_export(ptr, ordinal);
+        return py::make_tuple(py::bytes(e.first), e.second);
+      },
+      py::arg("address"), py::arg("cuda_device"),
+      "(handle, offset): the CUDA IPC handle of the allocation holding GPU memory at address, "
+      "and the address's offset in it.");
+  m.def(
+      "cuda_ipc_open",
+      [](py::bytes handle, int ordinal) { return cuda_ipc_open(std::string(handle), ordinal); },
+      py::arg("handle"), py::arg("cuda_device"), py::call_guard<py::gil_scoped_release>(),
+      "The base address in this process of a peer's GPU allocation, from its CUDA IPC handle "
+      "(opened once per handle; mapped until the process ends).");
+
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena",
                                             "Allocator over one registered region.")
       .def(py::init<std::shared_ptr<MemRegion>, size_t>(), py::arg("region"),
@@ -473,7 +503,22 @@ PYBIND11_MODULE(_core, m) {
                              [](const ArenaBlock& b) {
                                return b.arena->region()->address() + b.offset;
                              })
+      .def_property_readonly(
+          "__cuda_array_interface__",
+          [](const ArenaBlock& b) {
+            // A block of GPU memory as torch.as_tensor takes it: the tensor keeps the block.
+            const MemRegion& r = *b.arena->region();
+            if (r.cuda_device() < 0) throw py::attribute_error("a host block has no __cuda_array_interface__");
+            py::dict d;
+            d["shape"] = py::make_tuple(b.length);
+            d["typestr"] = "|u1";
+            d["data"] = py::make_tuple(r.address() + b.offset, false);
+            d["version"] = 2;
+            return d;
+          })
       .def_buffer([](ArenaBlock& b) {
+        if (b.arena->region()->cuda_device() >= 0)
+          throw Error(ErrorKind::Invalid, gpu_buffer_error(*b.arena->region()));
         return py::buffer_info(
             reinterpret_cast<void*>(b.arena->region()->address() + b.offset), 1,
             py::format_descriptor<uint8_t>::format(), 1, {py::ssize_t(b.length)},
@@ -583,10 +628,16 @@ PYBIND11_MODULE(_core, m) {
            py::call_guard<py::gil_scoped_release>())
       .def(
           "register_memory",
-          [](Device& d, uintptr_t address, size_t nbytes) {
-            return d.register_memory(address, nbytes);
+          [](Device& d, uintptr_t address, size_t nbytes, int cuda_device) {
+            return d.register_memory(address, nbytes, cuda_device);
           },
-          py::arg("address"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+          py::arg("address"), py::arg("nbytes"), py::arg("cuda_device") = -1,
+          py::call_guard<py::gil_scoped_release>(),
+          "Registers memory the caller keeps alive: host memory, or GPU memory of CUDA device "
+          "cuda_device (>= 0).")
+      .def_property_readonly("cuda_supported", &Device::cuda_supported,
+                             "Whether this UCX can register GPU memory (a CUDA transport is in "
+                             "UCX_TLS).")
       .def("channel", &Device::channel, py::arg("remote_endpoint"), py::arg("qp_idx") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def(

@@ -38,8 +38,8 @@ void Channel::Path::sent(void* req, ucs_status_t st, void* user) {
 bool Channel::Path::same_host(ProgressThread* t, Op* op) const {
   Channel* ch = op->ch.get();
   // Only when no UCX operation of this channel is outstanding, so that fences keep ordering
-  // mapped and UCX operations.
-  if (ch->rma_pending_ != 0 || ch->failed()) return false;
+  // mapped and UCX operations; never for GPU memory, which a CPU copy cannot reach.
+  if (ch->rma_pending_ != 0 || ch->failed() || op->gpu()) return false;
   Device* dev = t->device();
   if (dev->closed()) {  // close() cancels what has not started
     finish_now(t, op, UCS_ERR_CANCELED);
@@ -242,12 +242,27 @@ Future Channel::memcpy(const std::shared_ptr<MemRegion>& local, size_t local_off
 Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
                               const std::shared_ptr<RemoteRegion>& remote, size_t remote_off,
                               size_t n, size_t word_local_off, uint64_t value,
-                              size_t word_remote_off, Callback cb, const Rider* rider) {
+                              size_t word_remote_off, Callback cb, const Rider* rider,
+                              const std::shared_ptr<MemRegion>& word_local_region,
+                              const std::shared_ptr<RemoteRegion>& word_remote_region) {
   check_range(local, local_off, remote, remote_off, n);
-  check_inside(word_local_off, 8, local->length(), "local");  // the rest is checked above
-  check_inside(word_remote_off, 8, remote->length, "remote");
+  const std::shared_ptr<MemRegion>& wl = word_local_region ? word_local_region : local;
+  const std::shared_ptr<RemoteRegion>& wr = word_remote_region ? word_remote_region : remote;
+  if (wl != local || wr != remote) {
+    check_range(wl, word_local_off, wr, word_remote_off, 8);
+  } else {
+    check_inside(word_local_off, 8, local->length(), "local");  // the rest is checked above
+    check_inside(word_remote_off, 8, remote->length, "remote");
+  }
+  // Flags and metadata stay in host memory, where the receiving CPU polls them (Xue et al. §3.5).
+  if (wl->cuda_device() >= 0 || wr->cuda_device >= 0)
+    throw Error(ErrorKind::Invalid, std::string("the flag word's ") +
+                                        (wl->cuda_device() >= 0 ? "local" : "remote") +
+                                        " region is GPU memory; a flag lives in host memory");
   if (rider) {
-    check_range(local, rider->local_off, rider->remote, rider->remote_off, 8);
+    check_range(wl, rider->local_off, rider->remote, rider->remote_off, 8);
+    if (rider->remote->cuda_device >= 0)
+      throw Error(ErrorKind::Invalid, "the rider's remote region is GPU memory; a word lives in host memory");
     if (rider->local_off == word_local_off)
       throw Error(ErrorKind::Invalid, "the rider's source word is the write's own word");
   }
@@ -270,22 +285,22 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
     if (parts->error.empty()) fut->complete_ok();
     else fut->complete_error(parts->kind, parts->error);
   };
-  auto part = [&](const std::shared_ptr<RemoteRegion>& r) {
+  auto part = [&](const std::shared_ptr<MemRegion>& l, const std::shared_ptr<RemoteRegion>& r) {
     auto f = std::make_shared<FutureState>();
     f->on_complete = part_done;
-    return std::make_pair(f, make_op(f, local, r));
+    return std::make_pair(f, make_op(f, l, r));
   };
   Op* data = nullptr;
   Future data_fut;
-  if (n) std::tie(data_fut, data) = part(remote);
-  Op* word = part(remote).second;
+  if (n) std::tie(data_fut, data) = part(local, remote);
+  Op* word = part(wl, wr).second;
   RiderPost rp;
   if (rider) {
-    rp = {part(rider->remote).second, *rider};
-    __atomic_store_n(reinterpret_cast<uint64_t*>(local->addr_ + rider->local_off), rider->value,
+    rp = {part(wl, rider->remote).second, *rider};
+    __atomic_store_n(reinterpret_cast<uint64_t*>(wl->addr_ + rider->local_off), rider->value,
                      __ATOMIC_RELEASE);
   }
-  __atomic_store_n(reinterpret_cast<uint64_t*>(local->addr_ + word_local_off), value,
+  __atomic_store_n(reinterpret_cast<uint64_t*>(wl->addr_ + word_local_off), value,
                    __ATOMIC_RELEASE);
   ProgressThread* t = thread_;
   Path data_path{local_off, remote_off, n, true};
@@ -320,7 +335,9 @@ bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, 
     return true;
   const bool put_data = data && !mapped;
   if (put_data) data_path.ucx(t, data);
-  if (put_data && ch->one_stream_ && !behind) {  // one tcp connection: the word follows the data
+  // One tcp connection: the word follows the data (not GPU data, which UCX may stage through
+  // its own protocol rather than the stream's order).
+  if (put_data && ch->one_stream_ && !behind && !data->gpu()) {
     t->device()->stream_words_.fetch_add(1, std::memory_order_relaxed);
     word_path.ucx(t, word);
     return false;
@@ -440,6 +457,14 @@ bool Channel::ensure_ep() {
 ucp_rkey_h Channel::rkey_for(const RemoteRegion& r) {
   auto it = rkeys_.find(r.region_id);
   if (it != rkeys_.end()) return it->second;
+  if (r.cuda_device >= 0) {  // unpacking opens the peer's CUDA IPC handle: a context is needed
+    auto dev = dev_.lock();
+    try {
+      if (dev) dev->use_cuda_device(0);  // device 0 unless this device uses another GPU already
+    } catch (const Error&) {
+      return nullptr;  // no driver here: the operation fails
+    }
+  }
   ucp_rkey_h rk = nullptr;
   ucs_status_t st = ucp_ep_rkey_unpack(ep_, r.rkey.data(), &rk);
   if (st != UCS_OK) return nullptr;

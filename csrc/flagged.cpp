@@ -36,8 +36,11 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
   // Puts still in flight on this endpoint are not ordered with a message (unless the endpoint is
   // one tcp connection): they keep the put path. Beyond kFlaggedMaxBytes the messages' extra
   // copy on the target costs more than the put.
+  // The handler copies with the CPU into the word's region: not for GPU data, nor for data
+  // bound for another region than the word's.
   if (n > kFlaggedMaxBytes || (ch->rma_pending_ != 0 && !ch->one_stream_) || ch->failed() ||
-      !ch->ensure_ep() || !ch->flagged_by_message_)
+      (data && (data->gpu() || data->remote != word->remote)) || !ch->ensure_ep() ||
+      !ch->flagged_by_message_)
     return false;
   const RemoteRegion& r = *word->remote;
   Op* lead = data ? data : word;  // the op whose buffer the sends read: the data's, or the word's

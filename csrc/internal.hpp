@@ -144,6 +144,8 @@ struct Op {
   std::shared_ptr<MemRegion> local;
   std::shared_ptr<Channel> ch;
   std::shared_ptr<RemoteRegion> remote;
+  // Either side is GPU memory: UCX alone may touch it (no same-host mapping, no message path).
+  bool gpu() const { return local->cuda_device() >= 0 || (remote && remote->cuda_device >= 0); }
 };
 
 // One completion queue: a ucp_worker and the thread that progresses it.

@@ -178,6 +178,7 @@ void ProgressThread::progress_now() {
 }
 
 bool ProgressThread::drive() {
+  dev_->cuda_thread_context();  // UCX's CUDA transports call the driver on this thread
   bool did = run_commands();
   flush_dirty();
   unsigned n = 0;
@@ -337,6 +338,7 @@ void ProgressThread::loop() {
     ucs_status_t st;
     {
       std::lock_guard<std::mutex> held(wm_);
+      dev_->cuda_thread_context();  // arming queries CUDA events (cuda_copy)
       st = ucp_worker_arm(w_);
     }
     if (st == UCS_ERR_BUSY) continue;

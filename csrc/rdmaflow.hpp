@@ -5,8 +5,11 @@
 // Contract:
 //   Device       one ucp_context; num_cqs progress threads ("completion queues"), each with its
 //                own ucp_worker; a listener on thread 0 for the side RPC (publish/lookup).
-//   MemRegion    local memory registered with UCX; its descriptor carries address, length,
-//                packed remote key and owner, with a MAC made with the job secret.
+//   MemRegion    local memory registered with UCX, host or GPU (cuda_device() >= 0); its
+//                descriptor carries address, length, memory type, packed remote key and owner,
+//                with a MAC made with the job secret. GPU memory never takes the same-host
+//                mapping or the message path: only UCX touches it (cuda_ipc, cuda_copy, verbs
+//                with GPUDirect), and a WRITE from it completes once UCX's copy has finished.
 //   RemoteRegion a peer's region parsed from its descriptor; authenticated on first use.
 //   Channel      (peer, qp_idx): operations posted on it run in order on worker
 //                qp_idx % num_cqs (by its progress thread, or by the posting thread when the
@@ -137,6 +140,8 @@ class MemRegion {
   uint64_t id() const { return id_; }
   uintptr_t address() const { return addr_; }
   size_t length() const { return length_; }
+  // The CUDA device ordinal of GPU memory; -1 for host memory.
+  int cuda_device() const { return cuda_device_; }
   bool freed() const { return freed_.load(); }
   // Throws Region once freed.
   std::vector<uint8_t> descriptor() const;
@@ -155,6 +160,7 @@ class MemRegion {
   size_t length_ = 0;
   ucp_mem_h memh_ = nullptr;
   uint64_t id_ = 0;
+  int cuda_device_ = -1;
   std::vector<uint8_t> rkey_;
   std::vector<uint8_t> descriptor_;
   std::atomic<bool> freed_{false};
@@ -171,6 +177,7 @@ class RemoteRegion {
   uint64_t job_tag = 0, owner_uuid = 0, region_id = 0, addr = 0, length = 0;
   std::string owner_endpoint;
   std::vector<uint8_t> rkey;
+  int cuda_device = -1;  // GPU memory on the owner's CUDA device of this ordinal; -1: host
   // Set when the owner's region is shared memory: where a same-host peer finds it.
   bool shared = false;
   std::string boot_id;
@@ -232,13 +239,19 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // messages have left: the word itself tells the peer. It fails if either part failed.
   // Throws like memcpy for either range.
   //
+  // The word may live in other regions than the data (word_local, word_remote; null: the data's):
+  // GPU data with its flag in host memory (Xue et al. §3.5). A word is always host memory
+  // (Invalid otherwise). Data in GPU memory takes the put path, its word put once the data's
+  // flush has completed.
+  //
   // A rider, when given, is a second word for the same peer (a receiver handing a slot back to
   // its sender on this channel, in the message of a transfer of its own): `value` is stored
   // first into local[local_off] (a registered source no WRITE in flight uses) and lands at
   // remote[remote_off] behind every earlier word of the channel: on the message path in the
   // same message, stored just before the write's own word (a peer that sees the word sees the
   // rider); elsewhere as a word-only write_flagged posted right behind this one. The future
-  // completes when it has too. Its range is checked like the word's.
+  // completes when it has too. Its range is checked like the word's; its source is in the
+  // word's local region.
   struct Rider {
     std::shared_ptr<RemoteRegion> remote;
     size_t local_off = 0, remote_off = 0;
@@ -247,7 +260,9 @@ class Channel : public std::enable_shared_from_this<Channel> {
   Future write_flagged(const std::shared_ptr<MemRegion>& local, size_t local_off,
                        const std::shared_ptr<RemoteRegion>& remote, size_t remote_off, size_t n,
                        size_t word_local_off, uint64_t value, size_t word_remote_off,
-                       Callback cb, const Rider* rider = nullptr);
+                       Callback cb, const Rider* rider = nullptr,
+                       const std::shared_ptr<MemRegion>& word_local = nullptr,
+                       const std::shared_ptr<RemoteRegion>& word_remote = nullptr);
   // The peer's region written by the caller's own thread (DirectWindow), when it is shared
   // memory on this host and the same-host path is on; null otherwise. Authenticates and
   // validates `remote` like memcpy (it may wait for the owner's answer).
@@ -365,8 +380,11 @@ class Device : public std::enable_shared_from_this<Device> {
 
   // Page-aligned, populated memory; shared memory when the same-host path is on.
   std::shared_ptr<MemRegion> alloc_region(size_t nbytes);
-  // Memory the caller owns and keeps alive while the region lives.
-  std::shared_ptr<MemRegion> register_memory(uintptr_t addr, size_t nbytes);
+  // Memory the caller owns and keeps alive while the region lives: host memory, or GPU memory
+  // of CUDA device cuda_device (>= 0; Invalid where this UCX has no CUDA support).
+  std::shared_ptr<MemRegion> register_memory(uintptr_t addr, size_t nbytes, int cuda_device = -1);
+  // Whether this UCX context can register GPU memory (a CUDA transport is in UCX_TLS).
+  bool cuda_supported() const;
   // Connects (and authenticates) on first use, bounded by connect_timeout; throws
   // OutOfBounds for a qp_idx outside [0, qps_per_peer), Auth for a peer of another job.
   std::shared_ptr<Channel> channel(const std::string& remote_endpoint, int qp_idx);
@@ -412,7 +430,12 @@ class Device : public std::enable_shared_from_this<Device> {
 
   // region.cpp
   std::shared_ptr<MemRegion> register_region(uintptr_t addr, size_t nbytes,
-                                             const std::shared_ptr<RegionMemory>& mem);
+                                             const std::shared_ptr<RegionMemory>& mem,
+                                             int cuda_device = -1);
+  // cuda.cpp: the CUDA context of the GPU memory this device uses, made current on a thread that
+  // drives a worker (UCX's CUDA transports call the driver there, and fail without one).
+  void use_cuda_device(int ordinal);
+  void cuda_thread_context();
   std::string encode_descriptor(const MemRegion& r, const RegionMemory& mem) const;
   void verify_remote(RemoteRegion& r);
   bool revoked(uint64_t owner, uint64_t id);
@@ -469,6 +492,7 @@ class Device : public std::enable_shared_from_this<Device> {
   ucp_listener_h listener_ = nullptr;
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_region_{1};
+  std::atomic<int> cuda_ordinal_{-1};  // use_cuda_device
   std::atomic<uint64_t> next_rpc_{1};
   std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0}, message_writes_{0}, dropped_writes_{0};
   std::atomic<uint64_t> flushed_words_{0}, stream_words_{0}, carried_posts_{0};
@@ -528,6 +552,12 @@ struct ArenaBlock {
     if (arena) arena->free(offset);
   }
 };
+
+// cuda.cpp. CUDA IPC, for the transfer layer's same-host GPU path: the handle of the allocation
+// holding GPU memory at ptr (64 bytes) and ptr's offset in it; and the base address of a peer's
+// allocation in this process, opened once per handle (it stays mapped until the process ends).
+std::pair<std::string, uint64_t> cuda_ipc_export(uintptr_t ptr, int ordinal);
+uintptr_t cuda_ipc_open(const std::string& handle, int ordinal);
 
 // How a wait on a word, or a transfer's send or receive on the direct path, ended.
 enum class WaitStatus : int {

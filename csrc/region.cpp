@@ -63,6 +63,11 @@ std::shared_ptr<RemoteRegion> RemoteRegion::parse(const std::string& bytes) {
     r->st_dev = rd.num<uint64_t>();
     r->st_ino = rd.num<uint64_t>();
   }
+  if (flags & kDescCuda) {
+    r->cuda_device = int(rd.num<uint32_t>());
+    if (r->shared || r->cuda_device < 0)
+      throw Error(ErrorKind::Invalid, "malformed descriptor: GPU memory cannot be shared host memory");
+  }
   rd.end();
   if (r->length > (uint64_t(1) << 56) || r->addr + r->length < r->addr)
     throw Error(ErrorKind::Invalid, "malformed descriptor: impossible address range");
@@ -125,15 +130,16 @@ std::shared_ptr<MemRegion> Device::alloc_region(size_t nbytes) {
   return register_region(reinterpret_cast<uintptr_t>(p), nbytes, mem);
 }
 
-std::shared_ptr<MemRegion> Device::register_memory(uintptr_t addr, size_t nbytes) {
+std::shared_ptr<MemRegion> Device::register_memory(uintptr_t addr, size_t nbytes, int cuda_device) {
   auto mem = std::make_shared<RegionMemory>();  // the caller's memory: neither owned nor shared
   mem->addr = reinterpret_cast<void*>(addr);
   mem->length = nbytes;
-  return register_region(addr, nbytes, mem);
+  return register_region(addr, nbytes, mem, cuda_device);
 }
 
 std::shared_ptr<MemRegion> Device::register_region(uintptr_t addr, size_t nbytes,
-                                                   const std::shared_ptr<RegionMemory>& mem) {
+                                                   const std::shared_ptr<RegionMemory>& mem,
+                                                   int cuda_device) {
   check_open();
   if (nbytes == 0) throw Error(ErrorKind::Invalid, "cannot register a region of 0 bytes");
   if (addr == 0) throw Error(ErrorKind::Invalid, "cannot register memory at address 0");
@@ -141,11 +147,21 @@ std::shared_ptr<MemRegion> Device::register_region(uintptr_t addr, size_t nbytes
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   mp.address = reinterpret_cast<void*>(addr);
   mp.length = nbytes;
+  if (cuda_device >= 0) {
+    if (!cuda_supported())
+      throw Error(ErrorKind::Invalid,
+                  "cannot register GPU memory: this UCX has no CUDA support (built without CUDA, "
+                  "or UCX_TLS leaves out cuda_copy and cuda_ipc)");
+    use_cuda_device(cuda_device);  // UCX queries the memory through this thread's context
+    mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(ctx_, &mp, &memh);
   if (st != UCS_OK)
-    throw Error(ErrorKind::Generic, "cannot register " + std::to_string(nbytes) +
-                                        " bytes with UCX: " + ucs_error(st));
+    throw Error(ErrorKind::Generic, "cannot register " + std::to_string(nbytes) + " bytes of " +
+                                        (cuda_device >= 0 ? "GPU" : "host") +
+                                        " memory with UCX: " + ucs_error(st));
   void* rkbuf = nullptr;
   size_t rklen = 0;
   st = ucp_rkey_pack(ctx_, memh, &rkbuf, &rklen);
@@ -160,6 +176,7 @@ std::shared_ptr<MemRegion> Device::register_region(uintptr_t addr, size_t nbytes
   r->length_ = nbytes;
   r->memh_ = memh;
   r->id_ = next_region_.fetch_add(1);
+  r->cuda_device_ = cuda_device;
   r->rkey_.assign(static_cast<uint8_t*>(rkbuf), static_cast<uint8_t*>(rkbuf) + rklen);
   ucp_rkey_buffer_release(rkbuf);
   std::string desc = encode_descriptor(*r, *mem);
@@ -175,9 +192,10 @@ std::shared_ptr<MemRegion> Device::register_region(uintptr_t addr, size_t nbytes
 std::string Device::encode_descriptor(const MemRegion& r, const RegionMemory& mem) const {
   Writer w;
   bool is_shared = mem.fd >= 0;  // private memory has no fd
+  bool is_cuda = r.cuda_device_ >= 0;
   w.raw(kDescMagic, 4);
   w.u16(1);
-  w.u16(is_shared ? kDescShared : 0);
+  w.u16(uint16_t((is_shared ? kDescShared : 0) | (is_cuda ? kDescCuda : 0)));
   w.u64(job_tag_);
   w.u64(uuid_);
   w.u64(r.id_);
@@ -192,6 +210,7 @@ std::string Device::encode_descriptor(const MemRegion& r, const RegionMemory& me
     w.u64(mem.st_dev);
     w.u64(mem.st_ino);
   }
+  if (is_cuda) w.u32(uint32_t(r.cuda_device_));
   return w.s + mac16(cfg_.secret, w.s);
 }
 

@@ -29,6 +29,7 @@ constexpr uint32_t kProtoVersion = 1;
 constexpr char kDescMagic[4] = {'R', 'F', 'D', '1'};
 constexpr size_t kMacLen = 16;
 constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block follows the rkey
+constexpr uint16_t kDescCuda = 2;    // descriptor flag: GPU memory; the CUDA ordinal follows last
 constexpr size_t kMaxCtrlPayload = 1 << 20;
 
 constexpr uint16_t kFlaggedAmId = 0x5247;  // "RG"

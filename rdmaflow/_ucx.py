@@ -3,10 +3,15 @@
 * :func:`load` preloads the libucx wheel's libraries before the extension is imported, so that
   the extension's ``libucp.so.0`` dependency resolves. A build against a system UCX
   (``RDMAFLOW_UCX_ROOT``) finds it through its rpath and loads nothing from the wheel.
+* :data:`WHEELS` / :func:`wheel_for_cuda`: which libucx wheel (``libucx-cu12``, ``libucx-cu13``:
+  one importable ``libucx`` each, never both) goes with a PyTorch's CUDA version;
+  :func:`installed_wheels` says which are installed. ``scripts/setup.sh`` and ``rdmaflow info``
+  use them.
 * :func:`bin_path` / :func:`find_bin` locate UCX's tools (``ucx_info``, ``ucx_perftest``);
   :func:`tool_env` is an environment in which they find their libraries.
 * :func:`ucx_env` is the one definition of the transports that tests and benchmarks run
-  over (:data:`TRANSPORT_ENV`): "tcp", "sm" and "sm-cma".
+  over (:data:`TRANSPORT_ENV`): "tcp", "sm", "sm-cma", "cuda" (sm with UCX's CUDA
+  transports) and "cuda-tcp".
 
 Standard library only, and nothing here loads a library at import: the benchmark tools and
 ``rdmaflow.testing`` use it without the C++ extension.
@@ -29,6 +34,12 @@ TRANSPORT_ENV: dict[str, dict[str, str]] = {
     "sm": {"UCX_TLS": "cma,posix,self,tcp"},
     # sm with rdmaflow's same-host mapping turned off: every memcpy goes through UCX (cma).
     "sm-cma": {"UCX_TLS": "cma,posix,self,tcp", "RDMAFLOW_SAME_HOST": "0"},
+    # sm plus UCX's CUDA transports: GPU memory between processes of one host (cuda_ipc), and
+    # between GPU and host memory (cuda_copy).
+    "cuda": {"UCX_TLS": "cma,posix,self,tcp,cuda_copy,cuda_ipc"},
+    # GPU memory over sockets alone, staged through host memory by cuda_copy: what two hosts
+    # without RDMA do.
+    "cuda-tcp": {"UCX_TLS": "tcp,cuda_copy"},
 }
 TRANSPORTS = tuple(TRANSPORT_ENV)
 DEFAULT_NET_DEVICE = "lo"
@@ -36,6 +47,49 @@ DEFAULT_NET_DEVICE = "lo"
 #: Settings for every transport. Processes may carry UCX_* variables meant for other
 #: components; the "unused variable" warnings would pollute the stderr the tools parse.
 COMMON_ENV: dict[str, str] = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+#: CUDA major version -> the libucx wheel built for it (pyproject.toml's extras ``cu12``, ``cu13``
+#: and its ``tool.scikit-build`` build requirements). Both install the same package ``libucx``
+#: (the same UCX release, the same ``libucp.so.0``), so exactly one of them may be installed.
+WHEELS: dict[str, str] = {"12": "libucx-cu12", "13": "libucx-cu13"}
+#: The wheel for a CPU-only PyTorch, no PyTorch, and CUDA majors without a wheel of their own.
+DEFAULT_WHEEL = "libucx-cu12"
+
+NO_UCX_HINT = (
+    "rdmaflow needs UCX and finds none: install the libucx wheel that matches your PyTorch's "
+    "CUDA major version, libucx-cu12 (CUDA 12 or a CPU-only PyTorch: pip install 'rdmaflow[cu12]') "
+    "or libucx-cu13 (CUDA 13: pip install 'rdmaflow[cu13]'), never both; or rebuild rdmaflow "
+    "against a system UCX with RDMAFLOW_UCX_ROOT=<prefix> (see README)")
+
+
+def wheel_for_cuda(cuda: str | None) -> str:
+    """The libucx wheel for a PyTorch built with CUDA ``cuda`` (``torch.version.cuda``: "13.0",
+    "12.8"; None for a CPU build): :data:`WHEELS` by major version, else :data:`DEFAULT_WHEEL`."""
+    major = (cuda or "").strip().split(".")[0]
+    return WHEELS.get(major, DEFAULT_WHEEL)
+
+
+def wheel_name(choice: str) -> str:
+    """``"cu13"``, ``"13"`` or ``"libucx-cu13"`` -> ``"libucx-cu13"``; ValueError for a wheel not
+    in :data:`WHEELS`."""
+    c = choice.strip().lower().replace("_", "-")
+    name = c if c.startswith("libucx-") else "libucx-" + (c if c.startswith("cu") else "cu" + c)
+    if name not in WHEELS.values():
+        raise ValueError(f"unknown libucx wheel {choice!r}; expected one of {sorted(WHEELS.values())}")
+    return name
+
+
+def installed_wheels() -> list[tuple[str, str]]:
+    """[(distribution name, version)] of the libucx wheels installed (``libucx-cu12`` ...),
+    sorted; more than one means a broken ``libucx`` package."""
+    import importlib.metadata
+
+    found = set()
+    for d in importlib.metadata.distributions():
+        name = (d.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("libucx-"):
+            found.add((name, d.version))
+    return sorted(found)
 
 
 def wheel_dir() -> str | None:
@@ -67,6 +121,14 @@ def load() -> None:
     try:
         import libucx
     except ImportError:
+        # No wheel: a UCX on the loader's path may still serve; if there is none, say which
+        # wheel to install rather than leave it to "libucp.so.0: cannot open shared object file".
+        import ctypes
+
+        try:
+            ctypes.CDLL("libucp.so.0", ctypes.RTLD_LOCAL)
+        except OSError:
+            raise ImportError(NO_UCX_HINT) from None
         return
     libucx.load_library()
 
@@ -100,7 +162,7 @@ def find_bin(name: str) -> str:
     if p is None:
         where = [os.path.join(r, "bin") for r in _roots()] or "no wheel/UCX_HOME dirs"
         raise FileNotFoundError(f"{name} not found (looked in {where} and PATH); "
-                                "install the libucx-cu12 wheel or set UCX_HOME")
+                                "install the libucx-cu12 or libucx-cu13 wheel or set UCX_HOME")
     return p
 
 

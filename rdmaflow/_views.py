@@ -16,7 +16,8 @@ def region_tensor(region: _core.MemRegion, dtype: torch.dtype, shape: Sequence[i
                   offset: int = 0) -> torch.Tensor:
     """A tensor of ``dtype`` and ``shape`` viewing ``region`` at byte ``offset``, with no copy.
 
-    The tensor keeps the region's memory alive, also after ``free()``.
+    The tensor keeps the region's memory alive, also after ``free()``. A region of GPU memory
+    gives a CUDA tensor.
     """
     if region.freed:
         raise _core.RegionError(f"region {region.id} was freed")
@@ -38,6 +39,14 @@ def region_tensor(region: _core.MemRegion, dtype: torch.dtype, shape: Sequence[i
             f"a {dtype} tensor of shape {shape} at offset {offset} needs "
             f"{offset + count * esize} bytes; the region has {region.nbytes}"
         )
+    if region.cuda_device >= 0:  # GPU memory: a view of the tensor that owns it
+        owner = getattr(region, "_owner", None)
+        if owner is None:
+            raise _core.InvalidArgumentError(
+                f"region {region.id} is GPU memory registered by address: only a region made from a "
+                "tensor (Device.register, Device.alloc_region) can be viewed as one")
+        raw = owner.view(-1).view(torch.uint8)
+        return raw[offset : offset + count * esize].view(dtype).view(shape)
     if count == 0:
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(region, dtype=dtype, count=count, offset=offset)

@@ -6,9 +6,15 @@ it. A tensor allocated here can be sent with no copy (the paper's RDMA.zerocp).
 
 The arena belongs to the device layer (``device.empty``, ``device.create_arena`` and
 ``device.arena`` use it); the transfer layer re-exports it.
+
+A device may also have one GPU arena (``device.create_arena(nbytes, device="cuda")``): GPU memory
+of one CUDA device, registered once the same way, whose tensors are CUDA tensors. Its descriptor
+is published under :data:`CUDA_ARENA_NAME`, so that a peer that meets one of its tensors in a
+metadata record (dynamic transfers) can look its address up once, through the side RPC.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -22,7 +28,11 @@ if TYPE_CHECKING:
     from rdmaflow.device import Device
 
 ARENA_ENV = "RDMAFLOW_ARENA_BYTES"
+CUDA_ARENA_ENV = "RDMAFLOW_CUDA_ARENA_BYTES"
 DEFAULT_ARENA_BYTES = 256 << 20
+CUDA_ARENA_NAME = "rdmaflow.arena.cuda"  # where a device publishes its GPU arena's descriptor
+CUDA_IPC_NAME = "rdmaflow.arena.cuda.ipc"  # ... and what a peer on its host needs to map it
+GPU_IPC_ENV = "RDMAFLOW_GPU_IPC"  # 0: GPU memory of same-host peers only through UCX
 ALIGNMENT = 256  # keeps every tensor cache-line and vector aligned
 
 
@@ -34,17 +44,34 @@ def _parse_bytes(text: str) -> int:
     return int(t)
 
 
-class Arena:
-    """A thread-safe allocator over one registered region of ``nbytes``."""
+def cuda_device_of(device) -> torch.device:
+    """``device`` ("cuda", "cuda:1", a torch.device or an ordinal) as a CUDA torch.device with an
+    index; InvalidArgumentError when it is no CUDA device or none is visible."""
+    try:
+        d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"not a device: {device!r} ({e})") from None
+    if d.type != "cuda":
+        raise InvalidArgumentError(f"expected a CUDA device, got {d}")
+    if not torch.cuda.is_available():
+        raise InvalidArgumentError(f"{d} was asked for, but no CUDA device is visible to this process")
+    return torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
 
-    def __init__(self, device: Device, nbytes: int):
+
+class Arena:
+    """A thread-safe allocator over one registered region of ``nbytes``: host memory, or GPU
+    memory of ``cuda_device`` (a CUDA torch.device)."""
+
+    def __init__(self, device: Device, nbytes: int, cuda_device: torch.device | None = None):
         if nbytes <= 0:
             raise InvalidArgumentError(f"arena size must be positive, got {nbytes}")
         self.device = device
-        self.region = device.alloc_region(nbytes)
+        self.cuda_device = cuda_device
+        self.region = device.alloc_region(nbytes, cuda_device)
         self._arena = _core.Arena(self.region, ALIGNMENT)
         self.base = self.region.address
         self.nbytes = self.region.nbytes
+        self._type = "cpu" if cuda_device is None else "cuda"
 
     def allocate(self, nbytes: int) -> _core.ArenaBlock:
         """A raw block of at least ``nbytes``; returned to the arena when it is garbage."""
@@ -61,13 +88,16 @@ class Arena:
         for s in shape:
             numel *= s
         if numel == 0:
-            return torch.empty(shape, dtype=dtype)  # no bytes to place or send
+            return torch.empty(shape, dtype=dtype, device=self.cuda_device)  # no bytes to place or send
         block = self._arena.allocate(numel * dtype.itemsize)
+        if self.cuda_device is not None:  # the tensor holds the block through its interface
+            raw = torch.as_tensor(block, device=self.cuda_device)
+            return raw[: numel * dtype.itemsize].view(dtype).view(shape)
         return torch.frombuffer(block, dtype=dtype, count=numel).view(shape)
 
     def offset_of(self, tensor: torch.Tensor) -> int | None:
         """Byte offset of a contiguous tensor's data inside the arena, or None if outside."""
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if tensor.device.type != self._type or not tensor.is_contiguous():
             return None
         nbytes = tensor.numel() * tensor.element_size()
         ptr = tensor.data_ptr()
@@ -100,25 +130,89 @@ class Arena:
         return f"<Arena {self.nbytes} bytes, {self.used} used, {self.num_allocations} allocations>"
 
 
-def create_arena(device: Device, nbytes: int | None = None) -> Arena:
-    """Registers the device's arena (once). ``nbytes`` defaults to $RDMAFLOW_ARENA_BYTES or 256 MiB."""
-    existing = getattr(device, "_rdmaflow_arena", None)
+def create_arena(device: Device, nbytes: int | None = None, cuda=None) -> Arena:
+    """Registers the device's arena (once). ``nbytes`` defaults to $RDMAFLOW_ARENA_BYTES or 256 MiB.
+    ``cuda`` (a CUDA device: "cuda", "cuda:0", ...): the device's GPU arena instead, one per device,
+    on that CUDA device; ``nbytes`` defaults to $RDMAFLOW_CUDA_ARENA_BYTES or 256 MiB."""
+    attr, env_name, what = "_rdmaflow_arena", ARENA_ENV, "arena"
+    if cuda is not None:
+        attr, env_name, what = "_rdmaflow_cuda_arena", CUDA_ARENA_ENV, "GPU arena"
+        if cuda == "cuda" and getattr(device, attr, None) is not None:  # no index: the one there is
+            cuda = getattr(device, attr).cuda_device
+        cuda = cuda_device_of(cuda)
+    existing = getattr(device, attr, None)
     if existing is not None:
         if nbytes is not None and nbytes != existing.nbytes:
             raise InvalidArgumentError(
-                f"this device already has an arena of {existing.nbytes} bytes; one arena per device"
+                f"this device already has {'a' if cuda is not None else 'an'} {what} of {existing.nbytes} bytes; "
+                f"one {what} per device"
+            )
+        if cuda is not None and cuda != existing.cuda_device:
+            raise InvalidArgumentError(
+                f"this device's GPU arena is on {existing.cuda_device}, not {cuda}; one per device"
             )
         return existing
     if nbytes is None:
-        env = os.environ.get(ARENA_ENV)
+        env = os.environ.get(env_name)
         nbytes = _parse_bytes(env) if env else DEFAULT_ARENA_BYTES
-    arena = Arena(device, nbytes)
-    device._rdmaflow_arena = arena
+    arena = Arena(device, nbytes, cuda)
+    setattr(device, attr, arena)
+    if cuda is not None:
+        device.publish(CUDA_ARENA_NAME, arena.region.descriptor())
+        device.publish(CUDA_IPC_NAME, json.dumps(gpu_ipc_info(arena)).encode())
     return arena
 
 
-def arena_of(device: Device) -> Arena:
-    """The device's arena, created with the default size on first use."""
-    a = getattr(device, "_rdmaflow_arena", None)
-    return a if a is not None else create_arena(device)
+# -- the same-host GPU path ---------------------------------------------------------------------
+# A peer on this host maps a GPU arena through CUDA IPC and moves the data with a copy kernel on
+# its own stream, as the same-host path does for host memory with a CPU copy: UCX's cuda_ipc put
+# moves about 0.6 of a kernel's bandwidth within one GPU, and its reads are off on GPUs without
+# NVLink (docs/transfer.md, "GPU tensors").
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def gpu_ipc_info(arena: Arena) -> dict | None:
+    """What a peer on this host needs to map ``arena`` (a GPU arena); None where CUDA IPC cannot
+    export it (the peer then goes through UCX) or $RDMAFLOW_GPU_IPC is 0."""
+    if os.environ.get(GPU_IPC_ENV, "1").strip() == "0":
+        return None
+    try:
+        handle, offset = _core.cuda_ipc_export(arena.base, arena.cuda_device.index)
+    except _core.RdmaflowError:
+        return None
+    return {"handle": handle.hex(), "offset": offset, "nbytes": arena.nbytes, "boot_id": _boot_id()}
+
+
+class _Mapped:
+    """GPU memory as torch.as_tensor takes it (a peer's arena, mapped for the process's life)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False),
+                                         "version": 2}
+
+
+def map_gpu_ipc(info) -> torch.Tensor | None:
+    """A uint8 CUDA tensor over a peer's GPU arena described by ``info`` (:func:`gpu_ipc_info`),
+    opened on the current CUDA device; None when the peer is on another host, its arena cannot be
+    mapped, or $RDMAFLOW_GPU_IPC is 0: the caller then goes through UCX."""
+    if (not isinstance(info, dict) or os.environ.get(GPU_IPC_ENV, "1").strip() == "0"
+            or not torch.cuda.is_available() or info.get("boot_id") != _boot_id()):
+        return None
+    here = torch.device("cuda", torch.cuda.current_device())
+    try:
+        base = _core.cuda_ipc_open(bytes.fromhex(str(info["handle"])), here.index)
+        return torch.as_tensor(_Mapped(base + int(info["offset"]), int(info["nbytes"])), device=here)
+    except (_core.RdmaflowError, ValueError, KeyError, TypeError, RuntimeError):
+        return None
+
+
+def arena_of(device: Device, cuda=None) -> Arena:
+    """The device's arena (``cuda`` given: its GPU arena), created with the default size on first use."""
+    a = getattr(device, "_rdmaflow_arena" if cuda is None else "_rdmaflow_cuda_arena", None)
+    return a if a is not None else create_arena(device, None, cuda)
 

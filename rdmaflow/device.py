@@ -17,7 +17,7 @@ from typing_extensions import Self
 
 from rdmaflow import _core
 from rdmaflow._core import Channel, FlaggedWrites, Future, MemRegion, RemoteRegion, SameHost
-from rdmaflow.arena import Arena, arena_of, create_arena
+from rdmaflow.arena import Arena, arena_of, create_arena, cuda_device_of
 from rdmaflow.deadline import Deadline
 from rdmaflow.errors import InvalidArgumentError
 
@@ -166,22 +166,32 @@ class Device(_core.Device):
         self.close()
 
     def register(self, tensor: torch.Tensor) -> MemRegion:
-        """Registers the memory ``tensor`` already owns; the region keeps the tensor alive."""
+        """Registers the memory ``tensor`` already owns, host or GPU (a CUDA tensor: its region's
+        ``cuda_device`` is the tensor's device); the region keeps the tensor alive. Raises
+        InvalidArgumentError for GPU memory where this UCX has no CUDA transport."""
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(f"register() takes a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type != "cpu":
-            raise InvalidArgumentError(
-                f"register() takes host tensors; got one on {tensor.device} "
-                "(GPU memory needs UCX built with CUDA support)"
-            )
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"register() takes host or CUDA tensors; got one on {tensor.device}")
         if not tensor.is_contiguous():
             raise InvalidArgumentError("register() needs a contiguous tensor; call .contiguous() first")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             raise InvalidArgumentError("cannot register an empty tensor")
-        region = self.register_memory(tensor.data_ptr(), nbytes)
+        ordinal = -1 if tensor.device.type == "cpu" else tensor.device.index
+        region = self.register_memory(tensor.data_ptr(), nbytes, ordinal)
         region._owner = tensor
         return region
+
+    def alloc_region(self, nbytes: int, cuda=None) -> MemRegion:
+        """A new registered region of ``nbytes``: page-aligned host memory (shared memory when the
+        same-host path is on), or, with ``cuda`` ("cuda", "cuda:1", a torch.device), GPU memory
+        of that CUDA device, allocated through PyTorch's allocator and kept by the region."""
+        if cuda is None:
+            return super().alloc_region(nbytes)
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"cannot allocate a region of {nbytes} bytes")
+        return self.register(torch.empty(int(nbytes), dtype=torch.uint8, device=cuda_device_of(cuda)))
 
     def publish_region(self, name: str, region: MemRegion) -> None:
         """Hands ``region``'s descriptor out under ``name`` through the side RPC."""
@@ -192,20 +202,24 @@ class Device(_core.Device):
         rpc_timeout)."""
         return RemoteRegion.from_descriptor(self.lookup(remote_endpoint, name, timeout))
 
-    def create_arena(self, nbytes: int | None = None) -> Arena:
+    def create_arena(self, nbytes: int | None = None, device=None) -> Arena:
         """Registers this device's arena (once); ``nbytes`` defaults to $RDMAFLOW_ARENA_BYTES or
-        256 MiB. Asking again returns the same arena."""
-        return create_arena(self, nbytes)
+        256 MiB. Asking again returns the same arena. ``device`` ("cuda", "cuda:1"): this
+        device's GPU arena instead (one, on that CUDA device; $RDMAFLOW_CUDA_ARENA_BYTES)."""
+        return create_arena(self, nbytes, device)
 
     @property
     def arena(self) -> Arena:
         """This device's arena, created with the default size on first use."""
         return arena_of(self)
 
-    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """An uninitialized tensor born in this device's registered arena: it can be sent with
-        no copy. Its memory returns to the arena when it dies."""
-        return arena_of(self).empty(shape, dtype)
+        no copy. Its memory returns to the arena when it dies. ``device`` ("cuda", "cuda:1"):
+        a CUDA tensor born in this device's GPU arena."""
+        if device is not None and torch.device(device).type == "cpu":
+            device = None
+        return arena_of(self, device).empty(shape, dtype)
 
 
 def wait_all(futures: Iterable[Future], timeout: float | None = None) -> None:

@@ -1,8 +1,9 @@
 """``rdmaflow info``: what this machine's rdmaflow and UCX can do, for bringing up a cluster.
 
 Prints the rdmaflow and UCX versions, which libucp was loaded (the libucx wheel's or a system
-UCX), the transports and devices UCX finds (``ucx_info -d``), whether RDMA verbs and CUDA
-transports are among them, the UCX_*/RDMAFLOW_* settings in force (secrets masked), and what
+UCX), which libucx wheel is installed and PyTorch's CUDA version, the transports and devices UCX
+finds (``ucx_info -d``), whether RDMA verbs and CUDA transports are among them and whether
+GPUDirect RDMA is possible, the UCX_*/RDMAFLOW_* settings in force (secrets masked), and what
 a temporary rdmaflow Device actually enabled. ``--json`` gives the same as one JSON object.
 """
 from __future__ import annotations
@@ -19,6 +20,9 @@ from typing import Any
 
 VERBS_TRANSPORTS = ("rc_verbs", "ud_verbs", "rc_mlx5", "dc_mlx5", "ud_mlx5")
 CUDA_TRANSPORTS = ("cuda_copy", "cuda_ipc", "gdr_copy")
+#: Kernel modules that let an RDMA NIC reach GPU memory (GPUDirect RDMA): the driver's
+#: nvidia_peermem, or Mellanox's older nv_peer_mem.
+PEER_MEMORY_MODULES = ("nvidia_peermem", "nv_peer_mem")
 SECRET_ENV = "RDMAFLOW_JOB_SECRET"
 _SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "KEY")
 _TOOL_TIMEOUT = 15.0
@@ -37,7 +41,83 @@ NO_CUDA_DEVICE_HINT = ("this UCX is built with CUDA but found no GPU (no NVIDIA 
 
 
 # ------------------------------------------------------------------------------------------
+# Decisions (pure functions of what was gathered)
+
+
+def gpudirect_rdma(verbs: Sequence[str], cuda: Sequence[str], peer_memory: Sequence[str]) -> dict[str, Any]:
+    """Whether GPUDirect RDMA (the NIC reading and writing GPU memory) is possible, from the verbs
+    and CUDA transports this UCX found and the peer-memory kernel modules loaded. It takes all
+    three: a verbs transport, a CUDA transport (UCX's CUDA memory domain), and the kernel's
+    peer-memory support (:data:`PEER_MEMORY_MODULES`) or UCX's ``gdr_copy`` transport.
+
+    Returns {"possible", "missing": [what is missing], "reason": one line, "verbs", "cuda",
+    "peer_memory"}."""
+    verbs = [t for t in verbs if t in VERBS_TRANSPORTS]
+    cuda = [t for t in cuda if t in CUDA_TRANSPORTS]
+    peer_memory = [m for m in peer_memory if m in PEER_MEMORY_MODULES]
+    missing = []
+    if not verbs:
+        missing.append("an RDMA verbs transport in this UCX")
+    if not cuda:
+        missing.append("a CUDA transport in this UCX")
+    if not peer_memory and "gdr_copy" not in cuda:
+        missing.append("GPU peer memory: the nvidia_peermem (or nv_peer_mem) kernel module loaded, "
+                       "or UCX's gdr_copy transport")
+    if missing:
+        reason = "missing " + "; ".join(missing)
+    else:
+        reason = ", ".join(verbs) + " + " + ", ".join(cuda) + " with " + (
+            ", ".join(peer_memory) if peer_memory else "gdr_copy")
+    return {"possible": not missing, "missing": missing, "reason": reason, "verbs": verbs,
+            "cuda": cuda, "peer_memory": peer_memory}
+
+
+def ucx_wheel_warning(installed: Sequence[str], torch_cuda: str | None, built_against: str) -> str | None:
+    """A warning when the libucx wheels installed (distribution names) do not suit a PyTorch
+    with CUDA ``torch_cuda``: more than one (they overwrite each other's files), none for an
+    extension built against a wheel, or, for a PyTorch with CUDA, another than
+    :func:`rdmaflow._ucx.wheel_for_cuda` names. None when they suit."""
+    from rdmaflow import _ucx
+
+    expected = _ucx.wheel_for_cuda(torch_cuda)
+    fix = f"run scripts/setup.sh, or pip uninstall them all and pip install {expected}"
+    if len(installed) > 1:
+        return (f"more than one libucx wheel is installed ({', '.join(installed)}); they share the "
+                f"package libucx and break each other: {fix}")
+    if built_against != "wheel":
+        return None
+    if not installed:
+        return f"rdmaflow was built against a libucx wheel but none is installed: pip install {expected}"
+    if torch_cuda and installed[0] != expected:  # without CUDA in PyTorch, either wheel serves
+        return f"{installed[0]} is installed but this PyTorch (CUDA {torch_cuda}) goes with {expected}: {fix}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------
 # Gathering
+
+
+def loaded_kernel_modules(names: Sequence[str], sys_module: str = "/sys/module",
+                          proc_modules: str = "/proc/modules") -> list[str]:
+    """Those of ``names`` that the kernel has loaded: /sys/module/<name>, else /proc/modules."""
+    listed: set[str] = set()
+    try:
+        with open(proc_modules) as f:
+            listed = {line.split(None, 1)[0] for line in f if line.strip()}
+    except OSError:
+        pass
+    return [n for n in names if os.path.isdir(os.path.join(sys_module, n)) or n in listed]
+
+
+def _torch_info() -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError as e:
+        return {"version": None, "cuda": None, "cuda_available": False, "gpus": 0, "error": str(e)}
+    available = bool(torch.cuda.is_available())
+    return {"version": torch.__version__, "cuda": torch.version.cuda, "cuda_available": available,
+            "gpus": torch.cuda.device_count() if available else 0}
+
 
 
 def _loaded_ucx_libs() -> dict[str, str]:
@@ -240,6 +320,15 @@ def gather() -> dict[str, Any]:
     info["cuda"] = {
         "present": bool(cuda), "transports": cuda,
         "hint": None if cuda else (NO_CUDA_DEVICE_HINT if built_with_cuda else NO_CUDA_HINT)}
+    info["gpudirect_rdma"] = gpudirect_rdma(verbs, cuda, loaded_kernel_modules(PEER_MEMORY_MODULES))
+
+    info["torch"] = _torch_info()
+    wheels = _ucx.installed_wheels()
+    info["libucx_wheels"] = [{"name": n, "version": v} for n, v in wheels]
+    info["libucx_wheel_expected"] = _ucx.wheel_for_cuda(info["torch"]["cuda"])
+    warning = ucx_wheel_warning([n for n, _ in wheels], info["torch"]["cuda"], build)
+    if warning:
+        info["warnings"].append(warning)
     info["settings"] = settings()
     return info
 
@@ -264,6 +353,17 @@ def format_text(info: dict[str, Any]) -> str:
     if info["ucx_configure"]:
         lines.append(f"  built with: {' '.join(info['ucx_configure'])}")
     lines.append(f"  ucx_info: {info['ucx_info_tool'] or 'not found'}")
+    wheels = ", ".join(f"{w['name']} {w['version']}" for w in info["libucx_wheels"]) or "none"
+    lines.append(f"  libucx wheel installed: {wheels} " + (
+        "(not used: rdmaflow is built against a system UCX)" if info["ucx_built_against"] == "system"
+        else f"(for this PyTorch: {info['libucx_wheel_expected']})"))
+    t = info["torch"]
+    if t["version"] is None:
+        lines.append(f"PyTorch: not importable ({t.get('error')})")
+    else:
+        gpus = f", {t['gpus']} GPU(s) visible" if t["cuda_available"] else ", no GPU visible"
+        lines.append(f"PyTorch {t['version']}: CUDA {t['cuda']}{gpus}" if t["cuda"]
+                     else f"PyTorch {t['version']}: CPU-only build (no CUDA)")
     lines.append("")
     lines.append(f"Transports and devices UCX found ({info['transports_source']}):")
     if info["transports"]:
@@ -279,6 +379,8 @@ def format_text(info: dict[str, Any]) -> str:
     c = info["cuda"]
     lines.append(f"CUDA: yes ({', '.join(c['transports'])})" if c["present"]
                  else f"CUDA: no — {c['hint']}")
+    g = info["gpudirect_rdma"]
+    lines.append(f"GPUDirect RDMA: {'yes' if g['possible'] else 'no'} — {g['reason']}")
     lines.append("")
     lines.append("UCX settings in force (UCX_*, RDMAFLOW_* environment):")
     if info["settings"]:

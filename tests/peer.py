@@ -14,6 +14,15 @@ import time
 import traceback
 
 
+def host_bytes(r, offset: int, nbytes: int):
+    """Bytes [offset, offset + nbytes) of region r, copied to the host when it is GPU memory."""
+    if r.cuda_device >= 0:
+        import torch
+
+        return r.tensor(torch.uint8, r.nbytes)[offset : offset + nbytes].cpu().numpy().tobytes()
+    return memoryview(r)[offset : offset + nbytes]
+
+
 def main() -> None:
     import torch
 
@@ -40,10 +49,12 @@ def main() -> None:
             op = cmd["op"]
             if op == "alloc":
                 # registered=True: memory a tensor owns, registered in place (never shared).
+                # cuda=True: GPU memory (registered from a CUDA tensor, or from alloc_region's).
                 if cmd.get("registered"):
-                    r = dev.register(torch.zeros(cmd["nbytes"], dtype=torch.uint8))
+                    r = dev.register(torch.zeros(cmd["nbytes"], dtype=torch.uint8,
+                                                 device="cuda" if cmd.get("cuda") else "cpu"))
                 else:
-                    r = dev.alloc_region(cmd["nbytes"])
+                    r = dev.alloc_region(cmd["nbytes"], "cuda" if cmd.get("cuda") else None)
                 regions[cmd["name"]] = r
                 dev.publish_region(cmd["name"], r)
                 reply(ok=True, descriptor=r.descriptor().hex())
@@ -55,12 +66,10 @@ def main() -> None:
                 t.copy_(torch.randint(0, 256, (r.nbytes,), dtype=torch.uint8, generator=g))
                 reply(ok=True)
             elif op == "digest":
-                r = regions[cmd["name"]]
-                mv = memoryview(r)[cmd["offset"] : cmd["offset"] + cmd["nbytes"]]
+                mv = host_bytes(regions[cmd["name"]], cmd["offset"], cmd["nbytes"])
                 reply(ok=True, digest=hashlib.blake2b(mv, digest_size=32).hexdigest())
             elif op == "read":
-                r = regions[cmd["name"]]
-                reply(ok=True, data=bytes(memoryview(r)[cmd["offset"] : cmd["offset"] + cmd["nbytes"]]).hex())
+                reply(ok=True, data=bytes(host_bytes(regions[cmd["name"]], cmd["offset"], cmd["nbytes"])).hex())
             elif op == "watch":
                 # Polls an 8-byte marker until it reaches `until`: each time it has moved, the
                 # 8-byte flag must be at least as far (a WRITE posted after a fence lands after

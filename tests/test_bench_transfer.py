@@ -227,3 +227,162 @@ def test_nixl_peer(tmp_path):
         (t, n) for t in ("tcp", "sm") for n in (4 << 10, 1 << 20)}
     for r in rows:  # every received tensor had the right max, or the status would say so
         assert r["system"] == "nixl" and r["status"] == "ok" and float(r["gb_per_s"]) > 0, r
+
+
+# ------------------------------------------------------------------------------------------
+# --device cuda (issue 16): what runs without a GPU. The measurement itself runs on a GPU host.
+
+
+def _cuda_args(*argv):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    transfer.add_arguments(ap)
+    return ap.parse_args(["--device", "cuda", *argv])
+
+
+def test_cuda_settings_and_their_errors():
+    cfg = transfer.settings(_cuda_args())
+    assert cfg["transports"] == ["cuda"]
+    assert cfg["systems"] == list(transfer.CUDA_SYSTEMS)
+    assert cfg["sizes"] == [1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30]
+    assert (cfg["repeats"], cfg["consume"], cfg["window"]) == (3, "sync", 2)
+    assert (cfg["target_bytes"], cfg["min_iters"], cfg["timeout"]) == (2 << 30, 2, 30.0)
+    # At 1 GiB: 2 timed transfers and 1 warm-up, the window shrinks to 1 (1 GiB in flight at most).
+    assert transfer.iterations(1 << 30, cfg["target_bytes"], cfg["min_iters"], cfg["max_iters"]) == 2
+    assert transfer.window_of(1 << 30, 2, cfg["max_inflight"]) == 1
+    assert transfer.iterations(256 << 20, cfg["target_bytes"], cfg["min_iters"], cfg["max_iters"]) == 8
+    assert transfer.settings(_cuda_args("--consume", "max"))["consume"] == "max"
+    assert transfer.settings(_cuda_args("--transport", "cuda", "--systems", "rdmaflow-zerocopy,d2d-copy"))[
+        "systems"] == ["rdmaflow-zerocopy", "d2d-copy"]
+    for bad in (["--transport", "tcp"], ["--systems", "memcpy"], ["--systems", "grpc-protobuf"],
+                ["--no-reduce", "--consume", "max"]):
+        with pytest.raises(ValueError):
+            transfer.settings(_cuda_args(*bad))
+    host = transfer.settings(_cuda_args("--device", "cpu"))  # the last --device wins: the host defaults
+    assert host["transports"] == ["tcp", "sm"] and host["consume"] == "max" and host["repeats"] == 5
+    assert "d2d-copy" not in host["systems"]
+    assert transfer.main(["--consume", "sync"]) == 2      # a CUDA stream needs --device cuda
+    assert transfer.main(["--systems", "d2d-copy"]) == 2  # a CUDA system on the host
+
+
+def test_cuda_without_a_gpu_is_one_line(monkeypatch, capsys, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert transfer.main(["--device", "cuda", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--device cuda" in err and "no CUDA device is visible" in err
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert transfer.main(["--device", "cuda", "--out", str(tmp_path)]) == 1
+    assert "built without CUDA" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing was started or written
+
+
+@pytest.mark.timeout(60)
+def test_cuda_command_without_a_gpu_exits_at_once(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the command would run the benchmark")
+    marker = os.urandom(8).hex()
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "transfer", "--device", "cuda",
+                        "--out", str(tmp_path)], cwd=ROOT, env=_env(marker), capture_output=True,
+                       text=True, timeout=55, check=False)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --device cuda: "), p.stderr
+    assert time.monotonic() - t0 < 30
+    assert _processes_with_env(marker) == []
+
+
+def test_cuda_run_reports_bars_ratios_and_json(monkeypatch, tmp_path, capsys):
+    """The whole driver of a CUDA run with fake systems: bars at 256M and 1G, the ratio table,
+    a failing system reported while the run goes on, and the JSON file."""
+    import json
+
+    speeds = {"rdmaflow-zerocopy": 100.0, "rdmaflow-zerocopy-ucx": 60.0, "rdmaflow-dynamic": 50.0,
+              "rdmaflow-staging": None,
+              "tensorpipe": 120.0, "gloo": 10.0, "d2d-copy": 125.0}
+    seen = {}
+
+    def fake(name, transport, **kw):
+        seen[name] = (transport, kw["device"], kw["consume"])
+        return _Fake(name, transport, speeds[name])
+
+    monkeypatch.setattr(transfer, "make_system", fake)
+    monkeypatch.setattr(transfer, "cuda_device_info", lambda: {
+        "gpu": "Fake H100", "gpu_memory_gib": 79.6, "gpus": 1, "torch": "2.11.0+cu130", "cuda": "13.0"})
+    out = tmp_path / "out"
+    rc = transfer.main(["--device", "cuda", "--sizes", "1M,256M,1G", "--out", str(out),
+                        "--json", str(tmp_path / "r.json")])
+    text = capsys.readouterr().out
+    assert rc == 1  # rdmaflow-staging failed everywhere
+    assert set(seen.values()) == {("cuda", "cuda", "sync")}
+    assert "Fake H100" in text and "consume: sync" in text and "after a CUDA stream synchronize" in text
+    assert "rdmaflow-zerocopy over each" in text and "/d2d-copy" in text
+    assert "cuda 256M  rdmaflow-zerocopy / d2d-copy" in text
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["device"] == "cuda" and doc["machine"]["gpu"] == "Fake H100" and doc["transports"] == ["cuda"]
+    assert doc["consume"] == "sync" and doc["repeats"] == 3 and not doc["interrupted"]
+    assert "cuda_ipc" in doc["ucx_tls"]["cuda"]
+    bars = {(r["den"], r["size"]): r for r in doc["acceptance"]}
+    assert set(bars) == {(d, s) for d in ("d2d-copy", "gloo", "tensorpipe") for s in ("256M", "1G")}
+    assert bars[("d2d-copy", "1G")]["ratio"] == pytest.approx(0.8) and bars[("d2d-copy", "1G")]["verdict"] == "PASS"
+    assert bars[("gloo", "256M")]["ratio"] == pytest.approx(10.0) and bars[("gloo", "256M")]["verdict"] == "PASS"
+    assert bars[("tensorpipe", "1G")]["verdict"] == "MISS"  # 100 / 120 < 1.0
+    assert doc["ratios"]["cuda"]["1M"]["gloo"] == pytest.approx(10.0)
+    assert doc["ratios"]["cuda"]["1M"]["rdmaflow-staging"] is None
+    rows = {(r["system"], r["size"]): r for r in doc["rows"]}
+    assert rows[("rdmaflow-staging", "1G")]["status"].startswith("failed: boom")
+    assert rows[("d2d-copy", "256M")]["status"] == "ok" and rows[("d2d-copy", "256M")]["repeats"] == 3
+    assert (out / "transfer-cuda.csv").exists() and (out / "transfer-cuda.png").exists()
+
+
+def test_cuda_systems_processes_and_arenas():
+    sizes, gib = [1 << 20, 256 << 20, 1 << 30], 1 << 30
+    plan = (sizes, 2, gib)
+    # Zero copy and dynamic keep their data in the CUDA arena, control in the host arena.
+    assert transfer.cuda_arena_bytes("rdmaflow-zerocopy", "receiver", *plan) >= 2 * (1 << 20) + (512 << 20) + gib
+    assert transfer.cuda_arena_bytes("rdmaflow-zerocopy", "sender", *plan) >= (1 << 20) + (256 << 20) + gib
+    assert transfer.cuda_arena_bytes("rdmaflow-dynamic", "receiver", *plan) >= gib  # window tensors in flight
+    for system in ("rdmaflow-zerocopy", "rdmaflow-dynamic"):
+        assert transfer.arena_bytes(system, "receiver", *plan, device="cuda") < 64 << 20
+    # Staging: the data in host memory (window staging tensors at the sender), no CUDA arena.
+    assert transfer.cuda_arena_bytes("rdmaflow-staging", "sender", *plan) == 0
+    assert transfer.arena_bytes("rdmaflow-staging", "sender", *plan, device="cuda") >= 512 << 20
+    assert transfer.arena_bytes("rdmaflow-staging", "receiver", *plan, device="cuda") >= gib + (512 << 20)
+    # On the host nothing changes: no CUDA arena.
+    assert transfer.cuda_arena_bytes("rdmaflow-zerocopy", "receiver", *plan, device="cpu") == 0
+
+    kw = {"secret": "s", "sizes": sizes, "window": 2, "max_inflight": gib, "busy_poll": False,
+          "sock_dir": "/tmp", "timeout": 30.0, "torch_threads": 1, "consume": "sync", "device": "cuda"}
+    zc = transfer.make_system("rdmaflow-zerocopy", "cuda", **kw)
+    argv = zc._argv("receiver", 1234)
+    assert argv[argv.index("--device") + 1] == "cuda"
+    assert int(argv[argv.index("--cuda-arena-bytes") + 1]) == transfer.cuda_arena_bytes(
+        "rdmaflow-zerocopy", "receiver", *plan)
+    assert "cuda_ipc" in zc.env["UCX_TLS"] and zc.env["RDMAFLOW_JOB_SECRET"] == "s"
+    assert "--cuda-arena-bytes" not in transfer.make_system("rdmaflow-staging", "cuda", **kw)._argv("sender", 1)
+    gloo = transfer.make_system("gloo", "cuda", **kw)
+    assert "RDMAFLOW_JOB_SECRET" not in gloo.env and "--cuda-arena-bytes" not in gloo._argv("sender", 1)
+    d2d = transfer.make_system("d2d-copy", "cuda", **kw)
+    assert d2d.name == "d2d-copy" and d2d.device == "cuda"
+
+
+def test_consume_steps():
+    import torch
+
+    from rdmaflow.bench import _transfer_worker as w
+
+    t = w.fill(torch.empty(16), 3)
+    _, ok, m = w.consume(t, "max", w.marker(3), last=False)
+    assert ok and float(m) == w.marker(3)
+    assert not w.consume(t, "max", w.marker(4), last=True)[1]
+    assert w.consume(t, "none", w.marker(4), last=True)[1:] == (True, None)  # nothing checked
+    assert w.consume_mode({"consume": "sync"}) == "sync"
+    assert w.consume_mode({"reduce": False}) == "none" and w.consume_mode({}) == "max"
+    with pytest.raises(ValueError):
+        w.consume_mode({"consume": "nope"})

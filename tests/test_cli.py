@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import re
@@ -32,6 +33,9 @@ def test_info_text():
     assert f"UCX {rdmaflow.ucx_version()}" in out
     assert re.search(r"^RDMA verbs: (yes \(.+\)|no — .+)$", out, re.MULTILINE), out
     assert re.search(r"^CUDA: (yes \(.+\)|no — .+)$", out, re.MULTILINE), out
+    assert re.search(r"^GPUDirect RDMA: (yes|no) — .+$", out, re.MULTILINE), out
+    assert re.search(r"^  libucx wheel installed: .+$", out, re.MULTILINE), out
+    assert re.search(r"^PyTorch \S+: .+$", out, re.MULTILINE), out
     assert "Transports and devices UCX found" in out
     # Every build this project supports has tcp; it is listed as a found transport.
     assert re.search(r"^\s+tcp\s+\S", out, re.MULTILINE), out
@@ -58,6 +62,122 @@ def test_info_json_and_masked_secret():
     # The temporary device honours UCX_TLS.
     assert {t["transport"] for t in info["device"]["transports"]} <= {"tcp", "self"}
     assert info["libucp_path"] and "libucp" in info["libucp_path"]
+    g = info["gpudirect_rdma"]
+    assert isinstance(g["possible"], bool) and g["possible"] == (not g["missing"]), g
+    # Verbs are part of the decision: no verbs transport found, no GPUDirect RDMA.
+    if not info["rdma_verbs"]["present"]:
+        assert not g["possible"] and "verbs" in g["reason"], g
+    import torch
+
+    assert info["torch"]["version"] == torch.__version__
+    assert info["torch"]["cuda"] == torch.version.cuda
+    if info["ucx_built_against"] == "wheel":
+        assert len(info["libucx_wheels"]) == 1, info["libucx_wheels"]
+        if torch.version.cuda:  # scripts/setup.sh installs the wheel for PyTorch's CUDA
+            assert info["libucx_wheels"][0]["name"] == info["libucx_wheel_expected"], info
+
+
+def test_gpudirect_rdma_needs_verbs_cuda_and_peer_memory():
+    from rdmaflow.info import gpudirect_rdma
+
+    yes = gpudirect_rdma(["rc_mlx5", "ud_mlx5"], ["cuda_copy", "cuda_ipc"], ["nvidia_peermem"])
+    assert yes["possible"] and yes["missing"] == [], yes
+    assert "rc_mlx5" in yes["reason"] and "nvidia_peermem" in yes["reason"]
+    assert gpudirect_rdma(["rc_verbs"], ["cuda_copy"], ["nv_peer_mem"])["possible"]
+    # gdr_copy stands in for the kernel module.
+    assert gpudirect_rdma(["rc_verbs"], ["cuda_copy", "gdr_copy"], [])["possible"]
+    # Each one missing alone, and only that one reported.
+    for args, word in (([[], ["cuda_copy"], ["nvidia_peermem"]], "verbs"),
+                       ([["rc_mlx5"], [], ["nvidia_peermem"]], "CUDA transport"),
+                       ([["rc_mlx5"], ["cuda_copy", "cuda_ipc"], []], "nvidia_peermem")):
+        r = gpudirect_rdma(*args)
+        assert not r["possible"] and len(r["missing"]) == 1 and word in r["missing"][0], (args, r)
+        assert r["reason"].startswith("missing ") and word in r["reason"]
+    none = gpudirect_rdma([], [], [])
+    assert not none["possible"] and len(none["missing"]) == 3
+    # What is not verbs, not CUDA, not a peer-memory module does not count as one.
+    r = gpudirect_rdma(["tcp", "cma"], ["posix", "sysv"], ["nvidia", "nvidia_uvm", "ib_core"])
+    assert not r["possible"] and len(r["missing"]) == 3, r
+    # The libucx wheel's UCX has no verbs: never GPUDirect RDMA, whatever CUDA and the kernel have.
+    assert not gpudirect_rdma(["tcp"], ["cuda_copy", "cuda_ipc", "gdr_copy"], ["nvidia_peermem"])["possible"]
+
+
+def test_loaded_kernel_modules(tmp_path):
+    from rdmaflow.info import PEER_MEMORY_MODULES, loaded_kernel_modules
+
+    sys_module = tmp_path / "module"
+    (sys_module / "nvidia").mkdir(parents=True)
+    proc = tmp_path / "modules"
+    proc.write_text("nvidia_uvm 1531904 0 - Live 0x0\nnvidia 54173696 1 nvidia_uvm, Live 0x0\n")
+    assert loaded_kernel_modules(PEER_MEMORY_MODULES, str(sys_module), str(proc)) == []
+    (sys_module / "nvidia_peermem").mkdir()
+    assert loaded_kernel_modules(PEER_MEMORY_MODULES, str(sys_module), str(proc)) == ["nvidia_peermem"]
+    proc.write_text(proc.read_text() + "nv_peer_mem 16384 0 - Live 0x0\n")
+    assert loaded_kernel_modules(PEER_MEMORY_MODULES, str(sys_module), str(proc)) == list(PEER_MEMORY_MODULES)
+    assert loaded_kernel_modules(PEER_MEMORY_MODULES, str(tmp_path / "none"), str(tmp_path / "none")) == []
+
+
+def test_ucx_wheel_follows_torch_cuda_major():
+    from rdmaflow import _ucx
+
+    assert _ucx.wheel_for_cuda("13.0") == "libucx-cu13"
+    assert _ucx.wheel_for_cuda("12.8") == "libucx-cu12"
+    assert _ucx.wheel_for_cuda(None) == "libucx-cu12"  # CPU-only PyTorch
+    assert _ucx.wheel_for_cuda("11.8") == "libucx-cu12"  # no wheel of its own: the default
+    for choice in ("cu13", "13", "libucx-cu13", "libucx_cu13", "CU13"):
+        assert _ucx.wheel_name(choice) == "libucx-cu13", choice
+    with pytest.raises(ValueError, match="libucx-cu12"):
+        _ucx.wheel_name("cu11")
+
+
+def test_ucx_wheel_warning():
+    from rdmaflow.info import ucx_wheel_warning
+
+    assert ucx_wheel_warning(["libucx-cu13"], "13.0", "wheel") is None
+    assert ucx_wheel_warning(["libucx-cu12"], None, "wheel") is None
+    assert ucx_wheel_warning(["libucx-cu13"], None, "wheel") is None  # a CPU-only PyTorch: either
+    assert ucx_wheel_warning(["libucx-cu12"], "12.8", "wheel") is None
+    w = ucx_wheel_warning(["libucx-cu12"], "13.0", "wheel")
+    assert w and "libucx-cu13" in w and "CUDA 13.0" in w
+    w = ucx_wheel_warning(["libucx-cu12", "libucx-cu13"], "13.0", "system")
+    assert w and "more than one" in w
+    assert "none is installed" in ucx_wheel_warning([], "12.4", "wheel")
+    assert ucx_wheel_warning([], "13.0", "system") is None  # a system UCX needs no wheel
+
+
+def test_pyproject_names_one_libucx_wheel_per_extra_and_build(monkeypatch):
+    """pyproject.toml agrees with rdmaflow._ucx.WHEELS: each wheel has its extra (for users) and
+    is what an isolated build asks for under RDMAFLOW_UCX_WHEEL (the same requirement); no
+    libucx wheel among the unconditional requirements; none for a system UCX."""
+    from rdmaflow import _ucx
+
+    spec = importlib.util.spec_from_file_location("_scripts_requirements",
+                                                  os.path.join(ROOT, "scripts", "requirements.py"))
+    requirements = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(requirements)
+    project = requirements._pyproject()
+    unconditional = project["project"]["dependencies"] + project["build-system"]["requires"]
+    assert not [r for r in unconditional if r.startswith("libucx")], unconditional
+    extras = project["project"]["optional-dependencies"]
+    for wheel in _ucx.WHEELS.values():
+        extra = requirements.extra(wheel)
+        assert len(extras[extra]) == 1 and extras[extra][0].startswith(wheel), extras[extra]
+    assert "torch" not in " ".join(requirements.runtime(list(extras)))
+    build = pytest.importorskip("scikit_build_core.build")
+
+    def build_requires(env: dict) -> list[str]:
+        with monkeypatch.context() as m:
+            for k in ("RDMAFLOW_UCX_WHEEL", "RDMAFLOW_UCX_ROOT", "UCX_HOME"):
+                m.delenv(k, raising=False)
+            for k, v in env.items():
+                m.setenv(k, v)
+            m.chdir(ROOT)
+            return [r for r in build.get_requires_for_build_wheel() if r.startswith("libucx")]
+
+    for wheel in _ucx.WHEELS.values():
+        assert build_requires({"RDMAFLOW_UCX_WHEEL": wheel}) == extras[requirements.extra(wheel)]
+    assert build_requires({}) == extras[requirements.extra(_ucx.DEFAULT_WHEEL)]
+    assert build_requires({"RDMAFLOW_UCX_ROOT": "/opt/ucx", "RDMAFLOW_UCX_WHEEL": "cu13"}) == []
 
 
 def test_with_tcp_helper():

@@ -146,10 +146,12 @@ class Job:
         return proc
 
     def start_local(self, workers: int, shards: int, port: int | None = None, ranks=None,
-                    extra: dict | None = None, agent_store: bool = False) -> Job:
+                    extra: dict | None = None, agent_store: bool = False, script: str | list[str] = TRAIN,
+                    transport_env: dict | None = None) -> Job:
         """One node: ranks 0..S-1 are shards, the others workers. Rank 0 serves the job's store,
         or with ``agent_store`` this test process does, as torchrun's agent would (so the store
-        outlives the job's processes)."""
+        outlives the job's processes). Every process runs ``script`` (a path, or a path and its
+        arguments), over the transports of ``transport_env`` (default: tcp)."""
         extra = dict(extra or {})
         if agent_store:
             from datetime import timedelta
@@ -166,8 +168,9 @@ class Job:
             name = f"shard{rank}" if rank < shards else f"worker{rank - shards}"
             env = self.env(dict(RANK=str(rank), WORLD_SIZE=str(local), LOCAL_RANK=str(rank),
                                 LOCAL_WORLD_SIZE=str(local), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                                MASTER_PORT=str(port), RDMAFLOW_SHARDS_PER_NODE=str(shards), **extra))
-            self.spawn(name, [sys.executable, TRAIN], env)
+                                MASTER_PORT=str(port), RDMAFLOW_SHARDS_PER_NODE=str(shards), **extra),
+                           transport_env)
+            self.spawn(name, [sys.executable, *([script] if isinstance(script, str) else script)], env)
         return self
 
     def proc(self, name: str) -> Proc:

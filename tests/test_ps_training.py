@@ -7,6 +7,8 @@
 - A worker SIGKILLed mid-training: the others finish the job (min_workers), the shards name it.
 - A job killed mid-training and resumed from its latest checkpoint ends with the parameters
   and optimizer state of an uninterrupted job, bit for bit.
+- The memory layout of CUDA workers and GPU shards, emulated in host memory (the GPU runs
+  themselves are in test_ps_cuda.py).
 
 Jobs use tests/ps_jobs/train.py and the Job helper of test_ps.py.
 """
@@ -17,7 +19,7 @@ import os
 import re
 
 import torch
-from test_ps import DETECT_TIMEOUT, Job, assert_matches_reference, async_cfg, eval_loss, job, sync_cfg
+from test_ps import DETECT_TIMEOUT, JOBS, TRAIN, Job, assert_matches_reference, async_cfg, eval_loss, job, sync_cfg
 
 from rdmaflow.ps import checkpoint
 
@@ -199,3 +201,30 @@ def test_step_log_reports_each_interval_not_the_total(tmp_path):
         elapsed = r["step"] / r["steps_per_s"]
         assert logged <= elapsed * (1 + 1e-9), (
             f"the log through step {r['step']} accounts for {logged:.4f} s of {elapsed:.4f} s elapsed: {lines}")
+
+
+# Workers on the CUDA path and shards on the GPU path, their "GPU arenas" registered host memory.
+GPU_LAYOUT = [os.path.join(JOBS, "gpu_layout_on_host.py"), TRAIN]
+
+
+def test_gpu_layout_emulated_on_host(tmp_path):
+    """The CUDA worker's and the GPU shard's memory layout, emulated in host memory
+    (tests/ps_jobs/gpu_layout_on_host.py) so that machines without a GPU test it: gradients,
+    parameters and the shards' weights and slots in other regions than the flags, flags written
+    through word regions, weights copied in from the host copy. Synchronous training with overlap
+    gives the parameters of single-process training; asynchronous overlap trains."""
+    cfg = sync_cfg("block", "adam", steps=6)
+    with Job(tmp_path, cfg, "sync") as j:
+        j.start_local(2, 2, script=GPU_LAYOUT, extra=dict(CHUNKS, RDMAFLOW_PS_SHARD_DEVICE="cuda"))
+        j.check_ok(j.wait())
+        assert all("emulated GPU arena" in p.output() for p in j.procs), j.logs()
+        assert_matches_reference(j, 2, 2)
+    cfg = dict(async_cfg("async"), steps=20, overlap=True)
+    cfg.pop("slow", None)
+    with Job(tmp_path, cfg, "async") as j:
+        j.start_local(2, 2, script=GPU_LAYOUT, extra={"RDMAFLOW_PS_SHARD_DEVICE": "cuda"})
+        j.check_ok(j.wait())
+        assert all("emulated GPU arena" in p.output() for p in j.procs), j.logs()
+        initial = eval_loss(cfg, dict(job.make_model(cfg["seed"]).named_parameters()))
+        for w in range(2):
+            assert eval_loss(cfg, j.worker_result(w)["params"]) < initial / 4

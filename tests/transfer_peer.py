@@ -10,7 +10,8 @@ command pipe: both processes regenerate "tensor i of sequence seed" with the fun
 Every wait is bounded by a timeout carried in the command (default ``DEFAULT_TIMEOUT``).
 
 Commands (``op``):
-  static_receiver  name, shape, dtype, depth        a StaticReceiver published as ``name``
+  static_receiver  name, shape, dtype, depth, [cuda]  a StaticReceiver published as ``name``
+                                                    (cuda: its slots in the GPU arena)
   dynamic_receiver name, depth                      a DynamicReceiver
   static_sender    remote, name, [shape, dtype, mode]   a StaticSender to ``remote``'s ``name``
   dynamic_sender   remote, name, [mode]
@@ -19,7 +20,9 @@ Commands (``op``):
   recv    name, n, seed, [start, sleep, sleep_before, plan, crash_after]
           receives n transfers and checks each against tensor i of the sequence; answers
           received / verified / first_mismatch (also in an error answer: how many came first)
-  send    name, n, seed, [start, in_arena, plan, crash_after, crash_wait, wait_consumed, sleep_before]
+  send    name, n, seed, [start, in_arena, on, plan, crash_after, crash_wait, wait_consumed, sleep_before]
+          (on "cuda": CUDA tensors, in the GPU arena with in_arena); recv answers the devices
+          the tensors arrived on
   forge   remote, name, set     writes a metadata record of a float32[3, 4] tensor, with the
           fields in ``set`` replaced, and its flag, into a DynamicReceiver's next slot
   publish_raw name, hex         publishes arbitrary bytes under ``name``
@@ -127,6 +130,7 @@ def main() -> None:
     import struct
 
     import rdmaflow
+    from rdmaflow.arena import arena_of
     from rdmaflow.transfer import DynamicReceiver, DynamicSender, StaticReceiver, StaticSender
     from rdmaflow.transfer import dynamic as dyn
     from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
@@ -166,13 +170,15 @@ def main() -> None:
                 e.state = state  # the answer says how many arrived before the error
                 raise
             state["received"] += 1
+            state.setdefault("devices", set()).add(t.device.type)
             if sleep:
                 time.sleep(sleep)  # a slow consumer: the sender must not overwrite t meanwhile
             want = expected("static" if static and not cmd.get("plan") else "dynamic", seed, i, getattr(r, "shape", None),
                             getattr(r, "dtype", None), dtypes, cmd.get("plan"))
-            bad = mismatch(t, want)
+            bad = mismatch(t.cpu(), want)
             if bad is None and static and cmd.get("check_slot", True):
-                bad = None if t.numel() == 0 or arena.contains(t) else "the tensor is not in the arena"
+                where = arena_of(dev, "cuda") if t.is_cuda else arena
+                bad = None if t.numel() == 0 or where.contains(t) else "the tensor is not in the arena"
             if bad is None:
                 state["verified"] += 1
             elif state["first_mismatch"] is None:
@@ -180,6 +186,7 @@ def main() -> None:
             del t
         if static and cmd.get("release", True):
             r.release()
+        state["devices"] = sorted(state.get("devices", ()))
         return state
 
     def send(cmd) -> dict:
@@ -196,10 +203,13 @@ def main() -> None:
                 time.sleep(cmd["sleep_before"])  # the receiver waits with nothing to receive meanwhile
             x = expected("static" if static and not cmd.get("plan") else "dynamic", seed, i, getattr(s, "shape", None),
                          getattr(s, "dtype", None), dtypes, cmd.get("plan"))
+            on = cmd.get("on", "cpu")
             if in_arena:
-                y = dev.empty(tuple(x.shape), x.dtype)
+                y = dev.empty(tuple(x.shape), x.dtype, device=on)
                 y.copy_(x)
                 x = y
+            elif on != "cpu":
+                x = x.to(on)
             try:
                 f = s.send(x, timeout=timeout)
             except Exception as e:
@@ -304,7 +314,7 @@ def main() -> None:
             if op == "static_receiver":
                 receivers[cmd["name"]] = StaticReceiver(
                     dev, cmd["name"], tuple(cmd["shape"]), DTYPES[cmd["dtype"]],
-                    depth=cmd.get("depth", 1), timeout=timeout)
+                    depth=cmd.get("depth", 1), timeout=timeout, cuda=cmd.get("cuda"))
                 reply(ok=True)
             elif op == "dynamic_receiver":
                 receivers[cmd["name"]] = DynamicReceiver(dev, cmd["name"], depth=cmd.get("depth", 1), timeout=timeout)

@@ -10,15 +10,16 @@ Protocol: JSON lines. The worker's first line is its hello (``{"ok": true, "info
 receiver's info is what its sender needs, e.g. the rdmaflow endpoint or the gRPC address).
 Then each command read on stdin is answered on stdout:
 
-* receiver ``{"cmd": "recv", "size", "count", "window", "tag", "timeout", "peer"}`` (``peer``:
-  the sender's hello info): sets up, answers
-  ``{"ok": true, "ready": true}``, consumes ``count`` tensors (``tensor.max()`` each), then
-  answers ``{"ok": true, "times": [...], "bad": n}``: the CLOCK_MONOTONIC instant at which
-  each reduce_max finished, and how many maxima were wrong.
+* receiver ``{"cmd": "recv", "size", "count", "window", "tag", "timeout", "consume", "peer"}``
+  (``peer``: the sender's hello info): sets up, answers ``{"ok": true, "ready": true}``,
+  consumes ``count`` tensors (:func:`consume`: ``tensor.max()`` each, or a CUDA stream
+  synchronize), then answers ``{"ok": true, "times": [...], "bad": n}``: the CLOCK_MONOTONIC
+  instant at which each consume step finished, and how many maxima were wrong.
 * sender ``{"cmd": "send", "size", "count", "window", "tag", "timeout", "peer"}``: sends
   ``count`` tensors back to back, at most ``window`` in flight, answers ``{"ok": true}``.
 * local ``{"cmd": "memcpy", "size", "count", "loops"}``: times ``count`` single-thread
-  ``dst.copy_(src)``, ``loops`` times; answers the per-copy times of the fastest loop.
+  ``dst.copy_(src)`` (with ``--device cuda``: device-to-device, timed with CUDA events),
+  ``loops`` times; answers the per-copy times of the fastest loop.
 * ``{"cmd": "exit"}``.
 
 Failures answer ``{"ok": false, "error": ...}``; the driver then kills the pair. The process
@@ -26,7 +27,11 @@ writes its protocol lines on a private duplicate of stdout: file descriptor 1 it
 pointed at stderr, so that nothing a library prints can corrupt the protocol.
 
 The tensor sent in measurement ``tag`` holds 1.0 everywhere but its last element, which is
-``tag + 2``; the receiver checks that the max is exactly that.
+``tag + 2``; the receiver checks that the max is exactly that (every tensor with ``consume``
+"max", the last one of a measurement with "sync").
+
+With ``--device cuda`` (``rdmaflow bench transfer --device cuda``) the tensors are CUDA tensors
+on the current device: the sender's source and the tensor the receiver consumes.
 """
 from __future__ import annotations
 
@@ -39,8 +44,12 @@ import time
 import traceback
 
 ROLES = ("sender", "receiver", "local")
-RDMAFLOW_MODES = {"rdmaflow-zerocopy": "zerocopy", "rdmaflow-copy": "copy",
-                  "rdmaflow-dynamic": "zerocopy"}
+#: system -> the StaticSender/DynamicSender mode. "rdmaflow-staging" (CUDA tensors only) sends a
+#: host arena tensor the CUDA tensor was copied into.
+RDMAFLOW_MODES = {"rdmaflow-zerocopy": "zerocopy", "rdmaflow-zerocopy-ucx": "zerocopy", "rdmaflow-copy": "copy",
+                  "rdmaflow-dynamic": "zerocopy", "rdmaflow-staging": "zerocopy"}
+#: The receiver's consume step (:func:`consume`).
+CONSUME_MODES = ("max", "sync", "none")
 now = time.monotonic  # CLOCK_MONOTONIC: one clock for every process on the host
 
 
@@ -54,6 +63,38 @@ def fill(t, tag: int):
     return t
 
 
+def consume_mode(cmd: dict) -> str:
+    """The consume step a ``recv`` command asks for (``"consume"``; a command of before it had
+    ``"reduce"``, a bool)."""
+    mode = cmd.get("consume") or ("max" if cmd.get("reduce", True) else "none")
+    if mode not in CONSUME_MODES:
+        raise ValueError(f"unknown consume step {mode!r}; expected one of {CONSUME_MODES}")
+    return mode
+
+
+def consume(t, mode: str, want: float, last: bool) -> tuple[float, bool, object]:
+    """The receiver's consume step of a received tensor: returns the instant it finished,
+    whether the tensor's max was right, and the max (a 0-dim tensor, None where not computed).
+
+    ``"max"``: a reduce_max (``float(t.max())``), checked (Xue et al.'s micro-benchmark).
+    ``"sync"``: ``torch.cuda.current_stream().synchronize()``: the CUDA tensor has landed and
+    whatever the transfer queued on the consumer's stream is done, so the time is the
+    transfer's (comparable with a device-to-device copy); the max of the ``last`` tensor of a
+    measurement is checked after its instant. ``"none"``: nothing, nothing checked (diagnostic).
+    """
+    if mode == "max":
+        m = t.max()
+        v = float(m)
+        return now(), v == want, m
+    if mode == "sync":
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+        t1 = now()
+        return t1, (not last) or float(t.max()) == want, None
+    return now(), True, None
+
+
 class Consumer:
     """Counts consumed tensors and records when each reduce_max finished (thread-safe)."""
 
@@ -62,9 +103,9 @@ class Consumer:
         self.done = threading.Event()
         self.reset(0, 0)
 
-    def reset(self, count: int, tag: int, reduce: bool = True) -> None:
+    def reset(self, count: int, tag: int, mode: str = "max") -> None:
         with self.lock:
-            self.reduce = reduce
+            self.mode = mode
             self.times: list[float] = []
             self.bad = 0
             self.count = count
@@ -74,19 +115,18 @@ class Consumer:
                 self.done.set()
 
     def consume(self, t) -> object:
-        if self.reduce:
-            m = t.max()
-            v = float(m)
-        else:
-            m, v = None, self.want
-        t1 = now()
+        """:func:`consume` of ``t``; returns its max on the host with "max" (TensorPipe's reply),
+        else None (nothing heavy goes back)."""
+        with self.lock:
+            last = len(self.times) + 1 >= self.count
+        t1, ok, m = consume(t, self.mode, self.want, last)
         with self.lock:
             self.times.append(t1)
-            if v != self.want:
+            if not ok:
                 self.bad += 1
             if len(self.times) >= self.count:
                 self.done.set()
-        return m
+        return None if t.is_cuda else m
 
     def wait(self, timeout: float) -> None:
         if not self.done.wait(timeout):
@@ -99,7 +139,7 @@ class Consumer:
     def receive(self, cmd: dict, ready) -> dict:
         """A receiver's ``recv`` command when the sender's calls run :meth:`consume`: expects
         ``count`` tensors, says it is ready, waits for them (bounded) and returns the times."""
-        self.reset(cmd["count"], cmd["tag"], cmd.get("reduce", True))
+        self.reset(cmd["count"], cmd["tag"], consume_mode(cmd))
         ready()
         self.wait(cmd["timeout"])
         return self.result()
@@ -115,9 +155,20 @@ CONSUMER = Consumer()
 class RdmaflowWorker:
     """One pair (receiver, sender) per tensor size, made at its first measurement and reused
     by every later one, as a model reuses a static pair every iteration. The sender's source
-    tensor of each size is made once too (in the arena, except for copy mode)."""
+    tensor of each size is made once too (in the arena, except for copy mode).
 
-    def __init__(self, system: str, role: str, arena_bytes: int, busy_poll: bool) -> None:
+    ``device="cuda"``: CUDA tensors. Zero copy and dynamic keep their data in the registered
+    CUDA arena (``cuda_arena_bytes``): the sender's source is born there
+    (``dev.empty(..., device="cuda")``), a static receiver's slots are there
+    (``StaticReceiver(..., cuda="cuda")``), and a dynamic receiver READs into it; flags, acks
+    and metadata records stay in the host arena.
+    ``rdmaflow-staging`` sends through the host: the sender copies the CUDA tensor into one of
+    ``window`` host arena tensors and sends that over a host static pair; the receiver copies
+    the received host tensor to a CUDA tensor and consumes that.
+    """
+
+    def __init__(self, system: str, role: str, arena_bytes: int, busy_poll: bool, device: str = "cpu",
+                 cuda_arena_bytes: int = 0) -> None:
         import rdmaflow
         import rdmaflow.transfer
 
@@ -125,11 +176,23 @@ class RdmaflowWorker:
         self.role = role
         self.mode = RDMAFLOW_MODES[system]
         self.dynamic = system == "rdmaflow-dynamic"
+        self.staging = system == "rdmaflow-staging"
+        if self.staging and device != "cuda":
+            raise ValueError("rdmaflow-staging moves CUDA tensors: run it with --device cuda")
+        self.device = device
+        self.on_cuda = device == "cuda" and not self.staging  # the pair's data is in CUDA memory
         self.dev = rdmaflow.Device("127.0.0.1:0", busy_poll=busy_poll)
         self.dev.create_arena(arena_bytes)
+        if self.on_cuda and cuda_arena_bytes:
+            self.dev.create_arena(cuda_arena_bytes, device="cuda")
         self.info = {"endpoint": self.dev.endpoint}
         self.pairs: dict[int, object] = {}   # size -> receiver or sender
-        self.sources: dict[int, object] = {}  # size -> tensor (sender)
+        self.sources: dict[int, object] = {}  # size -> tensor (sender); staging: (CUDA tensor, host tensors)
+
+    def _where(self, key: str = "device") -> dict:
+        """The keyword that puts an arena tensor (``device=``) or a static receiver's slots
+        (``cuda=``) in CUDA memory, on CUDA runs."""
+        return {key: "cuda"} if self.on_cuda else {}
 
     def recv(self, cmd: dict, ready) -> dict:
         import torch
@@ -144,21 +207,34 @@ class RdmaflowWorker:
                 r = DynamicReceiver(self.dev, name, depth=window, timeout=cmd["timeout"])
             else:
                 r = StaticReceiver(self.dev, name, (size // 4,), torch.float32, depth=window,
-                                   timeout=cmd["timeout"])
+                                   timeout=cmd["timeout"], **self._where("cuda"))
             self.pairs[size] = r
         want = marker(tag)
-        reduce = cmd.get("reduce", True)
+        mode = consume_mode(cmd)
         times: list[float] = []
         bad = 0
         ready()
-        for _ in range(count):
+        for i in range(count):
             t = r.recv()           # static: this recv also releases the previous slot
-            v = float(t.max()) if reduce else want
-            times.append(now())
-            bad += v != want
+            if self.staging:
+                t = t.to("cuda")   # host slot -> a CUDA tensor (synchronous: the slot is free after)
+            t1, ok, _ = consume(t, mode, want, i == count - 1)
+            times.append(t1)
+            bad += not ok
             del t                  # dynamic: the tensor goes back to the arena
         r.release()                # the last one is consumed too: the sender may go on
         return {"times": times, "bad": bad}
+
+    def _source(self, size: int, window: int):
+        import torch
+
+        n = size // 4
+        if self.staging:  # the CUDA tensor, and `window` host arena tensors to stage it in, in turn
+            return (torch.empty(n, dtype=torch.float32, device="cuda"),
+                    [self.dev.empty((n,), torch.float32) for _ in range(window)])
+        if self.mode == "zerocopy":
+            return self.dev.empty((n,), torch.float32, **self._where())
+        return torch.empty(n, dtype=torch.float32)
 
     def send(self, cmd: dict) -> dict:
         import torch
@@ -175,16 +251,24 @@ class RdmaflowWorker:
                 s = StaticSender(self.dev, peer, name, (size // 4,), torch.float32, mode=self.mode,
                                  timeout=timeout)
             self.pairs[size] = s
-            if self.mode == "zerocopy":
-                self.sources[size] = self.dev.empty((size // 4,), torch.float32)
-            else:
-                self.sources[size] = torch.empty(size // 4, dtype=torch.float32)
-        src = fill(self.sources[size], tag)  # the previous measurement's sends are all consumed
+            self.sources[size] = self._source(size, cmd["window"])
         # send() waits for a free slot (credits): at most `window` (the receiver's depth)
-        # transfers are in flight.
+        # transfers are in flight. The previous measurement's sends are all consumed.
         f = None
-        for _ in range(count):
-            f = s.send(src)
+        if self.staging:
+            src, stages = self.sources[size]
+            fill(src, tag)
+            sent: list = [None] * len(stages)
+            for i in range(count):
+                j = i % len(stages)
+                if sent[j] is not None:
+                    sent[j].result(timeout)  # its previous send has left: it may be rewritten
+                stages[j].copy_(src)         # device to host, done when copy_ returns
+                f = sent[j] = s.send(stages[j])
+        else:
+            src = fill(self.sources[size], tag)  # on CUDA: queued on the current stream, which send() waits for
+            for _ in range(count):
+                f = s.send(src)
         if f is not None:
             f.result(timeout)
         s.wait_consumed(s.seq, timeout)
@@ -203,8 +287,10 @@ class RdmaflowWorker:
 
 def make_worker(args):
     system, role = args.system, args.role
+    device = getattr(args, "device", "cpu")
     if system in RDMAFLOW_MODES:
-        return RdmaflowWorker(system, role, args.arena_bytes, args.busy_poll)
+        return RdmaflowWorker(system, role, args.arena_bytes, args.busy_poll, device,
+                              getattr(args, "cuda_arena_bytes", 0))
     # The baselines import this module (the consumer); imported here, when a worker is made.
     if system == "grpc-protobuf":
         from rdmaflow.bench.baselines.grpc_transfer import GrpcWorker
@@ -213,19 +299,19 @@ def make_worker(args):
     if system == "tensorpipe":
         from rdmaflow.bench.baselines.tensorpipe_transfer import TensorPipeWorker
 
-        return TensorPipeWorker(system, role, args.transport, args.port, args.timeout)
+        return TensorPipeWorker(system, role, args.transport, args.port, args.timeout, device)
     if system == "gloo":
         from rdmaflow.bench.baselines.gloo_transfer import GlooWorker
 
-        return GlooWorker(system, role, args.transport, args.port, args.timeout)
+        return GlooWorker(system, role, args.transport, args.port, args.timeout, device)
     if system == "nixl":
         from rdmaflow.bench.baselines.nixl_transfer import NixlTransferWorker
 
         return NixlTransferWorker(role, args.arena_bytes)
-    if system == "memcpy":
+    if system in ("memcpy", "d2d-copy"):
         from rdmaflow.bench.baselines.memcpy import MemcpyWorker
 
-        return MemcpyWorker()
+        return MemcpyWorker(device)
     raise ValueError(f"unknown system {system!r}")
 
 

@@ -18,10 +18,12 @@ from rdmaflow.bench.harness import Measurements, format_size, summarize
 STYLES: dict[str, tuple[str, str, str]] = {
     "rdmaflow": ("tab:red", "o", "-"),
     "rdmaflow-zerocopy": ("tab:red", "o", "-"),
+    "rdmaflow-zerocopy-ucx": ("tab:red", "o", ":"),
     "rdmaflow-tcp": ("tab:red", "o", "-"),
     "rdmaflow-copy": ("tab:orange", "s", "-"),
     "rdmaflow-sm": ("tab:orange", "s", "-"),
     "rdmaflow-dynamic": ("tab:brown", "^", "-"),
+    "rdmaflow-staging": ("tab:pink", "s", "-."),
     "grpc": ("tab:blue", "v", "-"),
     "grpc-protobuf": ("tab:blue", "v", "-"),
     "tensorpipe": ("tab:green", "D", "-"),
@@ -32,6 +34,7 @@ STYLES: dict[str, tuple[str, str, str]] = {
     "ucx_perftest": ("black", "x", "--"),
     "local": ("grey", "x", "--"),
     "memcpy": ("grey", "", ":"),
+    "d2d-copy": ("grey", "", ":"),
 }
 
 

@@ -56,6 +56,47 @@ Method:
   their own process groups, with the transport's environment; every wait is bounded, and
   every process is killed when the run ends, fails or is interrupted. A system that fails is
   reported as such in its cells and restarted for the next measurement.
+
+CUDA tensors (``--device cuda``, issue 16): the same stream, method and output, with CUDA
+tensors on one GPU between two processes, 1K to 1G by default, as one "transport" named
+``cuda`` (rdmaflow's processes run with ``rdmaflow._ucx.ucx_env("cuda")``: CUDA copies and
+IPC, shared memory, tcp). Systems:
+
+==================  =========================================================================
+rdmaflow-zerocopy   the source tensor born in the sender's registered CUDA arena
+                    (``dev.empty(..., device="cuda")``), static placement into the receiver's
+                    CUDA slots (``StaticReceiver(..., cuda="cuda")``; flags in host memory);
+                    on one host the sender maps the slots (CUDA IPC) and a copy kernel on its
+                    stream writes them
+rdmaflow-zerocopy-  the same through UCX alone (``RDMAFLOW_GPU_IPC=0``): its cuda_ipc transport
+  ucx               copies with the copy engine
+rdmaflow-dynamic    ``DynamicSender``/``DynamicReceiver`` with CUDA tensors (the paper's
+                    default for GPU tensors): the metadata record in host memory, the receiver
+                    copies the data into its CUDA arena (from the sender's mapped arena on one
+                    host, else by a UCX READ)
+rdmaflow-staging    through the host: the sender copies the CUDA tensor into a host arena
+                    tensor and sends it over a host static pair (zero copy); the receiver copies
+                    the received host tensor to a CUDA tensor
+tensorpipe          ``rpc_async`` with CUDA tensors over TensorPipe's CUDA channels (device map
+                    0 -> 0; ``cuda_ipc`` on one host), the callee returns None
+gloo                host staging (gloo has no CUDA point-to-point): ``copy_`` into a host
+                    tensor, ``isend``; the receiver ``irecv``s and copies to the GPU
+d2d-copy            ``dst.copy_(src)`` on the GPU in one process, a stream of copies timed with
+                    CUDA events: the ceiling
+==================  =========================================================================
+
+The receiver's consume step (``--consume``) is a ``torch.cuda.current_stream().synchronize()``
+by default on CUDA ("sync": the time is the transfer's, comparable with the copy's; the last
+tensor of each measurement has its max checked); ``--consume max`` makes it the reduce_max of
+the host benchmark. The bars (:data:`ACCEPTANCE`) apply at 256 MiB and above: zero copy at
+least 0.7x d2d-copy, 2x gloo and 1x TensorPipe. Defaults are sized for a short run on a GPU
+machine: 3 repeats, 2 GiB per measurement (at least 2 transfers), a base timeout of 30 s,
+each measurement bounded at ``timeout + bytes / 500 MB/s``. Without a usable GPU the command
+exits at once with one line saying why.
+
+``--json PATH`` (default ``OUT/transfer.json``, ``OUT/transfer-cuda.json`` on CUDA) gets the
+rows of the CSV, the acceptance ratios, every ratio of zero copy to the others, the command
+and the machine; it is rewritten after each transport and at an interruption.
 """
 from __future__ import annotations
 
@@ -70,7 +111,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow._ucx import ucx_env
+from rdmaflow.bench._transfer_worker import CONSUME_MODES
 from rdmaflow.bench.harness import (
     for_each_transport,
     format_size,
@@ -79,19 +120,36 @@ from rdmaflow.bench.harness import (
     parse_sizes,
     run_interleaved,
     summarize,
+    text_table,
     verdict,
     write_csv,
+    write_json,
 )
 from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
 from rdmaflow.bench.processes import BenchError, new_secret
-from rdmaflow.bench.transfer_systems import System, arena_bytes, make_system, window_of
+from rdmaflow.bench.transfer_systems import (
+    System,
+    arena_bytes,
+    cuda_arena_bytes,
+    make_system,
+    transport_env,
+    window_of,
+)
 
-__all__ = ["BenchError", "System", "add_arguments", "arena_bytes", "main", "make_system", "run", "window_of"]
+__all__ = ["BenchError", "System", "add_arguments", "arena_bytes", "cuda_arena_bytes", "main", "make_system",
+           "run", "window_of"]
 
 SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic", "grpc-protobuf",
            "tensorpipe", "gloo", "nixl", "ucx-perftest-put", "memcpy")
+#: The systems of ``--device cuda``, in their default order.
+CUDA_SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-zerocopy-ucx", "rdmaflow-dynamic", "rdmaflow-staging", "tensorpipe",
+                "gloo", "d2d-copy")
 TRANSPORTS = ("tcp", "sm")
+DEVICES = ("cpu", "cuda")
+#: The one "transport" of a CUDA run (its UCX environment: ``transport_env("cuda")``).
+CUDA_TRANSPORT = "cuda"
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M,256M,1G"
+CUDA_DEFAULT_SIZES = "1K,64K,1M,16M,256M,1G"
 QUICK_SIZES = "64K,1M"
 DEFAULT_REPEATS = 5
 QUICK_REPEATS = 2
@@ -102,15 +160,30 @@ DEFAULT_MAX_ITERS = 1000
 QUICK_MAX_ITERS = 100
 DEFAULT_WINDOW = 2
 DEFAULT_MAX_INFLIGHT = 1 << 30
+#: --device cuda: 3 repeats; 2 GiB per measurement, at least 2 transfers (1G: 2, 256M: 8).
+CUDA_REPEATS = 3
+CUDA_TARGET_BYTES = 2 << 30
+CUDA_MIN_ITERS = 2
+DEFAULT_TIMEOUT = 60.0
+CUDA_TIMEOUT = 30.0
+#: The slowest rate a measurement is allowed before it counts as hung (its bound is
+#: ``timeout + bytes / rate``): gRPC on the host; host staging over TCP on CUDA runs.
+MIN_RATE = {"cpu": 20e6, "cuda": 500e6}
+#: The receiver's consume step per device (:func:`rdmaflow.bench._transfer_worker.consume`).
+DEFAULT_CONSUME = {"cpu": "max", "cuda": "sync"}
 DEFAULT_OUT = "bench-results"
+#: The output files per device: OUT/NAME.csv, .png, .json.
+OUT_NAME = {"cpu": "transfer", "cuda": "transfer-cuda"}
 CSV_NAME = "transfer.csv"
 PNG_NAME = "transfer.png"
 #: A cell (system, transport, size) that has used --cell-budget seconds stops at this many repeats.
 MIN_REPEATS = 3
 DEFAULT_CELL_BUDGET = 60.0
 
-#: The project's acceptance bars: (transports, numerator, denominator, bar), at ACCEPT_SIZES.
+#: The project's acceptance bars: (transports, numerator, denominator, bar), at ACCEPT_SIZES on
+#: the host and at every size from CUDA_ACCEPT_FROM up on CUDA (issue 16).
 ACCEPT_SIZES = (16 << 20, 64 << 20)
+CUDA_ACCEPT_FROM = 256 << 20
 ACCEPTANCE: tuple[tuple[tuple[str, ...], str, str, float], ...] = (
     (("tcp",), "rdmaflow-zerocopy", "grpc-protobuf", 10.0),
     (("tcp",), "rdmaflow-zerocopy", "tensorpipe", 1.5),
@@ -120,16 +193,25 @@ ACCEPTANCE: tuple[tuple[tuple[str, ...], str, str, float], ...] = (
     (("sm",), "rdmaflow-zerocopy", "gloo", 1.5),
     (("sm",), "rdmaflow-zerocopy", "memcpy", 0.7),
     (("tcp", "sm"), "rdmaflow-zerocopy", "rdmaflow-copy", 1.2),
+    ((CUDA_TRANSPORT,), "rdmaflow-zerocopy", "d2d-copy", 0.7),
+    ((CUDA_TRANSPORT,), "rdmaflow-zerocopy", "gloo", 2.0),
+    ((CUDA_TRANSPORT,), "rdmaflow-zerocopy", "tensorpipe", 1.0),
 )
+#: The system every other is compared with in the ratio table.
+REFERENCE = "rdmaflow-zerocopy"
 
-#: What each system uses per transport (printed with the tables).
+#: What the systems other than rdmaflow use per transport (printed with the tables).
 PATHS = {
-    "tcp": {"rdmaflow": "UCX_TLS=tcp (NIXL too)", "grpc-protobuf": "TCP 127.0.0.1",
-            "tensorpipe": "uv transport, basic channel", "gloo": "TCP lo"},
-    "sm": {"rdmaflow": "UCX_TLS=cma,posix,self,tcp (puts/gets on cma; NIXL too)",
-           "grpc-protobuf": "unix domain socket",
-           "tensorpipe": "shm transport, cma channel", "gloo": "TCP lo (gloo has no shm transport)"},
+    "tcp": {"grpc-protobuf": "TCP 127.0.0.1", "tensorpipe": "uv transport, basic channel", "gloo": "TCP lo"},
+    "sm": {"grpc-protobuf": "unix domain socket", "tensorpipe": "shm transport, cma channel",
+           "gloo": "TCP lo (gloo has no shm transport)"},
+    CUDA_TRANSPORT: {"rdmaflow-staging": "host arena tensors over a host static pair",
+                     "tensorpipe": "shm/uv transports, cuda_ipc channel (device map 0 -> 0)",
+                     "gloo": "TCP lo, host staging", "d2d-copy": "one process, CUDA events"},
 }
+#: What a receiver's consume step is, for the tables.
+CONSUME_TEXT = {"max": "after reduce_max", "sync": "after a CUDA stream synchronize",
+                "none": "with no consume step (diagnostic)"}
 
 CSV_COLUMNS = [
     "system", "transport", "size_bytes", "size", "gb_per_s", "p50_us",
@@ -156,16 +238,17 @@ def warmup_of(count: int) -> int:
 Key = tuple[str, str, int]  # (system, transport, size)
 
 
-def measurement_timeout(size: int, count: int, base: float) -> float:
-    # Generous: the slowest system (gRPC) must finish, not be cut off: the bound allows 20 MB/s.
-    return base + (count + warmup_of(count)) * size / 20e6
+def measurement_timeout(size: int, count: int, base: float, rate: float = MIN_RATE["cpu"]) -> float:
+    # Generous: the slowest system (gRPC on the host) must finish, not be cut off: the bound
+    # allows `rate` bytes/s.
+    return base + (count + warmup_of(count)) * size / rate
 
 
 def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int], *, repeats: int,
                     target_bytes: int, min_iters: int, max_iters: int, window: int,
                     max_inflight: int, busy_poll: bool, timeout: float, torch_threads: int,
                     results: dict[Key, dict[str, Any]],
-                    log: Callable[[str], None], reduce: bool = True,
+                    log: Callable[[str], None], consume: str = "max", device: str = "cpu",
                     cell_budget: float = float("inf")) -> None:
     """Fills ``results`` for one transport; see the module doc for the method."""
     secret = new_secret()
@@ -173,7 +256,8 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
     try:
         objs = {name: make_system(name, transport, secret=secret, sizes=sizes, window=window,
                                   max_inflight=max_inflight, busy_poll=busy_poll, sock_dir=sock_dir,
-                                  timeout=timeout, torch_threads=torch_threads, reduce=reduce)
+                                  timeout=timeout, torch_threads=torch_threads, consume=consume,
+                                  device=device)
                 for name in systems}
         for size in sizes:
             count = iterations(size, target_bytes, min_iters, max_iters)
@@ -190,7 +274,7 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
             count = iterations(size, target_bytes, min_iters, max_iters)
             t0 = time.monotonic()
             m = objs[name].measure(size, count, warmup_of(count), window_of(size, window, max_inflight),
-                                   measurement_timeout(size, count, timeout), tag)
+                                   measurement_timeout(size, count, timeout, MIN_RATE[device]), tag)
             cell["seconds"] += time.monotonic() - t0
             cell["gb_per_s"].append(m["gb_per_s"])
             if m["p50_us"] is not None:
@@ -234,15 +318,21 @@ def _status(cell: dict[str, Any] | None) -> str:
     return f"ok ({len(cell['errors'])} failed: {cell['errors'][0]})"
 
 
+def _g(v: float, digits: int) -> str:
+    """``v`` to ``digits`` significant digits, but whole from 10**digits up (a GPU's 1234 GB/s,
+    not 1.2e+03)."""
+    return f"{v:.{digits}g}" if abs(v) < 10 ** digits else f"{v:.0f}"
+
+
 def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems: Sequence[str],
-                  sizes: Sequence[int], repeats: int) -> str:
-    env = ucx_env(transport)
-    paths = PATHS[transport]
+                  sizes: Sequence[int], repeats: int, consume: str = "max") -> str:
+    env = transport_env(transport)
+    others = "; ".join(f"{name}: {path}" for name, path in PATHS.get(transport, {}).items() if name in systems)
     lines = [
-        (f"## transport {transport}: rdmaflow and ucx_perftest with UCX_TLS={env['UCX_TLS']} "
-         f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES', '')}; gRPC: {paths['grpc-protobuf']}; "
-         f"TensorPipe: {paths['tensorpipe']}; gloo: {paths['gloo']}"),
-        (f"GB/s (1 GB = 1e9 B) at the receiver, after reduce_max; median [min-max] of {repeats} "
+        (f"## transport {transport}: rdmaflow{' and ucx_perftest' if 'ucx-perftest-put' in systems else ''} "
+         f"with UCX_TLS={env['UCX_TLS']} "
+         f"UCX_NET_DEVICES={env.get('UCX_NET_DEVICES', '')}" + (f"; {others}" if others else "")),
+        (f"GB/s (1 GB = 1e9 B) at the receiver, {CONSUME_TEXT[consume]}; median [min-max] of {repeats} "
          f"interleaved repeats"),
     ]
     width = 17
@@ -261,7 +351,7 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
                     notes.setdefault(s, cell["errors"][0])
             else:
                 g = sm["gb_per_s"]
-                txt = f"{g['median']:.3g} [{g['min']:.2g}-{g['max']:.2g}]"
+                txt = f"{_g(g['median'], 3)} [{_g(g['min'], 2)}-{_g(g['max'], 2)}]"
                 if cell["errors"]:
                     txt += "*"
                     notes.setdefault(s, cell["errors"][0])
@@ -276,14 +366,46 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
         row = [f"{format_size(size):>6}"]
         for s in systems:
             sm = cell_summary(results.get((s, transport, size)))
-            txt = "-" if sm is None or sm["p50_us"] is None else f"{sm['p50_us']['median']:.4g}"
+            txt = "-" if sm is None or sm["p50_us"] is None else _g(sm["p50_us"]["median"], 4)
             row.append(f"{txt:>{width}}")
         lines.append(" ".join(row))
     if short:
         lines.append(f"^ fewer repeats: the cell used up --cell-budget after {MIN_REPEATS}")
     for s, msg in notes.items():
         lines.append(f"* {s}: failed: {msg}")
+    ratio_lines = format_ratios(results, transport, systems, sizes)
+    if ratio_lines:
+        lines += ["", ratio_lines]
     return "\n".join(lines)
+
+
+def ratios(results: Mapping[Key, dict[str, Any]], transport: str, systems: Sequence[str],
+           sizes: Sequence[int], reference: str = REFERENCE) -> dict[int, dict[str, float | None]]:
+    """size -> {system: median GB/s of ``reference`` over that system's} for every other system."""
+    return {size: {s: ratio(results, transport, reference, s, size) for s in systems if s != reference}
+            for size in sizes}
+
+
+def format_ratios(results: Mapping[Key, dict[str, Any]], transport: str, systems: Sequence[str],
+                  sizes: Sequence[int], reference: str = REFERENCE) -> str:
+    """The table of :func:`ratios` ("" when ``reference`` is not in the run)."""
+    others = [s for s in systems if s != reference]
+    if reference not in systems or not others:
+        return ""
+    table = ratios(results, transport, systems, sizes, reference)
+    rows = [[format_size(size), *("-" if table[size][s] is None else f"{table[size][s]:.2f}" for s in others)]
+            for size in sizes]
+    head = ["size", *(f"/{s}" for s in others)]
+    return "\n".join([f"{reference} over each (median GB/s over median GB/s; above 1: {reference} faster)",
+                      *text_table(head, rows)])
+
+
+def accept_sizes(transport: str, sizes: Sequence[int]) -> list[int]:
+    """The sizes a transport's bars apply at: ACCEPT_SIZES on the host, every size of the run
+    from CUDA_ACCEPT_FROM up on CUDA."""
+    if transport == CUDA_TRANSPORT:
+        return sorted(s for s in set(sizes) if s >= CUDA_ACCEPT_FROM)
+    return list(ACCEPT_SIZES)
 
 
 def acceptance(results: Mapping[Key, dict[str, Any]], transports: Sequence[str]) -> list[dict[str, Any]]:
@@ -292,7 +414,7 @@ def acceptance(results: Mapping[Key, dict[str, Any]], transports: Sequence[str])
         for t in ts:
             if t not in transports:
                 continue
-            for size in ACCEPT_SIZES:
+            for size in accept_sizes(t, [k[2] for k in results if k[1] == t]):
                 if (num, t, size) not in results and (den, t, size) not in results:
                     continue
                 x = ratio(results, t, num, den, size)
@@ -307,7 +429,7 @@ def format_acceptance(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["acceptance ratios (median GB/s over median GB/s):"]
     for r in rows:
         x = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        lines.append(f"  {r['transport']:>3} {format_size(r['size']):>4}  {r['num']} / {r['den']:<17}"
+        lines.append(f"  {r['transport']:>4} {format_size(r['size']):>4}  {r['num']} / {r['den']:<17}"
                      f" = {x:>6}  (bar >= {r['bar']:g})  {r['verdict']}")
     return "\n".join(lines)
 
@@ -334,6 +456,24 @@ def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
             "values_gb_per_s": " ".join(f"{v:.4f}" for v in cell["gb_per_s"]),
         })
     return rows
+
+
+def json_doc(results: Mapping[Key, dict[str, Any]], transports: Sequence[str], systems: Sequence[str],
+             sizes: Sequence[int], *, header: str, settings: Mapping[str, Any], machine: Mapping[str, Any],
+             elapsed_s: float, interrupted: bool = False) -> dict[str, Any]:
+    """What ``--json`` holds: the settings and the machine, every cell (:func:`csv_rows`), the
+    acceptance ratios and every ratio of :data:`REFERENCE` to the others, per transport."""
+    return {
+        "benchmark": "transfer", "header": header, "command": list(sys.argv), **settings,
+        "machine": dict(machine), "transports": list(transports), "systems": list(systems),
+        "sizes": [format_size(s) for s in sizes],
+        "ucx_tls": {t: transport_env(t).get("UCX_TLS", "") for t in transports},
+        "rows": csv_rows(results),
+        "acceptance": [dict(r, size=format_size(r["size"])) for r in acceptance(results, transports)],
+        "ratios": {t: {format_size(size): row for size, row in ratios(results, t, systems, sizes).items()}
+                   for t in transports if REFERENCE in systems},
+        "elapsed_s": round(elapsed_s, 1), "interrupted": interrupted,
+    }
 
 
 def plot(path: str, results: Mapping[Key, dict[str, Any]], transports: Sequence[str],
@@ -367,7 +507,8 @@ def plot(path: str, results: Mapping[Key, dict[str, Any]], transports: Sequence[
             ax.grid(True, which="both", alpha=0.3)
             ax.set_ylabel(ylabel)
             if i == 0:
-                ax.set_title(f"transport: {t}" + (" (gloo: TCP)" if t == "sm" else ""))
+                ax.set_title("CUDA tensors, one GPU, two processes" if t == CUDA_TRANSPORT else
+                             f"transport: {t}" + (" (gloo: TCP)" if t == "sm" else ""))
             else:
                 ax.set_xlabel("tensor size (float32)")
         axes[0][j].legend(fontsize=8, loc="best")
@@ -386,25 +527,52 @@ def _parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
     return items
 
 
-def default_systems() -> list[str]:
-    """Every system, less NIXL where it is not installed (scripts/setup.sh installs it)."""
+def default_systems(device: str = "cpu") -> list[str]:
+    """Every system of ``device``; on the host less NIXL where it is not installed
+    (scripts/setup.sh installs it)."""
+    if device == "cuda":
+        return list(CUDA_SYSTEMS)
     return [s for s in SYSTEMS if s != "nixl" or importlib.util.find_spec("nixl") is not None]
 
 
+def cuda_device_info() -> dict[str, Any]:
+    """The GPU a ``--device cuda`` run uses (name, memory, torch and CUDA versions); RuntimeError
+    saying why there is none."""
+    import torch
+
+    if torch.version.cuda is None:
+        raise RuntimeError(f"this PyTorch ({torch.__version__}) is built without CUDA")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError("no CUDA device is visible (torch.cuda.is_available() is False"
+                           + ("" if visible is None else f"; CUDA_VISIBLE_DEVICES={visible!r}") + ")")
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / (1 << 30), 1),
+            "gpus": torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", choices=DEVICES, default="cpu",
+                    help="cpu: host tensors over tcp and sm (default); cuda: CUDA tensors between two "
+                         f"processes on one GPU ({','.join(CUDA_SYSTEMS)})")
     ap.add_argument("--transport", default="both",
-                    help="tcp, sm, a comma list, or both (default: both, tcp then sm)")
-    ap.add_argument("--systems", default=",".join(default_systems()),
-                    help=f"comma list (default: all; nixl when it is installed): {','.join(SYSTEMS)}")
+                    help="tcp, sm, a comma list, or both (default: both, tcp then sm); --device cuda: "
+                         "cuda (its own)")
+    ap.add_argument("--systems", default=None,
+                    help=f"comma list (default: all of the device; nixl when it is installed): "
+                         f"{','.join(SYSTEMS)}; --device cuda: {','.join(CUDA_SYSTEMS)}")
     ap.add_argument("--sizes", default=None,
-                    help=f"tensor sizes in bytes, comma list (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES})")
+                    help=f"tensor sizes in bytes, comma list (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES}; "
+                         f"--device cuda: {CUDA_DEFAULT_SIZES})")
     ap.add_argument("--repeats", type=int, default=None,
-                    help=f"interleaved repeats per cell (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
+                    help=f"interleaved repeats per cell (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS}; "
+                         f"--device cuda: {CUDA_REPEATS})")
     ap.add_argument("--target-bytes", default=None,
                     help="bytes per measurement: count = target / size, clamped to [min, max] "
-                         "iterations (default 256M; --quick: 8M)")
-    ap.add_argument("--min-iters", type=int, default=DEFAULT_MIN_ITERS,
-                    help=f"fewest timed transfers per measurement (default {DEFAULT_MIN_ITERS})")
+                         "iterations (default 256M; --quick: 8M; --device cuda: 2G)")
+    ap.add_argument("--min-iters", type=int, default=None,
+                    help=f"fewest timed transfers per measurement (default {DEFAULT_MIN_ITERS}; "
+                         f"--device cuda: {CUDA_MIN_ITERS})")
     ap.add_argument("--max-iters", type=int, default=None,
                     help=f"most timed transfers per measurement (default {DEFAULT_MAX_ITERS}; "
                          f"--quick: {QUICK_MAX_ITERS})")
@@ -414,77 +582,131 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the window shrinks so that window * size stays within this (default 1G)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads in every process, for the reduce_max (default 1)")
+    ap.add_argument("--consume", choices=CONSUME_MODES, default=None,
+                    help="the receiver's consume step: max (reduce_max, the default on the host), sync "
+                         "(torch.cuda.current_stream().synchronize(), the default on CUDA), none")
     ap.add_argument("--no-reduce", action="store_true",
-                    help="diagnostic: receivers skip the reduce_max (transfer cost alone)")
+                    help="diagnostic: --consume none (receivers skip the reduce_max: transfer cost alone)")
     ap.add_argument("--busy-poll", action="store_true",
                     help="rdmaflow devices busy-poll instead of sleeping on the wakeup fd")
     ap.add_argument("--cell-budget", type=float, default=DEFAULT_CELL_BUDGET,
                     help=f"seconds: a cell (system, size) that has spent this much stops after "
                          f"{MIN_REPEATS} repeats (default {DEFAULT_CELL_BUDGET:g}: gRPC at 1G); "
                          f"0 disables")
-    ap.add_argument("--timeout", type=float, default=60.0,
-                    help="base bound on one measurement, seconds; grows with its bytes (default 60)")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help=f"base bound on one measurement, seconds; grows with its bytes (default "
+                         f"{DEFAULT_TIMEOUT:g}; --device cuda: {CUDA_TIMEOUT:g})")
     ap.add_argument("--out", default=DEFAULT_OUT,
-                    help=f"directory for {CSV_NAME} and {PNG_NAME} (default {DEFAULT_OUT}/)")
+                    help=f"directory for {CSV_NAME}, {PNG_NAME} and transfer.json (--device cuda: "
+                         f"transfer-cuda.*) (default {DEFAULT_OUT}/)")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="write the results, ratios and bars as JSON here (default OUT/transfer.json, "
+                         "OUT/transfer-cuda.json on CUDA)")
     ap.add_argument("--plot", default=None, help=f"also write the plot here (e.g. docs/img/{PNG_NAME})")
     ap.add_argument("--quick", action="store_true",
                     help=f"short run for tests: sizes {QUICK_SIZES}, {QUICK_REPEATS} repeats, 8M per measurement")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every measurement")
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's parameters from the command line, each default taken per ``--device`` and
+    ``--quick``: device, transports, systems, sizes, repeats, target_bytes, min_iters,
+    max_iters, max_inflight, timeout, consume. ValueError names what is wrong."""
+    cuda = args.device == "cuda"
+    if cuda:
+        if args.transport not in ("both", CUDA_TRANSPORT):
+            raise ValueError(f"--device cuda runs over its own transport ({CUDA_TRANSPORT}); "
+                             f"--transport {args.transport} is for host tensors")
+        transports = [CUDA_TRANSPORT]
+    else:
         transports = list(TRANSPORTS) if args.transport == "both" else \
             _parse_list(args.transport, TRANSPORTS, "transport")
-        systems = _parse_list(args.systems, SYSTEMS, "system")
-        sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))
-        if not sizes or any(s <= 0 or s % 4 for s in sizes):
-            raise ValueError("--sizes needs positive multiples of 4 bytes (float32 tensors)")
-        target = parse_size(args.target_bytes) if args.target_bytes else (
-            QUICK_TARGET_BYTES if args.quick else DEFAULT_TARGET_BYTES)
-        max_inflight = parse_size(args.max_inflight_bytes)
+    allowed = CUDA_SYSTEMS if cuda else SYSTEMS
+    systems = _parse_list(args.systems, allowed, "system") if args.systems else default_systems(args.device)
+    sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else CUDA_DEFAULT_SIZES if cuda else DEFAULT_SIZES))
+    if not sizes or any(s <= 0 or s % 4 for s in sizes):
+        raise ValueError("--sizes needs positive multiples of 4 bytes (float32 tensors)")
+    target = parse_size(args.target_bytes) if args.target_bytes else (
+        QUICK_TARGET_BYTES if args.quick else CUDA_TARGET_BYTES if cuda else DEFAULT_TARGET_BYTES)
+    consume = "none" if args.no_reduce else (args.consume or DEFAULT_CONSUME[args.device])
+    if args.no_reduce and args.consume not in (None, "none"):
+        raise ValueError(f"--no-reduce is --consume none, not --consume {args.consume}")
+    if consume == "sync" and not cuda:
+        raise ValueError("--consume sync waits for a CUDA stream: it needs --device cuda")
+    out = {
+        "device": args.device, "transports": transports, "systems": systems, "sizes": sizes,
+        "repeats": args.repeats or (QUICK_REPEATS if args.quick else CUDA_REPEATS if cuda else DEFAULT_REPEATS),
+        "target_bytes": target,
+        "min_iters": args.min_iters or (CUDA_MIN_ITERS if cuda and not args.quick else DEFAULT_MIN_ITERS),
+        "max_iters": args.max_iters or (QUICK_MAX_ITERS if args.quick else DEFAULT_MAX_ITERS),
+        "max_inflight": parse_size(args.max_inflight_bytes),
+        "timeout": args.timeout or (CUDA_TIMEOUT if cuda else DEFAULT_TIMEOUT),
+        "window": args.window, "consume": consume,
+    }
+    if out["repeats"] < 1 or args.window < 1 or out["min_iters"] < 1 or out["max_iters"] < out["min_iters"]:
+        raise ValueError("--repeats, --window, --min-iters must be >= 1 and --max-iters >= --min-iters")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = settings(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
-    max_iters = args.max_iters or (QUICK_MAX_ITERS if args.quick else DEFAULT_MAX_ITERS)
-    if repeats < 1 or args.window < 1 or args.min_iters < 1 or max_iters < args.min_iters:
-        print("error: --repeats, --window, --min-iters must be >= 1 and --max-iters >= --min-iters",
-              file=sys.stderr)
-        return 2
+    device, transports, systems, sizes = cfg["device"], cfg["transports"], cfg["systems"], cfg["sizes"]
+    repeats = cfg["repeats"]
+    machine: dict[str, Any] = {"cpus": os.cpu_count()}
+    if device == "cuda":
+        try:
+            machine.update(cuda_device_info())
+        except RuntimeError as e:
+            print(f"error: --device cuda: {e}", file=sys.stderr)
+            return 1
 
     import rdmaflow
 
-    header = (f"rdmaflow {rdmaflow.__version__} bench transfer: UCX {rdmaflow.ucx_version()}, "
-              f"{os.cpu_count()} CPUs, sizes {','.join(format_size(s) for s in sizes)}, "
-              f"{repeats} repeats, window {args.window}, torch threads {args.torch_threads}"
-              + (", NO reduce_max (diagnostic)" if args.no_reduce else ""))
+    machine.update(rdmaflow=rdmaflow.__version__, ucx=rdmaflow.ucx_version())
+    gpu = (f", GPU {machine.get('gpu')} ({machine.get('gpu_memory_gib')} GiB), torch {machine.get('torch')}, "
+           f"CUDA {machine.get('cuda')}" if device == "cuda" else "")
+    header = (f"rdmaflow {rdmaflow.__version__} bench transfer --device {device}: UCX {rdmaflow.ucx_version()}, "
+              f"{os.cpu_count()} CPUs{gpu}, sizes {','.join(format_size(s) for s in sizes)}, "
+              f"{repeats} repeats, window {args.window}, torch threads {args.torch_threads}, "
+              f"consume: {cfg['consume']}")
     print(header, flush=True)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
     results: dict[Key, dict[str, Any]] = {}
-    csv_path = os.path.join(args.out, CSV_NAME)
-    png_path = os.path.join(args.out, PNG_NAME)
+    name = OUT_NAME[device]
+    csv_path = os.path.join(args.out, f"{name}.csv")
+    png_path = os.path.join(args.out, f"{name}.png")
+    json_path = args.json or os.path.join(args.out, f"{name}.json")
 
     started = time.monotonic()
 
     def run_one(t: str) -> None:
-        bench_transport(t, systems, sizes, repeats=repeats, target_bytes=target,
-                        min_iters=args.min_iters, max_iters=max_iters, window=args.window,
-                        max_inflight=max_inflight, busy_poll=args.busy_poll,
-                        timeout=args.timeout, torch_threads=args.torch_threads,
-                        results=results, log=log, reduce=not args.no_reduce,
+        bench_transport(t, systems, sizes, repeats=repeats, target_bytes=cfg["target_bytes"],
+                        min_iters=cfg["min_iters"], max_iters=cfg["max_iters"], window=args.window,
+                        max_inflight=cfg["max_inflight"], busy_poll=args.busy_poll,
+                        timeout=cfg["timeout"], torch_threads=args.torch_threads,
+                        results=results, log=log, consume=cfg["consume"], device=device,
                         cell_budget=args.cell_budget if args.cell_budget > 0 else float("inf"))
 
-    def save() -> None:
+    def save(interrupted: bool = False) -> None:
         write_csv(csv_path, CSV_COLUMNS, csv_rows(results))
+        done = [t for t in transports if any(k[1] == t for k in results)]
+        shown = {k: (format_size(v) if k == "target_bytes" else v) for k, v in cfg.items()
+                 if k not in ("transports", "systems", "sizes")}
+        write_json(json_path, json_doc(results, done, systems, sizes, header=header, settings=shown,
+                                       machine=machine, elapsed_s=time.monotonic() - started,
+                                       interrupted=interrupted))
 
     def table(t: str) -> str:
-        return format_tables(results, t, systems, sizes, repeats)
+        return format_tables(results, t, systems, sizes, repeats, cfg["consume"])
 
     interrupted = for_each_transport(transports, run_one, table, save)
     if not results:
         return 130 if interrupted else 1
-    save()
+    save(interrupted)
     done = [t for t in transports if any(k[1] == t for k in results)]
     rows = acceptance(results, done)
     if rows:
@@ -496,7 +718,7 @@ def run(args: argparse.Namespace) -> int:
             plot(args.plot, results, done, systems, sizes, title=header)
     except Exception as e:  # noqa: BLE001  (a plot problem must not lose the numbers)
         print(f"warning: could not write the plot: {e}", file=sys.stderr)
-    print(f"\nCSV: {csv_path}\nplot: {png_path}" + (f", {args.plot}" if args.plot else "")
+    print(f"\nCSV: {csv_path}\nJSON: {json_path}\nplot: {png_path}" + (f", {args.plot}" if args.plot else "")
           + f"\nelapsed: {time.monotonic() - started:.0f} s")
     if interrupted:
         return 130
@@ -519,6 +741,8 @@ def worker_main(argv: Sequence[str], prog: str, make: Callable | None = None) ->
     ap.add_argument("--max-size", type=int, default=1 << 20)
     ap.add_argument("--busy-poll", action="store_true")
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--device", choices=DEVICES, default="cpu")
+    ap.add_argument("--cuda-arena-bytes", type=int, default=0)
     args = ap.parse_args(argv)
     import torch
 
@@ -531,7 +755,9 @@ def worker_main(argv: Sequence[str], prog: str, make: Callable | None = None) ->
 def main(argv: Sequence[str] | None = None) -> int:
     return main_with_workers(argv, "rdmaflow bench transfer",
                              "One-way tensor transfer with reduce_max at the receiver: rdmaflow next to "
-                             "gRPC, TensorPipe, gloo, ucx_perftest and memcpy (Xue et al. Figure 8).",
+                             "gRPC, TensorPipe, gloo, ucx_perftest and memcpy (Xue et al. Figure 8); "
+                             "--device cuda: CUDA tensors on one GPU next to TensorPipe's CUDA channels, "
+                             "gloo through the host and a device-to-device copy.",
                              add_arguments, run)
 
 

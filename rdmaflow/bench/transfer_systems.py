@@ -5,9 +5,14 @@ Each is a :class:`System` with ``measure(size, count, warmup, window, timeout, t
 * :class:`WorkerPair`: a sender and a receiver process of one system (the rdmaflow modes,
   gRPC, TensorPipe, gloo, NIXL), ``python -m rdmaflow.bench.transfer --worker SYSTEM ROLE``
   (:mod:`rdmaflow.bench._transfer_worker` has the protocol), driven by JSON lines;
-* :class:`Memcpy`: one process timing ``dst.copy_(src)``, the machine's ceiling;
+* :class:`Memcpy`: one process timing ``dst.copy_(src)``, the machine's ceiling (``d2d-copy``:
+  the same on the GPU, timed with CUDA events);
 * :class:`Perftest`: ``ucx_perftest`` put (:func:`rdmaflow.bench.perftest.run_perftest`),
   the UCX transport's ceiling.
+
+With ``device="cuda"`` (``bench transfer --device cuda``) every process moves CUDA tensors; the
+"transport" is then ``"cuda"``: rdmaflow's processes run with ``ucx_env("cuda")``
+(:func:`transport_env`).
 """
 from __future__ import annotations
 
@@ -18,41 +23,82 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+from rdmaflow._ucx import TRANSPORT_ENV, ucx_env
 from rdmaflow.bench.perftest import run_perftest
 from rdmaflow.bench.processes import BenchError, ChildProcess, free_port, process_env
 
-RDMAFLOW_SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-copy", "rdmaflow-dynamic")
+RDMAFLOW_SYSTEMS = ("rdmaflow-zerocopy", "rdmaflow-zerocopy-ucx", "rdmaflow-copy", "rdmaflow-dynamic",
+                    "rdmaflow-staging")
 #: Systems whose processes run on UCX with the transport's environment and get an --arena-bytes.
 UCX_SYSTEMS = (*RDMAFLOW_SYSTEMS, "nixl")
+#: Systems of one process: a copy within it, the ceiling.
+LOCAL_SYSTEMS = ("memcpy", "d2d-copy")
 START_TIMEOUT = 90.0
+
+#: UCX_TLS of the "cuda" transport, used only while ``rdmaflow._ucx.TRANSPORT_ENV`` has no
+#: "cuda" entry (issue 16 adds it there, the one definition): "sm" plus CUDA copies and IPC.
+CUDA_FALLBACK_TLS = "cuda_copy,cuda_ipc,cma,posix,self,tcp"
+
+
+def transport_env(transport: str) -> dict[str, str]:
+    """:func:`rdmaflow._ucx.ucx_env` of ``transport``; "cuda" falls back to "sm" with
+    :data:`CUDA_FALLBACK_TLS` where ``rdmaflow._ucx`` does not define it yet."""
+    if transport == "cuda" and transport not in TRANSPORT_ENV:
+        return {**ucx_env("sm"), "UCX_TLS": CUDA_FALLBACK_TLS}
+    return ucx_env(transport)
 
 
 def window_of(size: int, window: int, max_inflight: int) -> int:
     return max(1, min(window, max_inflight // size))
 
 
-def arena_bytes(system: str, role: str, sizes: Sequence[int], window: int, max_inflight: int) -> int:
-    """The registered arena an rdmaflow process of ``system`` needs for these sizes.
+#: What a process's host arena holds besides tensor data: control blocks, flags, acks,
+#: metadata records (and per size a pair's own).
+CONTROL_BYTES = 16 << 20
+CONTROL_BYTES_PER_SIZE = 64 << 10
+
+
+def _slot(s: int) -> int:
+    return (s + 255) // 256 * 256
+
+
+def _data_bytes(system: str, role: str, sizes: Sequence[int], window: int, max_inflight: int) -> int:
+    """The tensor data an rdmaflow process of ``system`` keeps in its arena (host or CUDA).
 
     Each size has its own pair for the whole run (made once, reused by every repeat): a static
-    receiver holds ``window`` slots per size, a copy-mode sender as many staging buffers, a
-    zero-copy or dynamic sender one source tensor per size; a dynamic receiver allocates
-    each received tensor and frees it after the reduce_max.
+    receiver holds ``window`` slots per size, a copy-mode (or staging) sender as many buffers, a
+    zero-copy or dynamic sender one source tensor per size; a dynamic receiver allocates each
+    received tensor and frees it once consumed (room for ``window`` of the largest).
     """
-    def slot(s: int) -> int:
-        return (s + 255) // 256 * 256
+    if role == "receiver" and system == "rdmaflow-dynamic":
+        return max(window_of(s, window, max_inflight) * _slot(s) for s in sizes)
+    if role == "receiver" or system in ("rdmaflow-copy", "rdmaflow-staging"):
+        return sum(window_of(s, window, max_inflight) * _slot(s) for s in sizes)
+    return sum(_slot(s) for s in sizes)
 
+
+def arena_bytes(system: str, role: str, sizes: Sequence[int], window: int, max_inflight: int,
+                device: str = "cpu") -> int:
+    """The registered host arena an rdmaflow (or NIXL) process of ``system`` needs for these
+    sizes: the tensor data (:func:`_data_bytes`) where it is in host memory (not for zero copy
+    and dynamic with ``device="cuda"``: see :func:`cuda_arena_bytes`), and the control blocks."""
     if system == "nixl":  # one registered buffer, reused by every size: no control blocks
         if role == "receiver":
             return max(window_of(s, window, max_inflight) * s for s in sizes)
         return max(sizes)
-    if role == "receiver" and system == "rdmaflow-dynamic":
-        need = max(slot(s) for s in sizes)
-    elif role == "receiver" or system == "rdmaflow-copy":
-        need = sum(window_of(s, window, max_inflight) * slot(s) for s in sizes)
-    else:
-        need = sum(slot(s) for s in sizes)
-    return need + (16 << 20) + len(sizes) * (64 << 10)  # control blocks, flags, acks, records
+    control = CONTROL_BYTES + len(sizes) * CONTROL_BYTES_PER_SIZE
+    if cuda_arena_bytes(system, role, sizes, window, max_inflight, device):
+        return control
+    return _data_bytes(system, role, sizes, window, max_inflight) + control
+
+
+def cuda_arena_bytes(system: str, role: str, sizes: Sequence[int], window: int, max_inflight: int,
+                     device: str = "cuda") -> int:
+    """The registered CUDA arena of an rdmaflow process of ``system`` (0: none): zero copy and
+    dynamic on CUDA keep their tensor data there; staging keeps it in host memory."""
+    if device != "cuda" or system not in ("rdmaflow-zerocopy", "rdmaflow-zerocopy-ucx", "rdmaflow-dynamic"):
+        return 0
+    return _data_bytes(system, role, sizes, window, max_inflight) + CONTROL_BYTES
 
 
 class System:
@@ -105,9 +151,10 @@ class WorkerPair(System):
 
     def __init__(self, name: str, transport: str, env: Mapping[str, str], *, sizes: Sequence[int],
                  window: int, max_inflight: int, busy_poll: bool, sock_dir: str, timeout: float,
-                 torch_threads: int, reduce: bool = True):
+                 torch_threads: int, consume: str = "max", device: str = "cpu"):
         super().__init__(name, transport)
-        self.reduce = reduce
+        self.consume = consume
+        self.device = device
         self.env = dict(env)
         self.sizes = sizes
         self.window = window
@@ -125,10 +172,13 @@ class WorkerPair(System):
     def _argv(self, role: str, port: int) -> list[str]:
         argv = [sys.executable, "-m", "rdmaflow.bench.transfer", "--worker", self.name, role,
                 "--transport", self.transport, "--port", str(port), "--sock-dir", self.sock_dir,
-                "--timeout", str(self.timeout), "--torch-threads", str(self.torch_threads)]
+                "--timeout", str(self.timeout), "--torch-threads", str(self.torch_threads),
+                "--device", self.device]
         if self.name in UCX_SYSTEMS:
-            argv += ["--arena-bytes", str(arena_bytes(self.name, role, self.sizes, self.window,
-                                                      self.max_inflight))]
+            plan = (self.name, role, self.sizes, self.window, self.max_inflight, self.device)
+            argv += ["--arena-bytes", str(arena_bytes(*plan))]
+            if cuda_arena_bytes(*plan):
+                argv += ["--cuda-arena-bytes", str(cuda_arena_bytes(*plan))]
         if self.name in RDMAFLOW_SYSTEMS and self.busy_poll:
             argv.append("--busy-poll")
         return argv
@@ -165,7 +215,7 @@ class WorkerPair(System):
         self.start()
         assert self.rx is not None and self.tx is not None
         cmd = {"size": size, "count": warmup + count, "window": window, "tag": tag,
-               "timeout": timeout, "reduce": self.reduce}
+               "timeout": timeout, "consume": self.consume}
         deadline = time.monotonic() + timeout
         self.rx.send({"cmd": "recv", "peer": self.sender_info, **cmd})
         self.rx.read(min(timeout, 60.0))  # ready
@@ -196,16 +246,19 @@ class WorkerPair(System):
 
 
 class Memcpy(System):
-    def __init__(self, transport: str, env: Mapping[str, str]):
-        super().__init__("memcpy", transport)
+    """``memcpy`` (host) or ``d2d-copy`` (``device="cuda"``): one process copying."""
+
+    def __init__(self, transport: str, env: Mapping[str, str], name: str = "memcpy", device: str = "cpu"):
+        super().__init__(name, transport)
         self.env = dict(env)
+        self.device = device
         self.proc: ChildProcess | None = None
 
     def start(self) -> None:
         if self.proc is None:
-            argv = [sys.executable, "-m", "rdmaflow.bench.transfer", "--worker", "memcpy", "local",
-                    "--transport", self.transport, "--torch-threads", "1"]
-            self.proc = ChildProcess(argv, self.env, "memcpy")
+            argv = [sys.executable, "-m", "rdmaflow.bench.transfer", "--worker", self.name, "local",
+                    "--transport", self.transport, "--torch-threads", "1", "--device", self.device]
+            self.proc = ChildProcess(argv, self.env, self.name)
             try:
                 self.proc.read(START_TIMEOUT)
             except BaseException:
@@ -221,7 +274,7 @@ class Memcpy(System):
         self.proc.send({"cmd": "memcpy", "size": size, "count": count, "loops": 3, "tag": tag})
         res = self.proc.read(timeout)
         if res.get("bad"):
-            raise BenchError("memcpy destination has a wrong max")
+            raise BenchError(f"{self.name} destination has a wrong max")
         return _stream_metrics(res["times"], size, count)
 
     def close(self) -> None:
@@ -240,22 +293,26 @@ class Perftest(System):
 
 
 def system_env(name: str, transport: str, secret: str, torch_threads: int) -> dict[str, str]:
-    """rdmaflow's processes get the transport's UCX environment and the job secret; the others
-    take their transport from their own options (``--transport``), on loopback."""
+    """rdmaflow's processes get the transport's UCX environment (:func:`transport_env`) and the
+    job secret; the others take their transport from their own options (``--transport``), on
+    loopback."""
     ucx = name in UCX_SYSTEMS
-    env = process_env(transport if ucx else None, secret=secret if ucx else None, threads=torch_threads)
+    env = process_env(base=transport_env(transport) if ucx else None, secret=secret if ucx else None,
+                      threads=torch_threads)
     env.update(GLOO_SOCKET_IFNAME="lo", TP_SOCKET_IFNAME="lo")
+    if name == "rdmaflow-zerocopy-ucx":  # GPU slots through UCX (cuda_ipc), not mapped (arena.py)
+        env["RDMAFLOW_GPU_IPC"] = "0"
     return env
 
 
 def make_system(name: str, transport: str, *, secret: str, sizes: Sequence[int], window: int,
                 max_inflight: int, busy_poll: bool, sock_dir: str, timeout: float,
-                torch_threads: int, reduce: bool = True) -> System:
+                torch_threads: int, consume: str = "max", device: str = "cpu") -> System:
     if name == "ucx-perftest-put":
         return Perftest(transport)
     env = system_env(name, transport, secret, torch_threads)
-    if name == "memcpy":
-        return Memcpy(transport, env)
+    if name in LOCAL_SYSTEMS:
+        return Memcpy(transport, env, name, device)
     return WorkerPair(name, transport, env, sizes=sizes, window=window, max_inflight=max_inflight,
                       busy_poll=busy_poll, sock_dir=sock_dir, timeout=timeout,
-                      torch_threads=torch_threads, reduce=reduce)
+                      torch_threads=torch_threads, consume=consume, device=device)

@@ -14,7 +14,8 @@ A few lines turn a single-process training loop into a parameter-server job::
     opt.close()
 
 Start it with ``rdmaflow launch --nproc-per-node 1 train.py`` (one worker and one shard per
-host), or any launcher that sets torchrun's variables.
+host), or any launcher that sets torchrun's variables. A model on a CUDA device trains the same
+way (``model.cuda()`` before wrapping it); ``shard_device="cuda"`` puts the shards on GPUs too.
 """
 from __future__ import annotations
 
@@ -112,6 +113,13 @@ class DistributedOptimizer:
     waiting). ``zero_copy=False`` keeps parameters and gradients in ordinary memory and copies
     them on every push and pull (to measure what zero copy saves, Xue et al. Figure 12).
 
+    A model whose parameters are on a CUDA device keeps its parameters and gradients in
+    registered GPU memory (the device's GPU arena): backward accumulates straight into the send
+    buffer, and each new weight chunk is copied in from the host copy the shards write, before
+    the layer that needs it runs. ``shard_device`` (default ``"cpu"``, or
+    ``$RDMAFLOW_PS_SHARD_DEVICE``): ``"cuda"`` runs the shards' aggregation and optimizer on
+    their GPUs, with weights and gradient slots in GPU memory. CPU and CUDA workers may mix.
+
     ``min_workers``: the job goes on without dead workers while at least this many remain
     (default: all, so any worker failure ends the job). ``checkpoint_dir`` and
     ``checkpoint_every``: shards save weights and optimizer state every N steps (and at the
@@ -123,7 +131,8 @@ class DistributedOptimizer:
                  staleness: int = 0, policy: str = "block", block_bytes: int = DEFAULT_BLOCK_BYTES,
                  overlap: bool = True, zero_copy: bool = True, min_workers: int | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 log_every: int = 0, progress: bool | None = None, ctx: PSContext | None = None):
+                 log_every: int = 0, progress: bool | None = None, shard_device: str | None = None,
+                 ctx: PSContext | None = None):
         ctx = ctx or _CTX
         if ctx is None:
             raise InvalidArgumentError("call rdmaflow.ps.init() first")
@@ -134,7 +143,8 @@ class DistributedOptimizer:
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,
                              block_bytes=block_bytes, overlap=overlap, zero_copy=zero_copy,
                              min_workers=min_workers, checkpoint_dir=checkpoint_dir,
-                             checkpoint_every=checkpoint_every, log_every=log_every, progress=progress)
+                             checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
+                             shard_device=shard_device)
         self.optimizer = optimizer
         self.model = model
 

@@ -36,10 +36,10 @@ def save(root: str, step: int, shard: int, num_shards: int, fingerprint: dict, w
     path = shard_file(root, step, shard, num_shards)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    # clone(): the weights are a view into the registered arena, and torch.save writes a
-    # view's whole storage.
+    # A copy: the weights are a view into the registered arena, and torch.save writes a view's
+    # whole storage. In host memory, also from a shard on a GPU.
     torch.save({"step": step, "shard": shard, "num_shards": num_shards, "fingerprint": fingerprint,
-                "weights": weights.detach().clone(), "optimizer": optimizer_state}, tmp)
+                "weights": weights.detach().to("cpu", copy=True), "optimizer": optimizer_state}, tmp)
     os.replace(tmp, path)
     return path
 

@@ -16,7 +16,8 @@ Worker w's block in its arena::
     params        ``param_buffers`` flat parameter buffers (2 with asynchronous overlap: buffer
                   switching); every ``param.data`` is a view into the one in use
     grads         two flat gradient buffers, switched by ``zero_grad`` so that zeroing one never
-                  waits for the push still reading the other
+                  waits for the push still reading the other (none on a CUDA worker: its
+                  gradient buffers are in its GPU arena, and it pushes them from there)
     reply flags   one u64 per shard, 64 bytes apart: ``progress(version, chunk)``
     push sources  one u64 per shard
     pull sources  one u64 per shard
@@ -45,6 +46,10 @@ each flag WRITE makes every earlier chunk visible first. A worker writes DONE in
 flags when it finishes; a shard that gives up writes ABORT into the reply flags, with the
 reason in the store.
 
+A shard on a GPU (``shard_device="cuda"``) keeps weights, aggregate and grad slots at the same
+offsets in its GPU arena (published as ``data`` next to the layout), and its flags and reply
+sources in the host block: flags stay in host memory, where the CPU polls them.
+
 Asynchronous mode with overlap (iRDMA §IV-B) gives the shard two grad slots per worker (push t
 lands in slot t % 2) and the worker two parameter buffers: step t computes on buffer
 (t - 1) % 2, and "pull r" (the shard's weights once it has applied the worker's push r - 1,
@@ -70,15 +75,27 @@ def progress(version: int, chunk: int) -> int:
 
 
 def write_runs_then_flag(channel, region, remote, runs: list[tuple[int, int, int]], word_local: int,
-                         value: int, word_remote: int) -> list:
+                         value: int, word_remote: int, word_region=None, word_remote_region=None) -> list:
     """WRITEs each run (local offset, remote offset, bytes) from ``region`` to ``remote``, then
     ``value`` into the flag word at ``word_remote`` (sourced from ``word_local``): the flag never
     lands before any run, nor before what the channel wrote earlier. The last run travels with
     the flag as one ``write_flagged`` (over tcp one message, docs/transfer.md "Flagged writes").
+    Flags stay in host memory: where the data is GPU memory, ``word_region`` (local) and
+    ``word_remote_region`` (remote) are the host regions of the word (default: the data's).
     Returns the futures."""
     futs = [channel.memcpy(region, lo, remote, ro, n, WRITE) for lo, ro, n in runs[:-1]]
-    lo, ro, n = runs[-1] if runs else (0, 0, 0)
-    futs.append(channel.write_flagged(region, lo, remote, ro, n, word_local, value, word_remote))
+    if word_region is None and word_remote_region is None:
+        lo, ro, n = runs[-1] if runs else (0, 0, 0)
+        futs.append(channel.write_flagged(region, lo, remote, ro, n, word_local, value, word_remote))
+        return futs
+    wl = region if word_region is None else word_region
+    wr = remote if word_remote_region is None else word_remote_region
+    if runs:
+        lo, ro, n = runs[-1]
+        futs.append(channel.write_flagged(region, lo, remote, ro, n, word_local, value, word_remote,
+                                          word_local_region=wl, word_remote_region=wr))
+    else:  # the word alone, behind what the channel wrote earlier
+        futs.append(channel.write_flagged(wl, 0, wr, 0, 0, word_local, value, word_remote))
     return futs
 
 
@@ -118,13 +135,14 @@ class ShardLayout:
 
 
 class WorkerLayout:
-    def __init__(self, numel: int, itemsize: int, num_shards: int, param_buffers: int = 1):
+    def __init__(self, numel: int, itemsize: int, num_shards: int, param_buffers: int = 1, grad_buffers: int = 2):
         self.numel, self.itemsize, self.num_shards, self.param_buffers = numel, itemsize, num_shards, param_buffers
+        self.grad_buffers = grad_buffers  # 0: the gradients are elsewhere (a CUDA worker's GPU arena)
         nbytes = max(numel * itemsize, 1)
         self.stride = aligned(nbytes)
         self.params = 0
         self.grads = param_buffers * self.stride
-        self.reply = self.grads + 2 * self.stride
+        self.reply = self.grads + grad_buffers * self.stride
         self.push_src = self.reply + FLAG * num_shards
         self.pull_src = self.push_src + FLAG * num_shards
         self.total = self.pull_src + FLAG * num_shards
@@ -137,8 +155,9 @@ class WorkerLayout:
 
     def to_dict(self) -> dict:
         return {"numel": self.numel, "itemsize": self.itemsize, "shards": self.num_shards,
-                "param_buffers": self.param_buffers}
+                "param_buffers": self.param_buffers, "grad_buffers": self.grad_buffers}
 
     @classmethod
     def from_dict(cls, d: dict) -> WorkerLayout:
-        return cls(int(d["numel"]), int(d["itemsize"]), int(d["shards"]), int(d.get("param_buffers", 1)))
+        return cls(int(d["numel"]), int(d["itemsize"]), int(d["shards"]), int(d.get("param_buffers", 1)),
+                   int(d.get("grad_buffers", 2)))

@@ -1,5 +1,9 @@
 """A parameter-server shard: holds its units' weights and optimizer state, aggregates the
-workers' gradients and runs the optimizer itself, then returns weights one-sidedly."""
+workers' gradients and runs the optimizer itself, then returns weights one-sidedly.
+
+A shard runs on the CPU, or with ``shard_device="cuda"`` on a GPU: then its weights, aggregate,
+gradient slots and optimizer state are GPU memory (its GPU arena), workers WRITE gradients
+straight into it, and it WRITEs weights from it; its flags stay in host memory."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +22,7 @@ from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, ru
 from rdmaflow.ps.optim import build_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
+from rdmaflow.transfer.common import producer_done
 
 POLL = 0.05
 
@@ -67,9 +72,22 @@ class Shard:
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
         raw[L.push :].zero_()
         self.raw = raw
+        # Weights, aggregate and grad slots: in the host block, or on a GPU shard at the same
+        # offsets in a block of its GPU arena (the host block's part before L.push is then unused).
+        self.on_gpu = self.config.get("shard_device", "cpu") == "cuda"
+        data, self.data_region, self.data_base = raw, arena.region, self.base
+        extra = {}
+        if self.on_gpu:
+            gpu = self.dev.create_arena(L.push + (1 << 20), device="cuda")
+            self.gpu_block = gpu.allocate(L.push)
+            data = torch.as_tensor(self.gpu_block, device=gpu.cuda_device)
+            self.data_region, self.data_base = gpu.region, self.gpu_block.offset
+            extra["data"] = {"base": self.data_base, "descriptor": gpu.region.descriptor().hex()}
 
         def view(off: int) -> torch.Tensor:
-            return raw[off : off + n * self.itemsize].view(self.dtype) if n else torch.empty(0, dtype=self.dtype)
+            if not n:
+                return torch.empty(0, dtype=self.dtype, device=data.device)
+            return data[off : off + n * self.itemsize].view(self.dtype)
 
         self.weights = view(L.weights)
         self.aggregate = view(L.aggregate)
@@ -93,7 +111,7 @@ class Shard:
                     start = found
             store.set("start_step", str(start))
         self.start = int(store.get("start_step"))
-        self.dev.publish("ps/shard", pack_header({"layout": L.to_dict(), "base": self.base},
+        self.dev.publish("ps/shard", pack_header({"layout": L.to_dict(), "base": self.base, **extra},
                                                  arena.region.descriptor()))
         store.set(f"ready/shard/{self.id}", "1")
 
@@ -131,7 +149,7 @@ class Shard:
             # Initial weights: worker 0's parameters.
             w0 = self.workers[0]
             isz, src = self.itemsize, w0["base"] + w0["layout"].params_at(0)
-            futs = [w0["channel"].memcpy(arena.region, self.base + L.weights + u.shard_offset * isz,
+            futs = [w0["channel"].memcpy(self.data_region, self.data_base + L.weights + u.shard_offset * isz,
                                          w0["remote"], src + u.offset * isz, u.numel * isz, READ)
                     for u in runs_of(self.units)]
             wait_all(futs, self.ctx.timeout)
@@ -179,13 +197,15 @@ class Shard:
         isz = self.itemsize
         runs = self.chunk_runs[k - 1] if k else []
         self.stats["reply_writes"] += len(runs)
+        if self.on_gpu:
+            producer_done(self.weights)  # the optimizer's kernels are queued, maybe not done
         # The chunk's runs, then its reply flag; the last run travels with the flag.
         self._reply_futs[w].extend(write_runs_then_flag(
-            ch, self.region, remote,
-            [(self.base + self.layout.weights + u.shard_offset * isz, dst + u.offset * isz, u.numel * isz)
+            ch, self.data_region, remote,
+            [(self.data_base + self.layout.weights + u.shard_offset * isz, dst + u.offset * isz, u.numel * isz)
              for u in runs],
             self.base + self.layout.reply_src_at(w, k), progress(version, k),
-            info["base"] + wl.reply + FLAG * self.id))
+            info["base"] + wl.reply + FLAG * self.id, self.region if self.on_gpu else None))
 
     def _worker_died(self, w: int) -> bool:
         """Whether worker w is gone. Survivors go on (iRDMA §IV-D) while at least min_workers

@@ -13,6 +13,13 @@ With ``overlap`` (the default) communication runs under computation (Xue et al. 
   averages of compute and pull time so that they land as the computation ends (adaptive
   pulling, the "bubble");
 - two gradient buffers, switched by ``zero_grad()``, so zeroing never waits for a push.
+
+A model on a CUDA device (its parameters decide) keeps its gradient buffers, and with zero copy
+its parameters, in the device's GPU arena: backward accumulates straight into the send buffer,
+which is WRITten from GPU memory to the shards once the producing stream is done; the flag
+words stay in host memory. The shards write weights into the host parameter buffers as for any
+worker, and each landed chunk is copied from there into the GPU parameters before the layer
+that needs it runs (iRDMA's weights from a host copy).
 """
 from __future__ import annotations
 
@@ -42,15 +49,31 @@ from rdmaflow.ps.layout import (
 from rdmaflow.ps.optim import describe_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
+from rdmaflow.transfer.common import producer_done
 
 POLL = 0.05
 REPLY_SLICE = 0.002  # seconds a reply poller waits before it looks for a smaller target
 MODES = ("sync", "async", "bounded")
+SHARD_DEVICES = ("cpu", "cuda")
 EMA = 0.3  # weight of the newest sample in the moving averages of adaptive pulling
 
 
 class WorkerFailure(RdmaflowError):
     pass
+
+
+def model_device(named) -> torch.device | None:
+    """The CUDA device every parameter is on, or None when they are all in host memory."""
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        raise InvalidArgumentError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
+                                   "a parameter-server worker needs them on one")
+    d = next(iter(devices), torch.device("cpu"))
+    if d.type == "cpu":
+        return None
+    if d.type != "cuda":
+        raise InvalidArgumentError(f"parameters on {d} are not supported (host or CUDA memory only)")
+    return d
 
 
 class Worker:
@@ -60,7 +83,7 @@ class Worker:
                  staleness: int = 0, policy: str = "block", block_bytes: int = 1 << 20,
                  overlap: bool = True, zero_copy: bool = True, min_workers: int | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 log_every: int = 0, progress: bool | None = None):
+                 log_every: int = 0, progress: bool | None = None, shard_device: str | None = None):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "bounded" and staleness < 0:
@@ -74,6 +97,9 @@ class Worker:
             raise InvalidArgumentError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if checkpoint_every and not checkpoint_dir:
             raise InvalidArgumentError("checkpoint_every needs a checkpoint_dir")
+        shard_device = shard_device or os.environ.get("RDMAFLOW_PS_SHARD_DEVICE") or "cpu"
+        if shard_device not in SHARD_DEVICES:
+            raise InvalidArgumentError(f"shard_device must be one of {SHARD_DEVICES}, got {shard_device!r}")
         self.ctx = ctx
         self.role = ctx.role
         self.id = ctx.role.index
@@ -97,6 +123,7 @@ class Worker:
                "overlap": self.overlap, "min_workers": nw if min_workers is None else int(min_workers),
                "checkpoint_dir": os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
                "checkpoint_every": int(checkpoint_every), "optim": describe_optimizer(optimizer),
+               "shard_device": shard_device,
                # Tuning: the smallest chunk of pipelined weight delivery (tests use tiny ones).
                "chunk_bytes": int(os.environ.get("RDMAFLOW_PS_CHUNK_BYTES", MIN_CHUNK_BYTES))}
         try:
@@ -109,6 +136,7 @@ class Worker:
     def _setup(self, mine: dict) -> None:
         store = self.store
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.cuda = model_device(named)  # None: a host model
         spec = spec_of(named)
         store.set(f"ep/worker/{self.id}", self.dev.endpoint)
         if self.id == 0:
@@ -119,7 +147,7 @@ class Worker:
             raise WorkerFailure(f"worker {self.id}'s model differs from the job's: "
                                 f"{describe_difference(spec_entries(spec), spec_entries(job_spec))}")
         cfg = json.loads(store.get("config"))
-        for k in ("mode", "policy", "overlap"):
+        for k in ("mode", "policy", "overlap", "shard_device"):
             if cfg[k] != mine[k]:
                 raise WorkerFailure(f"worker {self.id} asks for {k}={mine[k]}; the job runs {k}={cfg[k]}")
         self.cfg = cfg
@@ -128,7 +156,8 @@ class Worker:
         isz = self.itemsize = plan.itemsize
         # Asynchronous overlap computes on one parameter buffer while the other fills.
         self.switching = self.overlap and self.mode != "sync"
-        L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards, 2 if self.switching else 1)
+        L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards, 2 if self.switching else 1,
+                                       0 if self.cuda else 2)
         arena = self.dev.create_arena(L.total + (1 << 20))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
@@ -138,7 +167,13 @@ class Worker:
         nbytes = plan.total * isz
         self.flat_params = [raw[L.params_at(b) : L.params_at(b) + nbytes].view(self.dtype)
                             for b in range(L.param_buffers)]
-        self.flat_grads = [raw[L.grads_at(b) : L.grads_at(b) + nbytes].view(self.dtype) for b in range(2)]
+        self.dev_params: torch.Tensor | None = None  # a CUDA model's flat parameters (zero copy)
+        if self.cuda is None:
+            # The region and offset of gradient buffer 0; buffer 1 follows at L.stride.
+            self.grad_region, self._grads_base = self.region, self.base + L.grads
+            self.flat_grads = [raw[L.grads_at(b) : L.grads_at(b) + nbytes].view(self.dtype) for b in range(2)]
+        else:
+            self._setup_gpu(nbytes)
         for g in self.flat_grads:
             g.zero_()
         self.pbuf = 0  # the parameter buffer in use
@@ -146,16 +181,25 @@ class Worker:
         # The allocation-site decision of Xue et al. §3.4, in PyTorch: parameters and gradients
         # live in registered memory, so backward writes straight into the send buffers and
         # new weights land straight in the parameters. Without zero_copy they live in ordinary
-        # memory and every push and pull copies (the baseline of Xue et al. Figure 12).
+        # memory and every push and pull copies (the baseline of Xue et al. Figure 12). A CUDA
+        # model's parameters are in its GPU arena: new weights land in the host parameter
+        # buffers and each version is copied in before it is used, as without zero_copy.
+        self._copy_in = not self.zero_copy or self.cuda is not None
         self._params = []
         with torch.no_grad():
             for (name, p), info in zip(named, plan.params):
                 for fp in self.flat_params:
                     fp[info.offset : info.offset + info.numel].copy_(p.data.reshape(-1))
                 if self.zero_copy:
-                    p.data = self._pview(0, info)
+                    if self.dev_params is not None:
+                        view = self._dview(info)
+                        view.copy_(p.data)
+                        p.data = view
+                    else:
+                        p.data = self._pview(0, info)
                     p.grad = self._gview(0, info)
                 self._params.append((p, info))
+        self._loaded = [0] * len(self._params)  # the weight version each parameter's own copy holds
         self.reply = [Word.at(raw, L.reply + FLAG * s) for s in range(self.role.num_shards)]
         self._reply_cv = [threading.Condition() for _ in range(self.role.num_shards)]
         self._reply_polling = [False] * self.role.num_shards
@@ -173,8 +217,15 @@ class Worker:
             ep = store.get(f"ep/shard/{s}")
             store.wait([f"ready/shard/{s}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/shard"), "ps/shard")
-            self.shards.append({"ep": ep, "remote": RemoteRegion.from_descriptor(desc), "base": int(meta["base"]),
-                                "layout": ShardLayout.from_dict(meta["layout"]), "channel": self.dev.channel(ep)})
+            sh = {"ep": ep, "remote": RemoteRegion.from_descriptor(desc), "base": int(meta["base"]),
+                  "layout": ShardLayout.from_dict(meta["layout"]), "channel": self.dev.channel(ep)}
+            # Where gradients go: the shard's host block, or on a GPU shard the same offsets in
+            # its GPU block; the push flags are in the host block either way.
+            data = meta.get("data")
+            sh["data_remote"] = RemoteRegion.from_descriptor(bytes.fromhex(data["descriptor"])) if data else sh["remote"]
+            sh["data_base"] = int(data["base"]) if data else sh["base"]
+            sh["flags_remote"] = sh["remote"] if data else None
+            self.shards.append(sh)
         # A resumed job continues counting from its checkpoint's step; flags and versions count
         # absolute steps, so the initial weights are version start_step + 1.
         S = self.step_count = self.start_step = int(store.get("start_step"))
@@ -201,12 +252,11 @@ class Worker:
         self._await_all(S + 1, "the initial weights")
         self._ready = True
         self.pbuf = S % L.param_buffers
-        with torch.no_grad():
+        if self._copy_in:
+            self._load(range(len(self._params)), S + 1)
+        else:
             for p, info in self._params:
-                if self.zero_copy:
-                    p.data = self._pview(self.pbuf, info)
-                else:
-                    p.data.copy_(self._pview(self.pbuf, info))
+                p.data = self._pview(self.pbuf, info)
         self._last_pull = S
         if self.switching:
             self._request_pull(S + 1, 0.0)
@@ -217,6 +267,38 @@ class Worker:
                          disable=not self.progress, dynamic_ncols=True)
         self._t0 = time.monotonic()
         self._compute_start = self._t0
+
+    def _setup_gpu(self, nbytes: int) -> None:
+        """A CUDA model: its two gradient buffers, and with zero copy its parameters, in this
+        device's GPU arena (registered GPU memory of the model's CUDA device)."""
+        stride = self.layout.stride
+        bufs = 3 if self.zero_copy else 2
+        gpu = self.dev.create_arena(bufs * stride + (1 << 20), device=str(self.cuda))
+        self.gpu_block = gpu.allocate(bufs * stride)
+        graw = torch.as_tensor(self.gpu_block, device=gpu.cuda_device)
+        self.grad_region, self._grads_base = gpu.region, self.gpu_block.offset
+        self.flat_grads = [graw[b * stride : b * stride + nbytes].view(self.dtype) for b in range(2)]
+        if self.zero_copy:
+            self.dev_params = graw[2 * stride : 2 * stride + nbytes].view(self.dtype)
+
+    def _grads_at(self, buf: int) -> int:
+        """Where gradient buffer ``buf`` starts in ``grad_region``."""
+        return self._grads_base + (buf % 2) * self.layout.stride
+
+    def _load(self, indices, version: int | None) -> None:
+        """Copies the weights of parameters ``indices`` from the host parameter buffer in use into
+        the parameters' own memory (no zero copy, or a CUDA model's GPU parameters), unless they
+        hold ``version`` already (None: always). Synchronous: the shards may overwrite the host
+        buffer once the next push is out."""
+        with torch.no_grad():
+            for i in indices:
+                if version is None or self._loaded[i] != version:
+                    p, info = self._params[i]
+                    p.data.copy_(self._pview(self.pbuf, info))
+                    self._loaded[i] = version or 0
+
+    def _dview(self, info) -> torch.Tensor:
+        return self.dev_params[info.offset : info.offset + info.numel].view(info.shape)
 
     def _pview(self, buf: int, info) -> torch.Tensor:
         return self.flat_params[buf][info.offset : info.offset + info.numel].view(info.shape)
@@ -308,11 +390,8 @@ class Worker:
         for s, k in need:
             self._wait_word(s, progress(v, k), f"the weights of version {v}")
         self.profile["forward_wait"] += time.monotonic() - t0
-        if not self.zero_copy:
-            with torch.no_grad():
-                for i in own:
-                    p, info = self._params[i]
-                    p.data.copy_(self._pview(self.pbuf, info))
+        if self._copy_in:
+            self._load(own, v)
 
     def wait_weights(self) -> None:
         """Blocks until the parameters hold the newest weights (``step()`` may return before
@@ -320,10 +399,8 @@ class Worker:
         if self._ready:
             return
         self._await_all(self._version, f"the weights of version {self._version}")
-        if not self.zero_copy:
-            with torch.no_grad():
-                for p, info in self._params:
-                    p.data.copy_(self._pview(self.pbuf, info))
+        if self._copy_in:
+            self._load(range(len(self._params)), self._version)
         self._ready = True
 
     def _units_in(self, lo: int, hi: int) -> range:
@@ -390,7 +467,7 @@ class Worker:
         if self.overlap:
             raise InvalidArgumentError("push_range needs overlap=False (overlap pushes units from backward)")
         t, isz = self.step_count + 1, self.itemsize
-        src = self.base + self.layout.grads_at(self.gbuf)
+        src = self._grads_at(self.gbuf)
         runs: list[list[int]] = []  # [shard, local byte, remote byte, bytes]
         for i in self._units_in(lo, hi):
             u = self.units[i]
@@ -399,13 +476,15 @@ class Worker:
                 continue
             sh = self.shards[u.shard]
             local = src + a * isz
-            remote = sh["base"] + sh["layout"].gslot(self.id, t) + (u.shard_offset + a - u.offset) * isz
+            remote = sh["data_base"] + sh["layout"].gslot(self.id, t) + (u.shard_offset + a - u.offset) * isz
             last = runs[-1] if runs else None
             if last and last[0] == u.shard and last[1] + last[3] == local and last[2] + last[3] == remote:
                 last[3] += (b - a) * isz
             else:
                 runs.append([u.shard, local, remote, (b - a) * isz])
-        futs = [self.shards[s]["channel"].memcpy(self.region, lo_b, self.shards[s]["remote"], ro, n, WRITE)
+        if self.cuda is not None:
+            producer_done(self.flat_grads[self.gbuf])
+        futs = [self.shards[s]["channel"].memcpy(self.grad_region, lo_b, self.shards[s]["data_remote"], ro, n, WRITE)
                 for s, lo_b, ro, n in runs]
         with self._lock:
             self._ranges.append((lo, hi))
@@ -458,8 +537,8 @@ class Worker:
         if not self._batch[s]:
             return []
         sh, isz = self.shards[s], self.itemsize
-        src = self.base + self.layout.grads_at(self.gbuf)
-        dst = sh["base"] + sh["layout"].gslot(self.id, t)
+        src = self._grads_at(self.gbuf)
+        dst = sh["data_base"] + sh["layout"].gslot(self.id, t)
         runs = runs_of([self.units[u] for u in self._batch[s]])
         self.push_writes += len(runs)
         self._batch[s].clear()
@@ -469,8 +548,12 @@ class Worker:
     def _write_batch(self, s: int, t: int) -> None:
         """One WRITE per run of adjacent units in shard s's batch, into its slot for step t."""
         sh = self.shards[s]
-        for lo, ro, n in self._batch_runs(s, t):
-            self._cur_futs.append(sh["channel"].memcpy(self.region, lo, sh["remote"], ro, n, WRITE))
+        runs = self._batch_runs(s, t)
+        if runs and self.cuda is not None:
+            # Backward's kernels are queued, maybe not done: UCX reads on streams of its own.
+            producer_done(self.flat_grads[self.gbuf])
+        for lo, ro, n in runs:
+            self._cur_futs.append(sh["channel"].memcpy(self.grad_region, lo, sh["data_remote"], ro, n, WRITE))
 
     def _wait_pushes(self, buf: int) -> None:
         for f in self._push_futs[buf]:
@@ -507,12 +590,16 @@ class Worker:
             for u in range(len(self.units)):
                 if u not in self._pushed or u in self._dirty:
                     self._push_unit(u, t)
+            if self.cuda is not None:
+                producer_done(self.flat_grads[self.gbuf])  # staged and accumulated on the GPU
+            flags_local = self.region if self.cuda is not None else None  # the flags stay in host memory
             futs = []
             for s, sh in enumerate(self.shards):
                 # What is left of the batch, then the push flag; its last run travels with the flag.
-                written = write_runs_then_flag(sh["channel"], self.region, sh["remote"], self._batch_runs(s, t),
-                                               self.base + self.layout.push_src + FLAG * s, t,
-                                               sh["base"] + sh["layout"].push + FLAG * self.id)
+                written = write_runs_then_flag(sh["channel"], self.grad_region, sh["data_remote"],
+                                               self._batch_runs(s, t), self.base + self.layout.push_src + FLAG * s,
+                                               t, sh["base"] + sh["layout"].push + FLAG * self.id, flags_local,
+                                               sh["flags_remote"])
                 self._cur_futs.extend(written[:-1])
                 futs.append(written[-1])
             self._push_futs[self.gbuf].extend(self._cur_futs + futs)
@@ -560,14 +647,12 @@ class Worker:
         self._await_all(t + 1, f"the weights of pull {t}")
         if self._pull_timer is not None:
             self._pull_timer.join(self.ctx.timeout)
-        buf = t % 2
-        with torch.no_grad():
+        self.pbuf = t % 2
+        if self._copy_in:
+            self._load(range(len(self._params)), None)
+        else:
             for p, info in self._params:
-                if self.zero_copy:
-                    p.data = self._pview(buf, info)
-                else:
-                    p.data.copy_(self._pview(buf, info))
-        self.pbuf = buf
+                p.data = self._pview(self.pbuf, info)
         # The bubble: request the next pull so that it lands as the next computation ends.
         pull = self._last_pull_latency
         if pull is not None:

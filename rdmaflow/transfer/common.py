@@ -60,12 +60,16 @@ def unpack_header(value: bytes, name: str) -> tuple[dict, bytes]:
 def check_tensor(t, what: str = "tensor") -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise InvalidArgumentError(
-            f"{what} is on {t.device}; this build moves host tensors (GPU tensors need UCX with CUDA and GPUDirect)"
-        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"{what} is on {t.device}; rdmaflow moves host and CUDA tensors")
     if not t.is_contiguous():
         raise InvalidArgumentError(f"{what} is not contiguous; call .contiguous() first (that copies)")
+
+
+def producer_done(t: torch.Tensor) -> None:
+    """A CUDA tensor is about to be read by UCX, on a stream of its own: waits until the work
+    queued on the caller's current stream (which produced ``t``) has finished."""
+    torch.cuda.current_stream(t.device).synchronize()
 
 
 class Endpoint:

@@ -7,22 +7,32 @@ checks the record, allocates the tensor in its own arena, fetches the data with 
 READ and acknowledges; only then does the sender release its buffer.
 
 Record layout (little endian, 128 bytes): seq u64 | dtype u32 | rank u32 | dims 8 x i64 |
-nbytes u64 | source offset u64 | source region id u64 | zero padding. The maximum rank is 8.
+nbytes u64 | source offset u64 | source region id u64 | source memory u32 (0: host, d + 1: CUDA
+device d) | zero padding.
+The maximum rank is 8.
+
+GPU tensors (Xue et al. §3.5: dynamic allocation is the default for them): the record stays in
+host memory, where the receiving CPU polls its flag; the data is in the sender's GPU arena
+(source memory d + 1 in the record), whose descriptor the receiver looks up once through the side
+RPC (``CUDA_ARENA_NAME``). The receiver allocates the tensor in its own GPU arena and READs it
+there; the READ completes once UCX's copy has finished, so the tensor is safe on any stream.
 """
 from __future__ import annotations
 
+import json
 import struct
 
 import torch
 
-from rdmaflow import READ, Future, InvalidArgumentError
+from rdmaflow import READ, Future, InvalidArgumentError, RdmaflowError, RemoteRegion
+from rdmaflow.arena import CUDA_ARENA_NAME, CUDA_IPC_NAME, arena_of, map_gpu_ipc
 from rdmaflow.deadline import Deadline
-from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor
+from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor, producer_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, dtype_code
 from rdmaflow.transfer.pair import Receiver, Sender
 
 MAX_RANK = 8
-RECORD = struct.Struct("<QII8qQQQ")
+RECORD = struct.Struct("<QII8qQQQI")
 RECORD_BYTES = 128
 MODES = ("auto", "zerocopy", "copy")
 
@@ -34,12 +44,32 @@ class DynamicReceiver(Receiver):
 
     def __init__(self, device, name: str, depth: int = 1, timeout: float | None = 60.0):
         super().__init__(device, name, depth, RECORD_BYTES, {"max_rank": MAX_RANK, "record": RECORD_BYTES}, timeout)
+        self._sender_gpu = None  # the sender's GPU arena, looked up on its first CUDA tensor
+        self._sender_gpu_map = None  # ... mapped, when the sender is on this host
 
-    def _parse(self, slot: int, k: int, sender_arena) -> tuple:
+    def _source_region(self, gpu: int, channel, deadline: Deadline):
+        """The sender's arena that a record's data lies in: its host arena, or (``gpu`` >= 0)
+        its GPU arena, looked up once through the side RPC."""
+        if gpu < 0:
+            return self._connect_sender(deadline)[1]
+        if self._sender_gpu is None:
+            left = deadline.left()
+            left = -1.0 if left is None else left
+            desc = self.device.lookup(channel.remote_endpoint, CUDA_ARENA_NAME, left)
+            self._sender_gpu = RemoteRegion.from_descriptor(desc)
+            try:  # on this host: mapped, and read by a copy kernel (arena.py)
+                self._sender_gpu_map = map_gpu_ipc(json.loads(self.device.lookup(channel.remote_endpoint,
+                                                                                 CUDA_IPC_NAME, left)))
+            except (RdmaflowError, ValueError):
+                self._sender_gpu_map = None
+        return self._sender_gpu
+
+    def _parse(self, slot: int, k: int, channel, deadline: Deadline) -> tuple:
         start = self.data_off + slot * self.slot_stride
         raw = bytes(self._raw[start : start + RECORD.size].numpy())
         seq, code, rank, *rest = RECORD.unpack(raw)
-        dims, (nbytes, src_off, src_region) = rest[:MAX_RANK], rest[MAX_RANK:]
+        dims, (nbytes, src_off, src_region, memory) = rest[:MAX_RANK], rest[MAX_RANK:]
+        gpu, sender_arena = memory - 1, None
         bad = None
         if seq != k:
             bad = f"its sequence number is {seq}, expected {k}"
@@ -57,27 +87,38 @@ class DynamicReceiver(Receiver):
             itemsize = dtype.itemsize
             if numel * itemsize != nbytes:
                 bad = f"{nbytes} bytes do not match {dtype}{list(dims[:rank])}"
-            elif nbytes and src_region != sender_arena.region_id:
-                bad = f"it names region {src_region}, not the sender's registered arena ({sender_arena.region_id})"
+            elif memory > 1 << 16:
+                bad = f"unknown source memory {memory}"
+        if bad is None:
+            sender_arena = self._source_region(gpu, channel, deadline)
+            if nbytes and src_region != sender_arena.region_id:
+                bad = (f"it names region {src_region}, not the sender's registered "
+                       f"{'GPU ' if gpu >= 0 else ''}arena ({sender_arena.region_id})")
             elif nbytes and (src_off > sender_arena.nbytes or nbytes > sender_arena.nbytes - src_off):
                 bad = (f"it names bytes [{src_off}, {src_off + nbytes}) outside the sender's registered "
                        f"arena of {sender_arena.nbytes} bytes")
         if bad is not None:
             raise InvalidArgumentError(f"malformed metadata record for transfer {k} on '{self.name}': {bad}")
-        return dtype, tuple(dims[:rank]), nbytes, src_off
+        return dtype, tuple(dims[:rank]), nbytes, src_off, sender_arena, gpu
 
     def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
-        """Waits for the next transfer, allocates its tensor in the arena and READs the data in."""
+        """Waits for the next transfer, allocates its tensor in the arena and READs the data in.
+        A CUDA tensor sent lands in this device's GPU arena (on the current CUDA device when the
+        device has none yet) as a CUDA tensor."""
         timeout = self.timeout if timeout == -1.0 else timeout
         deadline = Deadline(timeout)
         k = self.seq + 1
         slot = self._wait_flag(k, deadline)
-        channel, sender_arena, _ = self._connect_sender(deadline)
-        dtype, shape, nbytes, src_off = self._parse(slot, k, sender_arena)
-        out = self.arena.empty(shape, dtype)
-        if nbytes:
-            off = self.arena.offset_of(out)
-            channel.memcpy(self.arena.region, off, sender_arena, src_off, nbytes, READ).result(deadline.left())
+        channel = self._connect_sender(deadline)[0]
+        dtype, shape, nbytes, src_off, source, gpu = self._parse(slot, k, channel, deadline)
+        arena = self.arena if gpu < 0 else arena_of(self.device, "cuda")
+        out = arena.empty(shape, dtype)
+        if nbytes and gpu >= 0 and self._sender_gpu_map is not None:
+            out.view(-1).view(torch.uint8).copy_(self._sender_gpu_map[src_off : src_off + nbytes])
+            torch.cuda.current_stream(out.device).synchronize()  # before the ack frees the source
+        elif nbytes:
+            off = arena.offset_of(out)
+            channel.memcpy(arena.region, off, source, src_off, nbytes, READ).result(deadline.left())
         self.seq = k
         self._ack(k, deadline)  # the sender may release its buffer; the slot may be rewritten
         return out
@@ -129,15 +170,20 @@ class DynamicSender(Sender):
         slot = self._wait_credit(k, deadline)
         self._release_consumed()
         nbytes = tensor.numel() * tensor.element_size()
-        src, off = tensor, 0
-        if nbytes:
+        src, off, arena, gpu = tensor, 0, self.arena, -1
+        if tensor.is_cuda:
+            arena, gpu = arena_of(self.device, tensor.device), tensor.device.index
+            off = None if self.mode == "copy" or not nbytes else self._gpu_offset(arena, tensor)
+        elif nbytes:
             off = self._arena_offset(tensor, nbytes)
-            if off is None:
-                src = self.arena.empty(tuple(tensor.shape), tensor.dtype)
-                src.copy_(tensor)
-                off = self.arena.offset_of(src)
+        if nbytes and off is None:
+            src = arena.empty(tuple(tensor.shape), tensor.dtype)
+            src.copy_(tensor)
+            off = arena.offset_of(src)
+        if gpu >= 0:
+            producer_done(src)  # the receiver's READ must find the data written
         dims = list(tensor.shape) + [0] * (MAX_RANK - tensor.dim())
-        rec = RECORD.pack(k, code, tensor.dim(), *dims, nbytes, off, self.arena.region.id)
+        rec = RECORD.pack(k, code, tensor.dim(), *dims, nbytes, off or 0, arena.region.id, gpu + 1)
         prev = self._pending[slot]
         if prev is not None:
             prev[0].result(deadline.left())  # the record cell of this slot is free again

@@ -20,6 +20,7 @@ import threading
 import torch
 
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError, receive_slot
+from rdmaflow.arena import arena_of, gpu_ipc_info, map_gpu_ipc
 from rdmaflow.deadline import Deadline
 from rdmaflow.transfer.common import (
     CTL_BYTES,
@@ -58,7 +59,8 @@ class Receiver(Endpoint):
 
     kind = ""
 
-    def __init__(self, device, name: str, depth: int, slot_bytes: int, meta: dict, timeout: float | None):
+    def __init__(self, device, name: str, depth: int, slot_bytes: int, meta: dict, timeout: float | None,
+                 cuda=None):
         super().__init__(device, name, timeout)
         if depth < 1:
             raise InvalidArgumentError(f"depth must be at least 1, got {depth}")
@@ -66,7 +68,16 @@ class Receiver(Endpoint):
         self.slot_stride = align(max(slot_bytes, 1))
         self.ctl_off = FLAG_STRIDE * depth
         self.data_off = self.ctl_off + CTL_BYTES
+        # Slots in GPU memory (cuda given): in the device's GPU arena, named in the header; flags
+        # and the control block stay here, in host memory, where this CPU polls them (§3.5).
+        self.data_block = None
         total = self.data_off + self.slot_stride * depth
+        if cuda is not None:
+            gpu = arena_of(device, cuda)
+            self.data_block = gpu.allocate(self.slot_stride * depth)
+            meta = dict(meta, data_region=gpu.region.descriptor().hex(), data_base=self.data_block.offset,
+                        data_ipc=gpu_ipc_info(gpu))
+            total = self.data_off
         self.block = self.arena.allocate(total)
         self.base = self.block.offset
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
@@ -280,8 +291,19 @@ class Sender(Endpoint):
         self.r_ctl = _int_field(meta, "ctl", name)
         self.r_data = _int_field(meta, "data", name)
         self.r_stride = _int_field(meta, "stride", name, 1)
+        # Where the slots are: after the control block, or in the receiver's GPU arena.
+        self.data_remote, self.d_at = self.remote, self.r_base + self.r_data
+        if "data_region" in meta:
+            try:
+                self.data_remote = RemoteRegion.from_descriptor(bytes.fromhex(str(meta["data_region"])))
+            except (ValueError, RdmaflowError) as e:
+                raise InvalidArgumentError(f"the header published as '{name}' has a bad data_region: {e}") from None
+            self.d_at = _int_field(meta, "data_base", name)
+        # GPU slots of a receiver on this host: mapped, and written by a copy kernel (arena.py).
+        self._gpu_map = map_gpu_ipc(meta.get("data_ipc")) if "data_region" in meta else None
         if (self.r_ctl < FLAG_STRIDE * self.depth or self.r_data < self.r_ctl + CTL_BYTES
-                or self.r_base + self.r_data + self.r_stride * self.depth > self.remote.nbytes):
+                or self.r_base + self.r_data > self.remote.nbytes
+                or self.d_at + self.r_stride * self.depth > self.data_remote.nbytes):
             raise InvalidArgumentError(
                 f"the header published as '{name}' lays out its slots outside its region"
             )
@@ -306,7 +328,7 @@ class Sender(Endpoint):
         self._introduce(deadline)
         # Same host: the receiver's region written by this thread (DirectWindow), no progress
         # thread; sends on it are complete when they return, so they all share one done future.
-        self._direct = self.channel.direct_window(self.remote)
+        self._direct = self.channel.direct_window(self.remote) if self.data_remote is self.remote else None
         self._done = self.channel.memcpy(self.arena.region, 0, self.remote, 0, 0, WRITE)
 
     def _validate(self, meta: dict) -> None:
@@ -360,15 +382,33 @@ class Sender(Endpoint):
             )
         return off
 
+    def _gpu_offset(self, gpu, tensor: torch.Tensor) -> int | None:
+        """Where a CUDA tensor lives in the GPU arena ``gpu``, or None when it must be staged;
+        mode "zerocopy" refuses one outside it."""
+        off = gpu.offset_of(tensor)
+        if off is None and self.mode == "zerocopy":
+            raise InvalidArgumentError(
+                "zero-copy send needs a CUDA tensor that lives in the registered GPU arena: allocate it "
+                "with device.empty(shape, dtype, device='cuda'), or use mode='copy'"
+            )
+        return off
+
     def _post(self, k: int, slot: int, local_off: int = 0, data_off: int = 0, nbytes: int = 0,
-              rider: tuple | None = None):
+              rider: tuple | None = None, local=None, remote=None):
         """One command: WRITE ``nbytes`` from the arena at ``local_off`` to the receiver's region
         at ``data_off``, fence, WRITE k into the flag of ``slot``: the flag never lands before
         the payload. ``rider``: a receiver's ack to the same peer, in the same message (stored
-        just before the flag), else as a word of its own right behind it (``Receiver._rider_for``)."""
-        return self.channel.write_flagged(self.arena.region, local_off, self.remote, data_off, nbytes,
-                                          self._off(self._flags_off + FLAG_STRIDE * slot), k,
-                                          self.r_base + FLAG_STRIDE * slot, None, *(rider or ()))
+        just before the flag), else as a word of its own right behind it (``Receiver._rider_for``).
+        ``local``/``remote``: the data's regions when they are not the two arenas (GPU memory);
+        the flag stays in the host arenas, put once the data's flush has completed."""
+        if local is None and remote is None:
+            return self.channel.write_flagged(self.arena.region, local_off, self.remote, data_off, nbytes,
+                                              self._off(self._flags_off + FLAG_STRIDE * slot), k,
+                                              self.r_base + FLAG_STRIDE * slot, None, *(rider or ()))
+        return self.channel.write_flagged(local or self.arena.region, local_off, remote or self.remote, data_off,
+                                          nbytes, self._off(self._flags_off + FLAG_STRIDE * slot), k,
+                                          self.r_base + FLAG_STRIDE * slot, None, *(rider or (None, 0, 0, 0)),
+                                          self.arena.region, self.remote)
 
     def _check_release(self, release) -> None:
         """``send(..., release=...)`` takes a receiver of this device, or None."""

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 import torch
 
 from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
+from rdmaflow.arena import arena_of
 from rdmaflow.deadline import Deadline
-from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor
+from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, producer_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
 from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE
 from rdmaflow.transfer.pair import CLOSED, Receiver, Sender
@@ -40,13 +41,18 @@ class StaticReceiver(Receiver):
     ``recv()`` returns a tensor viewing the slot the data was written to: no copy. The slot is
     handed back to the sender by ``release()``, or by the next ``recv()``; until then the
     sender cannot overwrite it. ``depth`` slots let the sender run that many transfers ahead.
+
+    ``device`` ("cuda", "cuda:1"): the slots are GPU memory in the device's GPU arena and
+    ``recv()`` returns CUDA tensors; the flags stay in host memory, where this CPU polls them
+    (Xue et al. §3.5). A flag is put only once its data's WRITE has completed (UCX's copy has
+    finished), so a received tensor is safe to use on any stream.
     """
 
     kind = KIND_STATIC
     header_bytes = 0  # bounded transfers: the actual shape, before the data in each slot
 
     def __init__(self, device, name: str, shape: Sequence[int] | int, dtype: torch.dtype,
-                 depth: int = 1, timeout: float | None = 60.0):
+                 depth: int = 1, timeout: float | None = 60.0, *, cuda=None):
         self.shape = _shape(shape)
         self.dtype = dtype
         dtype_code(dtype)
@@ -56,12 +62,16 @@ class StaticReceiver(Receiver):
             numel *= s
         self.nbytes = numel * self.itemsize
         meta = {"shape": list(self.shape), "dtype": dtype_code(dtype), "nbytes": self.nbytes}
-        super().__init__(device, name, depth, self.header_bytes + self.nbytes, meta, timeout)
+        if cuda is not None and self.header_bytes:
+            raise InvalidArgumentError("bounded transfers keep their size records in the slots: host memory only")
+        super().__init__(device, name, depth, self.header_bytes + self.nbytes, meta, timeout, cuda)
+        raw, first = self._raw, self.data_off
+        if self.data_block is not None:  # GPU slots: CUDA tensors holding the arena block
+            raw, first = torch.as_tensor(self.data_block, device=arena_of(device, cuda).cuda_device), 0
         self._views = []
         for i in range(depth):
-            start = self.data_off + i * self.slot_stride + self.header_bytes
-            raw = self._raw[start : start + self.nbytes] if self.nbytes else self._raw[start:start]
-            self._views.append(raw.view(dtype).view(self.shape))
+            start = first + i * self.slot_stride + self.header_bytes
+            self._views.append(raw[start : start + self.nbytes].view(dtype).view(self.shape))
 
     def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
         """Waits for the next transfer and returns the tensor it landed in (no copy)."""
@@ -101,6 +111,7 @@ class StaticSender(Sender):
         self._declared = (None if shape is None else _shape(shape), dtype)
         super().__init__(device, remote_endpoint, name, qp_idx, timeout)
         self._staging: list = [None] * self.depth
+        self._gpu_staging: list = [None] * self.depth
         # Where each slot's data and flag are in the receiver's region, and this sender's ack word.
         self._slot_at = [self.r_base + self.r_data + i * self.r_stride for i in range(self.depth)]
         self._flag_at = [self.r_base + FLAG_STRIDE * i for i in range(self.depth)]
@@ -164,6 +175,8 @@ class StaticSender(Sender):
             self._check_release(release)
         with self._send_lock:
             if self._direct is not None:
+                if tensor.is_cuda:  # into host memory on this host: the copy to it is the transfer
+                    tensor = self._stage(tensor, 0)
                 return self._send_direct(tensor, timeout, release)
             return self._send(tensor, timeout, release)
 
@@ -197,16 +210,22 @@ class StaticSender(Sender):
             if not prev[0].done():  # its flush completes on the next drive of the worker: drive it here
                 self.channel.progress_now()
             prev[0].result(deadline.left())
-        keep, off = tensor, 0
+        keep, off, local = tensor, 0, None
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes:
+        if self._gpu_map is not None:  # GPU slots on this host: a copy kernel, then the flag alone
+            keep = self._copy_to_mapped_slot(tensor, slot, nbytes)
+            nbytes = 0
+        elif tensor.is_cuda:
+            keep, off, local = self._gpu_source(tensor, slot, nbytes)
+        elif nbytes:
             off = self._arena_offset(tensor, nbytes)
             if off is None:
                 keep = self._stage(tensor, slot)
                 off = self.arena.offset_of(keep)
         self._write_size(slot, k, tensor)  # fenced behind, like the data, by the flag's post
-        f = self._post(k, slot, off, self.r_base + self.r_data + slot * self.r_stride + self.header_bytes, nbytes,
-                       rider)
+        remote = None if self.data_remote is self.remote else self.data_remote
+        f = self._post(k, slot, off, self.d_at + slot * self.r_stride + self.header_bytes, nbytes, rider, local,
+                       remote)
         if rider is not None:
             release._rode(f)
         self._pending[slot] = (f, keep)
@@ -214,6 +233,40 @@ class StaticSender(Sender):
         if release_after is not None:
             release_after.release()
         return f
+
+    def _copy_to_mapped_slot(self, tensor: torch.Tensor, slot: int, nbytes: int) -> torch.Tensor:
+        """Copies ``tensor`` (host or CUDA) into the receiver's mapped GPU slot on the caller's
+        current stream, behind the work that produced it, and waits for that stream: the flag,
+        posted next, lands after the data. Returns what must stay alive until the flag's post
+        completes. Mode "copy" stages a CUDA tensor first (the paper's RDMA.cp); "zerocopy"
+        refuses one outside the GPU arena, as every path does."""
+        if tensor.is_cuda and nbytes and self.mode == "copy":
+            tensor = self._gpu_source(tensor, slot, nbytes)[0]
+        elif tensor.is_cuda and nbytes and self.mode == "zerocopy":
+            self._gpu_offset(arena_of(self.device, tensor.device), tensor)
+        if nbytes:
+            at = self.d_at + slot * self.r_stride + self.header_bytes
+            dst = self._gpu_map[at : at + nbytes].view(tensor.dtype)
+            dst.copy_(tensor.reshape(-1))
+            torch.cuda.current_stream(dst.device).synchronize()
+        return tensor
+
+    def _gpu_source(self, tensor: torch.Tensor, slot: int, nbytes: int) -> tuple:
+        """(what must stay alive, offset, region) of a CUDA tensor's bytes in the GPU arena: the
+        tensor itself (zero copy), or a copy in GPU staging memory of ``slot`` (mode "copy", or
+        "auto" with a tensor outside the arena). Then waits for the caller's stream, whose work
+        produced the tensor (and the copy): UCX reads it on a stream of its own."""
+        gpu = arena_of(self.device, tensor.device)
+        off = None if self.mode == "copy" or not nbytes else self._gpu_offset(gpu, tensor)
+        keep = tensor
+        if off is None and nbytes:
+            if self._gpu_staging[slot] is None:
+                self._gpu_staging[slot] = gpu.empty(self.shape, self.dtype)
+            keep = self._gpu_staging[slot].view(-1)[: tensor.numel()].view(tensor.shape)
+            keep.copy_(tensor)
+            off = gpu.offset_of(keep)
+        producer_done(keep)
+        return keep, off or 0, gpu.region
 
     def _stage(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
         """``tensor`` copied into registered staging memory of ``slot``."""

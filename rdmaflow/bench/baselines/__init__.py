@@ -27,3 +27,9 @@ TENSORPIPE_OPTIONS = {
     "tcp": (["uv"], ["basic"]),
     "sm": (["shm", "uv"], ["cma", "basic"]),
 }
+
+#: CUDA tensors between two processes on one host (``bench transfer --device cuda``): the
+#: ``cuda_ipc`` channel (the receiver copies from the sender's GPU memory through a CUDA IPC
+#: handle), ``cuda_basic`` (through host memory) only where it is not viable, and the host
+#: channels for the rest of a message. The list's order is the channels' priority.
+TENSORPIPE_CUDA_OPTIONS = (["shm", "uv"], ["cuda_ipc", "cuda_basic", "cma", "basic"])

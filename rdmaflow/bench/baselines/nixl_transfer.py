@@ -11,7 +11,7 @@ after the receiver handed the slot back, and once its previous post is done.
 """
 from __future__ import annotations
 
-from rdmaflow.bench._transfer_worker import fill, marker, now
+from rdmaflow.bench._transfer_worker import consume, consume_mode, fill, marker
 from rdmaflow.bench.baselines.nixl_agent import NixlAgentWorker
 from rdmaflow.deadline import Deadline
 
@@ -37,7 +37,7 @@ class NixlTransferWorker(NixlAgentWorker):
         self._check(window * size)
         peer = self.connect(cmd["peer"])
         deadline = Deadline(cmd["timeout"])
-        want, reduce, n = marker(cmd["tag"]), cmd.get("reduce", True), size // 4
+        want, mode, n = marker(cmd["tag"]), consume_mode(cmd), size // 4
         times: list[float] = []
         bad = 0
         self.notes = 0
@@ -47,9 +47,9 @@ class NixlTransferWorker(NixlAgentWorker):
         for i in range(count):
             self.wait_notes(i + 1, deadline, f"tensor {i + 1} of {count}")
             t = self.buf[(i % window) * n:(i % window + 1) * n]
-            v = float(t.max()) if reduce else want
-            times.append(now())
-            bad += v != want
+            t1, ok, _ = consume(t, mode, want, i == count - 1)
+            times.append(t1)
+            bad += not ok
             self.agent.send_notif(peer, credit)
         return {"times": times, "bad": bad}
 
