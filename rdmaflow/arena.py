@@ -196,17 +196,19 @@ class _Mapped:
                                          "version": 2}
 
 
-def map_gpu_ipc(info) -> torch.Tensor | None:
+def map_gpu_ipc(info, nbytes: int) -> torch.Tensor | None:
     """A uint8 CUDA tensor over a peer's GPU arena described by ``info`` (:func:`gpu_ipc_info`),
     opened on the current CUDA device; None when the peer is on another host, its arena cannot be
-    mapped, or $RDMAFLOW_GPU_IPC is 0: the caller then goes through UCX."""
+    mapped, ``info`` does not describe ``nbytes`` (the size its authenticated descriptor says), or
+    $RDMAFLOW_GPU_IPC is 0: the caller then goes through UCX."""
     if (not isinstance(info, dict) or os.environ.get(GPU_IPC_ENV, "1").strip() == "0"
-            or not torch.cuda.is_available() or info.get("boot_id") != _boot_id()):
+            or not torch.cuda.is_available() or info.get("boot_id") != _boot_id()
+            or info.get("nbytes") != nbytes):
         return None
     here = torch.device("cuda", torch.cuda.current_device())
     try:
         base = _core.cuda_ipc_open(bytes.fromhex(str(info["handle"])), here.index)
-        return torch.as_tensor(_Mapped(base + int(info["offset"]), int(info["nbytes"])), device=here)
+        return torch.as_tensor(_Mapped(base + int(info["offset"]), nbytes), device=here)
     except (_core.RdmaflowError, ValueError, KeyError, TypeError, RuntimeError):
         return None
 

@@ -58,8 +58,8 @@ class DynamicReceiver(Receiver):
             desc = self.device.lookup(channel.remote_endpoint, CUDA_ARENA_NAME, left)
             self._sender_gpu = RemoteRegion.from_descriptor(desc)
             try:  # on this host: mapped, and read by a copy kernel (arena.py)
-                self._sender_gpu_map = map_gpu_ipc(json.loads(self.device.lookup(channel.remote_endpoint,
-                                                                                 CUDA_IPC_NAME, left)))
+                info = json.loads(self.device.lookup(channel.remote_endpoint, CUDA_IPC_NAME, left))
+                self._sender_gpu_map = map_gpu_ipc(info, self._sender_gpu.nbytes)
             except (RdmaflowError, ValueError):
                 self._sender_gpu_map = None
         return self._sender_gpu

@@ -300,13 +300,15 @@ class Sender(Endpoint):
                 raise InvalidArgumentError(f"the header published as '{name}' has a bad data_region: {e}") from None
             self.d_at = _int_field(meta, "data_base", name)
         # GPU slots of a receiver on this host: mapped, and written by a copy kernel (arena.py).
-        self._gpu_map = map_gpu_ipc(meta.get("data_ipc")) if "data_region" in meta else None
         if (self.r_ctl < FLAG_STRIDE * self.depth or self.r_data < self.r_ctl + CTL_BYTES
                 or self.r_base + self.r_data > self.remote.nbytes
                 or self.d_at + self.r_stride * self.depth > self.data_remote.nbytes):
             raise InvalidArgumentError(
                 f"the header published as '{name}' lays out its slots outside its region"
             )
+        # GPU slots of a receiver on this host: mapped, and written by a copy kernel (arena.py).
+        self._gpu_map = (map_gpu_ipc(meta.get("data_ipc"), self.data_remote.nbytes) if "data_region" in meta
+                         else None)
         # Everything the subclass needs from the header is checked before the receiver is
         # touched: a rejected sender must leave no trace there.
         self._validate(meta)
