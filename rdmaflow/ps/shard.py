@@ -22,7 +22,7 @@ from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, ru
 from rdmaflow.ps.optim import build_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
-from rdmaflow.transfer.common import producer_done
+from rdmaflow.transfer.common import stream_done
 
 POLL = 0.05
 
@@ -198,7 +198,7 @@ class Shard:
         runs = self.chunk_runs[k - 1] if k else []
         self.stats["reply_writes"] += len(runs)
         if self.on_gpu:
-            producer_done(self.weights)  # the optimizer's kernels are queued, maybe not done
+            stream_done(self.weights)  # the optimizer's kernels are queued, maybe not done
         # The chunk's runs, then its reply flag; the last run travels with the flag.
         self._reply_futs[w].extend(write_runs_then_flag(
             ch, self.data_region, remote,

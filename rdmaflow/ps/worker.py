@@ -49,7 +49,7 @@ from rdmaflow.ps.layout import (
 from rdmaflow.ps.optim import describe_optimizer
 from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
-from rdmaflow.transfer.common import producer_done
+from rdmaflow.transfer.common import stream_done
 
 POLL = 0.05
 REPLY_SLICE = 0.002  # seconds a reply poller waits before it looks for a smaller target
@@ -483,7 +483,7 @@ class Worker:
             else:
                 runs.append([u.shard, local, remote, (b - a) * isz])
         if self.cuda is not None:
-            producer_done(self.flat_grads[self.gbuf])
+            stream_done(self.flat_grads[self.gbuf])
         futs = [self.shards[s]["channel"].memcpy(self.grad_region, lo_b, self.shards[s]["data_remote"], ro, n, WRITE)
                 for s, lo_b, ro, n in runs]
         with self._lock:
@@ -551,7 +551,7 @@ class Worker:
         runs = self._batch_runs(s, t)
         if runs and self.cuda is not None:
             # Backward's kernels are queued, maybe not done: UCX reads on streams of its own.
-            producer_done(self.flat_grads[self.gbuf])
+            stream_done(self.flat_grads[self.gbuf])
         for lo, ro, n in runs:
             self._cur_futs.append(sh["channel"].memcpy(self.grad_region, lo, sh["data_remote"], ro, n, WRITE))
 
@@ -591,7 +591,7 @@ class Worker:
                 if u not in self._pushed or u in self._dirty:
                     self._push_unit(u, t)
             if self.cuda is not None:
-                producer_done(self.flat_grads[self.gbuf])  # staged and accumulated on the GPU
+                stream_done(self.flat_grads[self.gbuf])  # staged and accumulated on the GPU
             flags_local = self.region if self.cuda is not None else None  # the flags stay in host memory
             futs = []
             for s, sh in enumerate(self.shards):

@@ -66,9 +66,10 @@ def check_tensor(t, what: str = "tensor") -> None:
         raise InvalidArgumentError(f"{what} is not contiguous; call .contiguous() first (that copies)")
 
 
-def producer_done(t: torch.Tensor) -> None:
-    """A CUDA tensor is about to be read by UCX, on a stream of its own: waits until the work
-    queued on the caller's current stream (which produced ``t``) has finished."""
+def stream_done(t: torch.Tensor) -> None:
+    """Waits until the work queued on the caller's current stream of ``t``'s CUDA device has
+    finished: before UCX reads a CUDA tensor that work produced (on a stream of its own), and
+    before a flag or an ack says that a copy queued there has landed."""
     torch.cuda.current_stream(t.device).synchronize()
 
 

@@ -27,7 +27,7 @@ import torch
 from rdmaflow import READ, Future, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.arena import CUDA_ARENA_NAME, CUDA_IPC_NAME, arena_of, map_gpu_ipc
 from rdmaflow.deadline import Deadline
-from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor, producer_done
+from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, dtype_code
 from rdmaflow.transfer.pair import Receiver, Sender
 
@@ -115,7 +115,7 @@ class DynamicReceiver(Receiver):
         out = arena.empty(shape, dtype)
         if nbytes and gpu >= 0 and self._sender_gpu_map is not None:
             out.view(-1).view(torch.uint8).copy_(self._sender_gpu_map[src_off : src_off + nbytes])
-            torch.cuda.current_stream(out.device).synchronize()  # before the ack frees the source
+            stream_done(out)  # before the ack frees the source
         elif nbytes:
             off = arena.offset_of(out)
             channel.memcpy(arena.region, off, source, src_off, nbytes, READ).result(deadline.left())
@@ -181,7 +181,7 @@ class DynamicSender(Sender):
             src.copy_(tensor)
             off = arena.offset_of(src)
         if gpu >= 0:
-            producer_done(src)  # the receiver's READ must find the data written
+            stream_done(src)  # the receiver's READ must find the data written
         dims = list(tensor.shape) + [0] * (MAX_RANK - tensor.dim())
         rec = RECORD.pack(k, code, tensor.dim(), *dims, nbytes, off or 0, arena.region.id, gpu + 1)
         prev = self._pending[slot]

@@ -20,7 +20,7 @@ import torch
 from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
 from rdmaflow.arena import arena_of
 from rdmaflow.deadline import Deadline
-from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, producer_done
+from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
 from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE
 from rdmaflow.transfer.pair import CLOSED, Receiver, Sender
@@ -248,7 +248,7 @@ class StaticSender(Sender):
             at = self.d_at + slot * self.r_stride + self.header_bytes
             dst = self._gpu_map[at : at + nbytes].view(tensor.dtype)
             dst.copy_(tensor.reshape(-1))
-            torch.cuda.current_stream(dst.device).synchronize()
+            stream_done(dst)
         return tensor
 
     def _gpu_source(self, tensor: torch.Tensor, slot: int, nbytes: int) -> tuple:
@@ -265,7 +265,7 @@ class StaticSender(Sender):
             keep = self._gpu_staging[slot].view(-1)[: tensor.numel()].view(tensor.shape)
             keep.copy_(tensor)
             off = gpu.offset_of(keep)
-        producer_done(keep)
+        stream_done(keep)
         return keep, off or 0, gpu.region
 
     def _stage(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ def create_arena(self, nbytes=None, device=None):
 def main() -> None:
     device_module.Device.create_arena = create_arena
     worker_module.model_device = lambda named: torch.device("cpu")  # not None: the CUDA path
-    worker_module.producer_done = shard_module.producer_done = lambda t: None
+    worker_module.stream_done = shard_module.stream_done = lambda t: None
     script = sys.argv[1]
     sys.argv = [script]
     runpy.run_path(script, run_name="__main__")
