@@ -569,9 +569,10 @@ enum class WaitStatus : int {
   Mismatch = 5,     // the flag holds a later transfer than the one awaited (receive_slot)
 };
 
-// Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins for
-// an adaptive time (per thread: about four times the last wait, if that one took at most 1 ms,
-// between 50 and 250 us; halved after a longer one), then yields the core 50 times, then sleeps with a backoff of
+// Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins,
+// yielding the core between rounds of loads, for an adaptive time (per thread: about four times
+// the last wait, if that one took at most 1 ms, between 50 and 250 us; halved after a longer
+// one), then yields the core 50 times, then sleeps with a backoff of
 // 1, 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be
 // null) is looked at while sleeping; with `drive`, the waiter also progresses peer's worker
 // between looks (Channel::progress_now). timeout_s < 0: none.

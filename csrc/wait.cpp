@@ -17,6 +17,11 @@ namespace {
 // slack: tens of us.) Halving after every wait that slept, as this once did, let a ping-pong
 // settle where both sides sleep: each answer then waits for a sleeper's wake-up, so every wait
 // outlasts the shrinking budget, and the round trip stays ten times longer.
+// The spin yields the core between rounds of loads: a spin that only paused took the core from
+// whatever else was runnable there for the whole budget. Where processes outnumber the cores (a
+// shard beside its workers; stages sharing a host) that is the writer, or the thread whose work
+// the writer waits for, and up to 250 us of each wait was taken from them (docs/benchmarks.md,
+// "Spinning that yields"). With nothing else runnable a yield returns at once.
 constexpr int64_t kMinSpinNs = 50'000;
 constexpr int64_t kMaxSpinNs = 250'000;
 constexpr int64_t kSpinWorthNs = 1'000'000;
@@ -64,6 +69,7 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
     }
     if (drive) peer->progress_now();
     if (ns_since(t0) >= budget) break;
+    std::this_thread::yield();
   }
   long sleep_us = 1;
   int yields = 0;
