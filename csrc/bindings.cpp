@@ -114,6 +114,19 @@ size_t check_offset(int64_t v, const char* what) {
   return size_t(v);
 }
 
+// write_flagged's rider from its four arguments (rider.remote null: none).
+Channel::Rider make_rider(const std::shared_ptr<RemoteRegion>& remote, int64_t offset, uint64_t value,
+                          int64_t remote_offset) {
+  Channel::Rider rider;
+  if (remote) {
+    rider.remote = remote;
+    rider.local_off = check_offset(offset, "rider_offset");
+    rider.remote_off = check_offset(remote_offset, "rider_remote_offset");
+    rider.value = value;
+  }
+  return rider;
+}
+
 // Waits in short slices so that Ctrl-C reaches Python while a transfer is pending.
 bool wait_future(const Future& f, double timeout) {
   auto t0 = std::chrono::steady_clock::now();
@@ -333,13 +346,7 @@ PYBIND11_MODULE(_core, m) {
             size_t n = check_offset(nbytes, "nbytes");
             size_t wo = check_offset(word_offset, "word_offset");
             size_t wro = check_offset(word_remote_offset, "word_remote_offset");
-            Channel::Rider rider;
-            if (rider_remote) {
-              rider.remote = rider_remote;
-              rider.local_off = check_offset(rider_offset, "rider_offset");
-              rider.remote_off = check_offset(rider_remote_offset, "rider_remote_offset");
-              rider.value = rider_value;
-            }
+            Channel::Rider rider = make_rider(rider_remote, rider_offset, rider_value, rider_remote_offset);
             Callback cb = make_callback(callback);
             try {
               return ch.write_flagged(local, lo, remote, ro, n, wo, value, wro, std::move(cb),
@@ -363,6 +370,60 @@ PYBIND11_MODULE(_core, m) {
           "the word; elsewhere as a word of its own right behind it. word_local_region and "
           "word_remote_region (default: the data's) hold the word and the rider's source: host "
           "memory, also for data in GPU memory.")
+      .def(
+          "send_slot",
+          [](Channel& ch, uintptr_t ack_address, int64_t need, uint64_t closed_value, double timeout,
+             const std::shared_ptr<MemRegion>& local, int64_t local_offset,
+             const std::shared_ptr<RemoteRegion>& remote, int64_t remote_offset, int64_t nbytes,
+             int64_t word_offset, uint64_t value, int64_t word_remote_offset,
+             const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
+             uint64_t rider_value, int64_t rider_remote_offset) {
+            size_t lo = check_offset(local_offset, "local_offset");
+            size_t ro = check_offset(remote_offset, "remote_offset");
+            size_t n = check_offset(nbytes, "nbytes");
+            size_t wo = check_offset(word_offset, "word_offset");
+            size_t wro = check_offset(word_remote_offset, "word_remote_offset");
+            Channel::Rider rider = make_rider(rider_remote, rider_offset, rider_value, rider_remote_offset);
+            std::pair<WaitStatus, Future> r;
+            {
+              py::gil_scoped_release nogil;
+              r = ch.send_slot(ack_address, need, closed_value, timeout, local, lo, remote, ro, n, wo,
+                               value, wro, rider_remote ? &rider : nullptr);
+            }
+            return py::make_tuple(int(r.first), r.second ? py::cast(r.second) : py::none());
+          },
+          py::arg("ack_address"), py::arg("need"), py::arg("closed_value"), py::arg("timeout"),
+          py::arg("local_region"), py::arg("local_offset"), py::arg("remote_region"),
+          py::arg("remote_offset"), py::arg("nbytes"), py::arg("word_offset"), py::arg("value"),
+          py::arg("word_remote_offset"), py::arg("rider_remote_region") = nullptr,
+          py::arg("rider_offset") = 0, py::arg("rider_value") = 0, py::arg("rider_remote_offset") = 0,
+          "A static pair's send over UCX in one call, with the GIL released: waits until the word "
+          "at ack_address is >= need and below closed_value (driving the worker), then posts "
+          "write_flagged (its rider as there). Returns (code, future): (0, the write's future), "
+          "or before posting anything (1 timeout, 2 peer failed, 3 receiver closed; None).")
+      .def(
+          "ack_and_receive",
+          [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t ack_offset,
+             const std::shared_ptr<RemoteRegion>& remote, int64_t ack_remote_offset,
+             uint64_t ack_value, uintptr_t flag_address, uint64_t seq, uintptr_t ctl_address,
+             uint64_t generation, double timeout, bool drive) {
+            size_t ao = check_offset(ack_offset, "ack_offset");
+            size_t aro = check_offset(ack_remote_offset, "ack_remote_offset");
+            std::pair<WaitStatus, Future> r;
+            {
+              py::gil_scoped_release nogil;
+              r = ch.ack_and_receive(local, ao, remote, aro, ack_value, flag_address, seq, ctl_address,
+                                     generation, timeout, drive);
+            }
+            return py::make_tuple(int(r.first), r.second);
+          },
+          py::arg("local_region"), py::arg("ack_offset"), py::arg("remote_region"),
+          py::arg("ack_remote_offset"), py::arg("ack_value"), py::arg("flag_address"), py::arg("seq"),
+          py::arg("ctl_address"), py::arg("generation"), py::arg("timeout"), py::arg("drive") = false,
+          "A receiver's recv over UCX in one call, with the GIL released: posts the ack of the "
+          "last transfer (ack_value from the local word at ack_offset to ack_remote_offset), "
+          "then waits as receive_slot does. Returns (code, the ack's future); codes as "
+          "receive_slot's.")
       .def_property_readonly("flagged_by_message", &Channel::flagged_by_message,
                              "Whether write_flagged of at most flagged_message_bytes takes the "
                              "message path (data, word and rider in one message); known once "

@@ -323,6 +323,37 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   return fut;
 }
 
+std::pair<WaitStatus, Future> Channel::send_slot(uintptr_t ack_addr, int64_t need,
+                                                 uint64_t closed_value, double timeout_s,
+                                                 const std::shared_ptr<MemRegion>& local,
+                                                 size_t local_off,
+                                                 const std::shared_ptr<RemoteRegion>& remote,
+                                                 size_t remote_off, size_t n, size_t word_local_off,
+                                                 uint64_t value, size_t word_remote_off,
+                                                 const Rider* rider) {
+  auto* ack = reinterpret_cast<const uint64_t*>(ack_addr);
+  if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return {WaitStatus::Closed, nullptr};
+  if (need > 0 && __atomic_load_n(ack, __ATOMIC_ACQUIRE) < uint64_t(need)) {
+    WaitStatus st = wait_word(ack_addr, uint64_t(need), timeout_s, this, true);
+    if (st != WaitStatus::Ok) return {st, nullptr};
+    if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return {WaitStatus::Closed, nullptr};
+  }
+  return {WaitStatus::Ok, write_flagged(local, local_off, remote, remote_off, n, word_local_off, value,
+                                        word_remote_off, nullptr, rider)};
+}
+
+std::pair<WaitStatus, Future> Channel::ack_and_receive(const std::shared_ptr<MemRegion>& local,
+                                                       size_t ack_local_off,
+                                                       const std::shared_ptr<RemoteRegion>& remote,
+                                                       size_t ack_remote_off, uint64_t ack_value,
+                                                       uintptr_t flag_addr, uint64_t k,
+                                                       uintptr_t ctl_addr, uint64_t generation,
+                                                       double timeout_s, bool drive) {
+  Future ack = write_flagged(local, ack_local_off, remote, ack_remote_off, 0, ack_local_off, ack_value,
+                             ack_remote_off, nullptr);
+  return {receive_slot(flag_addr, k, ctl_addr, generation, this, timeout_s, nullptr, 0, 0, drive), ack};
+}
+
 bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, Op* word,
                            const Path& data_path, const Path& word_path, uint64_t value,
                            const RiderPost* rider) {

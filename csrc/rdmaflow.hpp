@@ -210,6 +210,8 @@ struct Drivers {
 };
 
 // A queue pair to one peer (Xue et al. §3.1). Made by Device::channel.
+enum class WaitStatus : int;  // below, with the waits
+
 class Channel : public std::enable_shared_from_this<Channel> {
  public:
   // Copies n bytes between local[local_off..] and remote[remote_off..]. Throws (nothing
@@ -263,6 +265,32 @@ class Channel : public std::enable_shared_from_this<Channel> {
                        Callback cb, const Rider* rider = nullptr,
                        const std::shared_ptr<MemRegion>& word_local = nullptr,
                        const std::shared_ptr<RemoteRegion>& word_remote = nullptr);
+  // One transfer of a static pair over UCX, on the caller's thread in one call: waits until the
+  // word at ack_addr (this process's memory) is >= need (credits; need <= 0: none) and below
+  // closed_value, progressing this channel's worker while it waits (over tcp the ack is applied
+  // by this side's progress), then posts write_flagged(...) as above. The wait is bounded by
+  // timeout_s (< 0: none). Returns Ok and the write's future, or, before posting anything and
+  // with no future: Timeout (the call may be repeated), Closed (ack >= closed_value) or
+  // PeerFailed. Throws like write_flagged. Any thread; a pair's sends are serialized by its
+  // caller.
+  std::pair<WaitStatus, Future> send_slot(uintptr_t ack_addr, int64_t need, uint64_t closed_value,
+                                          double timeout_s, const std::shared_ptr<MemRegion>& local,
+                                          size_t local_off, const std::shared_ptr<RemoteRegion>& remote,
+                                          size_t remote_off, size_t n, size_t word_local_off,
+                                          uint64_t value, size_t word_remote_off,
+                                          const Rider* rider = nullptr);
+  // A receiver's recv over UCX whose last transfer is owed an ack, in one call: posts the ack
+  // (write_flagged of no data: ack_value stored at local[ack_local_off], WRITE to
+  // remote[ack_remote_off], behind every earlier word of the channel), then receive_slot(flag_addr,
+  // k, ctl_addr, generation, this channel, timeout_s, no window, drive) (below). Returns its
+  // status and the ack's future (the source word may be reused once it completed). Throws like
+  // write_flagged, having waited for nothing.
+  std::pair<WaitStatus, Future> ack_and_receive(const std::shared_ptr<MemRegion>& local,
+                                                size_t ack_local_off,
+                                                const std::shared_ptr<RemoteRegion>& remote,
+                                                size_t ack_remote_off, uint64_t ack_value,
+                                                uintptr_t flag_addr, uint64_t k, uintptr_t ctl_addr,
+                                                uint64_t generation, double timeout_s, bool drive);
   // The peer's region written by the caller's own thread (DirectWindow), when it is shared
   // memory on this host and the same-host path is on; null otherwise. Authenticates and
   // validates `remote` like memcpy (it may wait for the owner's answer).
@@ -569,8 +597,8 @@ enum class WaitStatus : int {
   Mismatch = 5,     // the flag holds a later transfer than the one awaited (receive_slot)
 };
 
-// Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins,
-// yielding the core between rounds of loads, for an adaptive time (per thread: about four times
+// Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins
+// (after its first 10 us yielding the core between rounds of loads) for an adaptive time (per thread: about four times
 // the last wait, if that one took at most 1 ms, between 50 and 250 us; halved after a longer
 // one), then yields the core 50 times, then sleeps with a backoff of
 // 1, 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be

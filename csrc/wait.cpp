@@ -21,7 +21,11 @@ namespace {
 // whatever else was runnable there for the whole budget. Where processes outnumber the cores (a
 // shard beside its workers; stages sharing a host) that is the writer, or the thread whose work
 // the writer waits for, and up to 250 us of each wait was taken from them (docs/benchmarks.md,
-// "Spinning that yields"). With nothing else runnable a yield returns at once.
+// "Spinning that yields"). With nothing else runnable a yield returns at once. The first
+// kPureSpinNs only pause: yielding from the first look made the shared-memory ping-pong
+// bimodal (one way 5-6 us instead of 2.4 for one or two sizes of four, in four runs of six;
+// probably partners handing one core back and forth), which a pause-only spin never showed.
+constexpr int64_t kPureSpinNs = 10'000;
 constexpr int64_t kMinSpinNs = 50'000;
 constexpr int64_t kMaxSpinNs = 250'000;
 constexpr int64_t kSpinWorthNs = 1'000'000;
@@ -68,8 +72,9 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
       cpu_relax();
     }
     if (drive) peer->progress_now();
-    if (ns_since(t0) >= budget) break;
-    std::this_thread::yield();
+    const int64_t waited = ns_since(t0);
+    if (waited >= budget) break;
+    if (waited >= kPureSpinNs) std::this_thread::yield();
   }
   long sleep_us = 1;
   int yields = 0;

@@ -893,6 +893,50 @@ def test_closed_receiver_stops_its_sender(job_secret):
         assert b.arena.used > 0
 
 
+@pytest.mark.parametrize("transport", ["tcp", "sm"], indirect=True)
+def test_a_send_waiting_for_its_credit_over_ucx_lets_other_python_threads_run(transport, job_secret):
+    """Over UCX a static send (credit wait and post) is one call into the core with the GIL
+    released, and so is a receive that owes an ack (its post, then the wait). Here the send of transfer 2
+    waits for the credit that only another Python thread's recv() gives back, and that thread
+    starts receiving only once the send is waiting. The interpreter would hand the GIL over only
+    after a switch interval, set to 60 s here: a send that held it through its calls into the
+    core would time out."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        _send_waits_for_a_python_thread()
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _send_waits_for_a_python_thread() -> None:
+    with local_device(same_host=False) as a, local_device(same_host=False) as b:
+        a.create_arena(MiB)
+        b.create_arena(MiB)
+        r = StaticReceiver(b, "gil", (256,), torch.float32, depth=1)
+        s = StaticSender(a, b.endpoint, "gil")
+        assert s._direct is None and s._one_call  # the path under test
+        got, errors = [], []
+
+        def consume():
+            time.sleep(0.3)  # the main thread is in send 2's wait by now
+            try:
+                for _ in range(3):
+                    got.append(r.recv(timeout=10).clone())
+            except rdmaflow.RdmaflowError as e:  # reported below
+                errors.append(e)
+
+        t = threading.Thread(target=consume)
+        s.send(torch.full((256,), 1.0), timeout=5)
+        t.start()
+        for i in (2, 3):
+            s.send(torch.full((256,), float(i)), timeout=5)
+        t.join(15)
+        assert not t.is_alive() and not errors, errors
+        assert [int(x[0]) for x in got] == [1, 2, 3] and all(bool((x == x[0]).all()) for x in got)
+        assert r.acked == 2  # recv 2 and 3 each acked the one before in their call
+
+
 # ==============================================================================================
 # Non-blocking receive: poll() and wait_any(). poll() says whether the next transfer has landed,
 # never blocks and consumes nothing; wait_any() returns a receiver whose next transfer has

@@ -8,11 +8,13 @@ CLOCK_MONOTONIC, which both processes share:
 
 * sender: ``send()`` called; the credit granted (``_wait_credit`` returned); the post of
   payload, fence and flag begins and ends (``_post``: one command; on one host
-  ``_send_direct``: credit, copy and flag store in one call into the core); ``send()``
-  returned. The transfer's Python methods are wrapped on the instances; a step whose method
+  ``_send_direct``: credit, copy and flag store in one call into the core; over UCX into host
+  slots ``_send_slot``: credit and post in one call into the core, so the credit is not
+  stamped and that phase reads "not measured"); ``send()`` returned. The transfer's Python methods are wrapped on the instances; a step whose method
   no longer exists is reported as not measured.
 * receiver: ``recv()`` called; its ack of the previous transfer (``_ack``, over UCX, where
-  the send's ``release=`` did not carry it already); its
+  the send's ``release=`` did not carry it already and ``recv()`` did not post it in its wait's
+  call); its
   wait for the flag begins and ends (``_await``, which on one host also stores the ack);
   ``recv()`` returned. In ``spin`` mode the receiver
   first spins on ``poll()`` (yielding the core between looks, for at most ``SPIN_S``), so a
@@ -163,6 +165,7 @@ class ProfileWorker(RdmaflowWorker):
             w(s, "_wait_credit", None, "credit")
             w(s, "_post", "flag_post_start", "flag_post_end")  # over UCX: payload, fence, flag: one command
             w(s, "_send_direct", "flag_post_start", "flag_post_end")  # same host: credit, copy, flag: one call
+            w(s, "_send_slot", "flag_post_start", "flag_post_end")  # UCX, host slots: credit and post: one call
             w(r, "recv", "recv_call", "recv_return")
             w(r, "_ack", "ack_start", "ack_end")
             w(r, "_wait_flag", "wait_start", "flag_seen")  # the first transfer: its sender introduces itself

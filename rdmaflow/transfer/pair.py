@@ -183,10 +183,8 @@ class Receiver(Endpoint):
         """Waits for transfer ``k`` from the connected sender, first handing back transfer
         ``ack`` (0: none) when that is owed; one call into the core per WAIT_SLICE. Returns
         the slot."""
-        channel, _, ack_off = self._sender
+        channel, remote, ack_off = self._sender
         window = self._ack_window if ack else None
-        if ack and window is None:
-            self._ack(ack, timeout if isinstance(timeout, Deadline) else Deadline(timeout))
         slot = (k - 1) % self.depth
         if isinstance(timeout, Deadline):
             deadline, first = timeout, timeout.slice(WAIT_SLICE)
@@ -194,10 +192,16 @@ class Receiver(Endpoint):
             first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
             deadline = None
         drive = self._ack_window is None  # the sender's puts are applied by this side's progress
-        code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel, first, window,
-                            ack_off, ack, drive)
-        if window is not None:
-            self.acked = ack
+        if ack and window is None:  # over UCX: the ack's post and the wait in one call
+            cell = self._ack_cell(deadline or Deadline(timeout))
+            code, f = channel.ack_and_receive(self.arena.region, cell, remote, ack_off, ack, self._flag_addrs[slot], k,
+                                              self._ctl_addr, self._generation, first, drive)
+            self._acked(ack, f)
+        else:  # the ack, if any, a store through the window (same host)
+            code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel, first, window,
+                                ack_off, ack, drive)
+            if window is not None:
+                self.acked = ack
         if code == OK:
             return slot
         if deadline is None:

@@ -115,7 +115,12 @@ class StaticSender(Sender):
         # Where each slot's data and flag are in the receiver's region, and this sender's ack word.
         self._slot_at = [self.r_base + self.r_data + i * self.r_stride for i in range(self.depth)]
         self._flag_at = [self.r_base + FLAG_STRIDE * i for i in range(self.depth)]
+        self._flag_src = [self._off(self._flags_off + FLAG_STRIDE * i) for i in range(self.depth)]
         self._ack_addr = self.ack.address
+        # Over UCX, host slots of a static pair (no size record to write after the credit): the
+        # credit wait and the post in one call into the core (_send_slot).
+        self._one_call = self._direct is None and self._gpu_map is None and not self.header_bytes and (
+            self.data_remote is self.remote)
 
     @property
     def copies_from_any_memory(self) -> bool:
@@ -178,6 +183,8 @@ class StaticSender(Sender):
                 if tensor.is_cuda:  # into host memory on this host: the copy to it is the transfer
                     tensor = self._stage(tensor, 0)
                 return self._send_direct(tensor, timeout, release)
+            if self._one_call and not tensor.is_cuda:
+                return self._send_slot(tensor, timeout, release)
             return self._send(tensor, timeout, release)
 
     def _refuse(self, tensor) -> None:
@@ -189,43 +196,71 @@ class StaticSender(Sender):
                 f"'{self.name}' ({describe(self.shape, self.dtype)})"
             )
 
-    def _send(self, tensor: torch.Tensor, timeout: float | None, release: Receiver | None = None) -> Future:
-        deadline = Deadline(timeout)
+    def _send_slot(self, tensor: torch.Tensor, timeout: float | None, release: Receiver | None) -> Future:
+        """Over UCX, a host tensor into host slots: the credit wait and the post of payload, fence
+        and flag in one call into the core with the GIL released (``Channel.send_slot``), one call
+        per WAIT_SLICE while the credit does not come. ``release`` as in ``send``."""
         k = self.seq + 1
-        rider, release_after = None, None
-        if release is not None:
-            # A send that waits for a credit must not hold back an ack its peer may wait for:
-            # the ack goes first. Else it rides this send's message where there is one, or goes
-            # right behind the send's post (on the put path an ack before it would put a fence
-            # in front of the data, and a rider would land only behind the data's flush).
-            if self.ack.get() < k - self.depth:
-                release.release()
-            elif self.channel.flagged_by_message and self.nbytes <= self.channel.flagged_message_bytes:
-                rider = release._rider_for(self.channel, deadline)
-            else:
-                release_after = release
-        slot = self._wait_credit(k, deadline)
+        slot, need = (k - 1) % self.depth, k - self.depth
+        rider, release_after = self._hand_back(release, need, timeout)
+        self._slot_reusable(slot, timeout)
+        keep, off = self._host_source(tensor, slot, self.nbytes)
+        args = (self.arena.region, off, self.remote, self._slot_at[slot], self.nbytes, self._flag_src[slot], k,
+                self._flag_at[slot], *(rider or ()))
+        first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
+        code, f = self.channel.send_slot(self._ack_addr, need, CLOSED, first, *args)
+        if code != OK:
+            posted = []
+
+            def attempt(t: float) -> int:
+                code, f = self.channel.send_slot(self._ack_addr, need, CLOSED, t, *args)
+                posted.append(f)
+                return code
+
+            self._send_waiting(code, need, attempt, Deadline(None if timeout is None else timeout - first))
+            f = posted[-1]
+        return self._sent(k, slot, f, keep, release, rider, release_after)
+
+    def _hand_back(self, release: Receiver | None, need: int, timeout) -> tuple:
+        """How a send over UCX hands ``release``'s last transfer back: (the rider for the send's
+        post, or None; the receiver to release right behind the post, or None). A send that has
+        to wait for its credit must not hold back an ack its peer may wait for: that ack goes
+        first, here. Else it rides the send's message where there is one, or goes right behind
+        the send's post (on the put path an ack before it would put a fence in front of the
+        data, and a rider would land only behind the data's flush)."""
+        if release is None:
+            return None, None
+        if self.ack.get() < need:
+            release.release()
+            return None, None
+        if self.channel.flagged_by_message and self.nbytes <= self.channel.flagged_message_bytes:
+            return release._rider_for(self.channel, timeout if isinstance(timeout, Deadline) else Deadline(timeout)), None
+        return None, release
+
+    def _slot_reusable(self, slot: int, timeout) -> None:
+        """Waits until the last transfer from ``slot`` completed (raising its error, if it
+        failed): its source (a staging buffer, or a tensor kept alive for it) may then be
+        reused. Its flush completes on the next drive of the worker: where it has not, this
+        thread drives it once instead of waking a parked progress thread."""
         prev = self._pending[slot]
-        if prev is not None:  # its source buffer may be reused once it completed
-            if not prev[0].done():  # its flush completes on the next drive of the worker: drive it here
+        if prev is not None:
+            if not prev[0].done():
                 self.channel.progress_now()
-            prev[0].result(deadline.left())
-        keep, off, local = tensor, 0, None
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._gpu_map is not None:  # GPU slots on this host: a copy kernel, then the flag alone
-            keep = self._copy_to_mapped_slot(tensor, slot, nbytes)
-            nbytes = 0
-        elif tensor.is_cuda:
-            keep, off, local = self._gpu_source(tensor, slot, nbytes)
-        elif nbytes:
-            off = self._arena_offset(tensor, nbytes)
-            if off is None:
-                keep = self._stage(tensor, slot)
-                off = self.arena.offset_of(keep)
-        self._write_size(slot, k, tensor)  # fenced behind, like the data, by the flag's post
-        remote = None if self.data_remote is self.remote else self.data_remote
-        f = self._post(k, slot, off, self.d_at + slot * self.r_stride + self.header_bytes, nbytes, rider, local,
-                       remote)
+            prev[0].result(timeout.left() if isinstance(timeout, Deadline) else timeout)
+
+    def _host_source(self, tensor: torch.Tensor, slot: int, nbytes: int) -> tuple:
+        """(what must stay alive, its arena offset) of a host tensor's ``nbytes``: the tensor
+        itself where it lives in the arena (zero copy), else its copy in ``slot``'s staging."""
+        if not nbytes:
+            return tensor, 0
+        off = self._arena_offset(tensor, nbytes)
+        if off is not None:
+            return tensor, off
+        keep = self._stage(tensor, slot)
+        return keep, self.arena.offset_of(keep)
+
+    def _sent(self, k: int, slot: int, f, keep, release, rider, release_after) -> Future:
+        """Transfer ``k`` from ``slot`` was posted as ``f``: its bookkeeping."""
         if rider is not None:
             release._rode(f)
         self._pending[slot] = (f, keep)
@@ -233,6 +268,29 @@ class StaticSender(Sender):
         if release_after is not None:
             release_after.release()
         return f
+
+    def _send(self, tensor: torch.Tensor, timeout: float | None, release: Receiver | None = None) -> Future:
+        """A send over UCX in a few calls: GPU data or slots, or a bounded transfer's size record,
+        which may be written only once the credit is there."""
+        deadline = Deadline(timeout)
+        k = self.seq + 1
+        rider, release_after = self._hand_back(release, k - self.depth, deadline)
+        slot = self._wait_credit(k, deadline)
+        self._slot_reusable(slot, deadline)
+        keep, off, local = tensor, 0, None
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._gpu_map is not None:  # GPU slots on this host: a copy kernel, then the flag alone
+            keep = self._copy_to_mapped_slot(tensor, slot, nbytes)
+            nbytes = 0
+        elif tensor.is_cuda:
+            keep, off, local = self._gpu_source(tensor, slot, nbytes)
+        else:
+            keep, off = self._host_source(tensor, slot, nbytes)
+        self._write_size(slot, k, tensor)  # fenced behind, like the data, by the flag's post
+        remote = None if self.data_remote is self.remote else self.data_remote
+        f = self._post(k, slot, off, self.d_at + slot * self.r_stride + self.header_bytes, nbytes, rider, local,
+                       remote)
+        return self._sent(k, slot, f, keep, release, rider, release_after)
 
     def _copy_to_mapped_slot(self, tensor: torch.Tensor, slot: int, nbytes: int) -> torch.Tensor:
         """Copies ``tensor`` (host or CUDA) into the receiver's mapped GPU slot on the caller's
@@ -309,12 +367,13 @@ class StaticSender(Sender):
         first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
         code = attempt(first)
         if code != OK:
-            self._send_direct_waiting(code, need, attempt, Deadline(None if timeout is None else timeout - first))
+            self._send_waiting(code, need, attempt, Deadline(None if timeout is None else timeout - first))
         self.seq = k
         return self._done
 
-    def _send_direct_waiting(self, code: int, need: int, attempt, deadline: Deadline) -> None:
-        """The rest of a direct send whose first call found no credit: one call per WAIT_SLICE."""
+    def _send_waiting(self, code: int, need: int, attempt, deadline: Deadline) -> None:
+        """The rest of a one-call send (direct, or over UCX) whose first call found no credit:
+        ``attempt(seconds)`` once per WAIT_SLICE until it returns OK."""
         what = (f"waiting for '{self.name}' at {self.remote_endpoint} to consume transfer {need} "
                 f"(a sender never overwrites a slot its receiver has not consumed)")
         while code != OK:
