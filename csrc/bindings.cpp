@@ -114,18 +114,27 @@ size_t check_offset(int64_t v, const char* what) {
   return size_t(v);
 }
 
-// write_flagged's rider from its four arguments (rider.remote null: none).
-Channel::Rider make_rider(const std::shared_ptr<RemoteRegion>& remote, int64_t offset, uint64_t value,
-                          int64_t remote_offset) {
-  Channel::Rider rider;
-  if (remote) {
-    rider.remote = remote;
-    rider.local_off = check_offset(offset, "rider_offset");
-    rider.remote_off = check_offset(remote_offset, "rider_remote_offset");
-    rider.value = value;
+// write_flagged's and send_slot's offsets and rider, checked (OutOfBounds: a negative one).
+struct FlaggedArgs {
+  size_t lo, ro, n, wo, wro;
+  Channel::Rider rider;  // rider.remote null: none
+  FlaggedArgs(int64_t local_offset, int64_t remote_offset, int64_t nbytes, int64_t word_offset,
+              int64_t word_remote_offset, const std::shared_ptr<RemoteRegion>& rider_remote,
+              int64_t rider_offset, uint64_t rider_value, int64_t rider_remote_offset)
+      : lo(check_offset(local_offset, "local_offset")),
+        ro(check_offset(remote_offset, "remote_offset")),
+        n(check_offset(nbytes, "nbytes")),
+        wo(check_offset(word_offset, "word_offset")),
+        wro(check_offset(word_remote_offset, "word_remote_offset")) {
+    if (rider_remote) {
+      rider.remote = rider_remote;
+      rider.local_off = check_offset(rider_offset, "rider_offset");
+      rider.remote_off = check_offset(rider_remote_offset, "rider_remote_offset");
+      rider.value = rider_value;
+    }
   }
-  return rider;
-}
+  const Channel::Rider* rider_or_null() const { return rider.remote ? &rider : nullptr; }
+};
 
 // Waits in short slices so that Ctrl-C reaches Python while a transfer is pending.
 bool wait_future(const Future& f, double timeout) {
@@ -341,16 +350,12 @@ PYBIND11_MODULE(_core, m) {
              const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
              uint64_t rider_value, int64_t rider_remote_offset,
              const std::shared_ptr<MemRegion>& word_local, const std::shared_ptr<RemoteRegion>& word_remote) {
-            size_t lo = check_offset(local_offset, "local_offset");
-            size_t ro = check_offset(remote_offset, "remote_offset");
-            size_t n = check_offset(nbytes, "nbytes");
-            size_t wo = check_offset(word_offset, "word_offset");
-            size_t wro = check_offset(word_remote_offset, "word_remote_offset");
-            Channel::Rider rider = make_rider(rider_remote, rider_offset, rider_value, rider_remote_offset);
+            FlaggedArgs a(local_offset, remote_offset, nbytes, word_offset, word_remote_offset, rider_remote,
+                          rider_offset, rider_value, rider_remote_offset);
             Callback cb = make_callback(callback);
             try {
-              return ch.write_flagged(local, lo, remote, ro, n, wo, value, wro, std::move(cb),
-                                      rider_remote ? &rider : nullptr, word_local, word_remote);
+              return ch.write_flagged(local, a.lo, remote, a.ro, a.n, a.wo, value, a.wro, std::move(cb),
+                                      a.rider_or_null(), word_local, word_remote);
             } catch (...) {
               if (!callback.is_none()) Py_DECREF(callback.ptr());
               throw;
@@ -378,17 +383,13 @@ PYBIND11_MODULE(_core, m) {
              int64_t word_offset, uint64_t value, int64_t word_remote_offset,
              const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
              uint64_t rider_value, int64_t rider_remote_offset) {
-            size_t lo = check_offset(local_offset, "local_offset");
-            size_t ro = check_offset(remote_offset, "remote_offset");
-            size_t n = check_offset(nbytes, "nbytes");
-            size_t wo = check_offset(word_offset, "word_offset");
-            size_t wro = check_offset(word_remote_offset, "word_remote_offset");
-            Channel::Rider rider = make_rider(rider_remote, rider_offset, rider_value, rider_remote_offset);
+            FlaggedArgs a(local_offset, remote_offset, nbytes, word_offset, word_remote_offset, rider_remote,
+                          rider_offset, rider_value, rider_remote_offset);
             std::pair<WaitStatus, Future> r;
             {
               py::gil_scoped_release nogil;
-              r = ch.send_slot(ack_address, need, closed_value, timeout, local, lo, remote, ro, n, wo,
-                               value, wro, rider_remote ? &rider : nullptr);
+              r = ch.send_slot(ack_address, need, closed_value, timeout, local, a.lo, remote, a.ro, a.n, a.wo,
+                               value, a.wro, a.rider_or_null());
             }
             return py::make_tuple(int(r.first), r.second ? py::cast(r.second) : py::none());
           },

@@ -598,10 +598,10 @@ enum class WaitStatus : int {
 };
 
 // Waits until the 8-byte word at addr is >= value (acquire loads). Polls first: it spins
-// (after its first 10 us yielding the core between rounds of loads) for an adaptive time (per thread: about four times
-// the last wait, if that one took at most 1 ms, between 50 and 250 us; halved after a longer
-// one), then yields the core 50 times, then sleeps with a backoff of
-// 1, 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be
+// (after its first 10 us yielding the core between rounds of loads) for an adaptive time (per
+// thread: about four times the last wait, if that one took at most 1 ms, between 50 and 250 us;
+// halved after a longer one), then yields the core 50 times, then sleeps with a backoff of 1,
+// 2, 4 ... 50 us, so an idle wait costs a wake-up per 50 us and no core. `peer` (may be
 // null) is looked at while sleeping; with `drive`, the waiter also progresses peer's worker
 // between looks (Channel::progress_now). timeout_s < 0: none.
 WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Channel* peer,

@@ -10,12 +10,12 @@ CLOCK_MONOTONIC, which both processes share:
   payload, fence and flag begins and ends (``_post``: one command; on one host
   ``_send_direct``: credit, copy and flag store in one call into the core; over UCX into host
   slots ``_send_slot``: credit and post in one call into the core, so the credit is not
-  stamped and that phase reads "not measured"); ``send()`` returned. The transfer's Python methods are wrapped on the instances; a step whose method
-  no longer exists is reported as not measured.
+  stamped and that phase reads "not measured"); ``send()`` returned. The transfer's Python
+  methods are wrapped on the instances; a step whose method no longer exists is reported as
+  not measured.
 * receiver: ``recv()`` called; its ack of the previous transfer (``_ack``, over UCX, where
   the send's ``release=`` did not carry it already and ``recv()`` did not post it in its wait's
-  call); its
-  wait for the flag begins and ends (``_await``, which on one host also stores the ack);
+  call); its wait for the flag begins and ends (``_await``, which on one host also stores the ack);
   ``recv()`` returned. In ``spin`` mode the receiver
   first spins on ``poll()`` (yielding the core between looks, for at most ``SPIN_S``), so a
   flag that lands meanwhile is seen at once, with no sleep and no wake-up.
