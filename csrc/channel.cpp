@@ -331,13 +331,8 @@ std::pair<WaitStatus, Future> Channel::send_slot(uintptr_t ack_addr, int64_t nee
                                                  size_t remote_off, size_t n, size_t word_local_off,
                                                  uint64_t value, size_t word_remote_off,
                                                  const Rider* rider) {
-  auto* ack = reinterpret_cast<const uint64_t*>(ack_addr);
-  if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return {WaitStatus::Closed, nullptr};
-  if (need > 0 && __atomic_load_n(ack, __ATOMIC_ACQUIRE) < uint64_t(need)) {
-    WaitStatus st = wait_word(ack_addr, uint64_t(need), timeout_s, this, true);
-    if (st != WaitStatus::Ok) return {st, nullptr};
-    if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return {WaitStatus::Closed, nullptr};
-  }
+  WaitStatus st = wait_credit(ack_addr, need, closed_value, timeout_s, this, true);
+  if (st != WaitStatus::Ok) return {st, nullptr};
   return {WaitStatus::Ok, write_flagged(local, local_off, remote, remote_off, n, word_local_off, value,
                                         word_remote_off, nullptr, rider)};
 }

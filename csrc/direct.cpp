@@ -75,13 +75,8 @@ WaitStatus DirectWindow::send_slot(uintptr_t ack_addr, int64_t need, uint64_t cl
   check_bounds(data_off, n);
   check_bounds(header_off, header_n);
   check_word(flag_off);
-  auto* ack = reinterpret_cast<const uint64_t*>(ack_addr);
-  if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return WaitStatus::Closed;
-  if (need > 0) {
-    WaitStatus st = wait_word(ack_addr, uint64_t(need), timeout_s, ch_.get());
-    if (st != WaitStatus::Ok) return st;
-    if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return WaitStatus::Closed;
-  }
+  WaitStatus st = wait_credit(ack_addr, need, closed_value, timeout_s, ch_.get(), false);
+  if (st != WaitStatus::Ok) return st;
   auto dev = check_live();  // once for the header, the data and the flag
   copy(*dev, header_off, header, header_n);
   copy(*dev, data_off, src, n);

@@ -608,6 +608,11 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
                      bool drive = false);
 // wait_word without a peer; false on timeout.
 bool wait_u64_at_least(uintptr_t addr, uint64_t value, double timeout_s);
+// A pair's credit: waits (wait_word) until the ack word at ack_addr is >= need (need <= 0: no
+// wait) and below closed_value. Ok, Closed (ack >= closed_value, before or after the wait),
+// Timeout or PeerFailed. Channel::send_slot and DirectWindow::send_slot.
+WaitStatus wait_credit(uintptr_t ack_addr, int64_t need, uint64_t closed_value, double timeout_s,
+                       const Channel* peer, bool drive);
 
 // A same-host peer's shared region mapped into this process, written by the caller's own
 // thread: no progress thread, no queue, no future (the direct path of transfer pairs). A call

@@ -105,4 +105,14 @@ bool wait_u64_at_least(uintptr_t addr, uint64_t value, double timeout_s) {
   return wait_word(addr, value, timeout_s, nullptr) == WaitStatus::Ok;
 }
 
+WaitStatus wait_credit(uintptr_t ack_addr, int64_t need, uint64_t closed_value, double timeout_s,
+                       const Channel* peer, bool drive) {
+  auto* ack = reinterpret_cast<const uint64_t*>(ack_addr);
+  if (__atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value) return WaitStatus::Closed;
+  if (need <= 0) return WaitStatus::Ok;
+  WaitStatus st = wait_word(ack_addr, uint64_t(need), timeout_s, peer, drive);
+  if (st != WaitStatus::Ok) return st;
+  return __atomic_load_n(ack, __ATOMIC_ACQUIRE) >= closed_value ? WaitStatus::Closed : WaitStatus::Ok;
+}
+
 }  // namespace rdmaflow

@@ -128,6 +128,18 @@ def spread(values: Sequence[float], fmt: str = ".3g", scale: float = 1.0) -> str
             f"{format(s['max'] * scale, fmt)}]")
 
 
+def cell_status(cell: Mapping[str, Any] | None, values: str) -> str:
+    """A benchmark cell's status for its CSV row: "not run", "ok", "failed: <first error>" when
+    no repeat gave a value (its ``values`` list is empty), or "ok (<n> failed: <first error>)"."""
+    if cell is None:
+        return "not run"
+    if not cell["errors"]:
+        return "ok"
+    if not cell[values]:
+        return "failed: " + cell["errors"][0]
+    return f"ok ({len(cell['errors'])} failed: {cell['errors'][0]})"
+
+
 def verdict(ratio: float | None, bar: float) -> str:
     """"PASS" when ``ratio >= bar``, "MISS" below it, "n/a" without a ratio."""
     return "n/a" if ratio is None else ("PASS" if ratio >= bar else "MISS")

@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rdmaflow.bench.harness import (
+    cell_status,
     for_each_transport,
     format_size,
     parse_size,
@@ -254,16 +255,6 @@ def ratio(results: Mapping[Key, dict[str, Any]], transport: str, size: int, num:
     return a / b if a is not None and b else None
 
 
-def _status(cell: dict[str, Any] | None) -> str:
-    if cell is None:
-        return "not run"
-    if not cell["errors"]:
-        return "ok"
-    if not cell["median_us"]:
-        return "failed: " + cell["errors"][0] if cell["errors"] else "not run"
-    return f"ok ({len(cell['errors'])} failed: {cell['errors'][0]})"
-
-
 def format_table(results: Mapping[Key, dict[str, Any]], transport: str, systems: Sequence[str],
                  sizes: Sequence[int], repeats: int, unavailable: Mapping[str, str]) -> str:
     peers = [p for p in RATIO_PEERS if p in systems and p != REFERENCE]
@@ -326,7 +317,7 @@ def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
             "ratio_to_ucx_perftest": ratio(results, transport, size, system, "ucx_perftest"),
             "ratio_to_gloo": ratio(results, transport, size, system, "gloo"),
             "repeats": len(cell["median_us"]), "failures": len(cell["errors"]), "iters": cell["iters"],
-            "warmup": cell["warmup"], "status": _status(cell),
+            "warmup": cell["warmup"], "status": cell_status(cell, "median_us"),
             "values_us": " ".join(f"{v:.4g}" for v in cell["median_us"]),
         })
     return rows

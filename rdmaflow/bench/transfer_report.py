@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rdmaflow.bench.harness import format_size, median_ratio, summarize, text_table, verdict
+from rdmaflow.bench.harness import cell_status, format_size, median_ratio, summarize, text_table, verdict
 from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
 from rdmaflow.bench.transfer_systems import transport_env
 
@@ -71,16 +71,6 @@ def ratio(results: Mapping[Key, dict[str, Any]], transport: str, num: str, den: 
     """Median GB/s of ``num`` over median GB/s of ``den`` at ``size``."""
     a, b = results.get((num, transport, size)), results.get((den, transport, size))
     return median_ratio(a["gb_per_s"] if a else [], b["gb_per_s"] if b else [])
-
-
-def _status(cell: dict[str, Any] | None) -> str:
-    if cell is None:
-        return "not run"
-    if not cell["errors"]:
-        return "ok"
-    if not cell["gb_per_s"]:
-        return "failed: " + cell["errors"][0]
-    return f"ok ({len(cell['errors'])} failed: {cell['errors'][0]})"
 
 
 def _g(v: float, digits: int) -> str:
@@ -217,7 +207,7 @@ def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
             "p50_us_max": f"{p['max']:.2f}" if p else "",
             "repeats": len(cell["gb_per_s"]), "failures": len(cell["errors"]),
             "iters": cell["iters"], "warmup": cell["warmup"], "window": cell["window"],
-            "status": _status(cell),
+            "status": cell_status(cell, "gb_per_s"),
             "values_gb_per_s": " ".join(f"{v:.4f}" for v in cell["gb_per_s"]),
         })
     return rows
