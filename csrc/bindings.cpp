@@ -440,7 +440,10 @@ PYBIND11_MODULE(_core, m) {
            "None where it cannot be mapped.")
       .def_property_readonly("qp_idx", &Channel::qp_idx)
       .def_property_readonly("remote_endpoint", &Channel::remote_endpoint)
-      .def_property_readonly("failed", &Channel::failed);
+      .def_property_readonly("failed", &Channel::failed)
+      .def_property_readonly("error", &Channel::error,
+                             "Why the channel failed, as UCX or the control link said ('' while "
+                             "it has not).");
 
   py::class_<DirectWindow, std::shared_ptr<DirectWindow>>(
       m, "DirectWindow",

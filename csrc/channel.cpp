@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "internal.hpp"
+#include "wire.hpp"
 
 namespace rdmaflow {
 
@@ -108,19 +109,84 @@ std::shared_ptr<Channel> Device::channel(const std::string& remote_endpoint, int
                                             " is outside [0, " +
                                             std::to_string(cfg_.qps_per_peer) + ")");
   auto p = connect(remote_endpoint);
-  std::lock_guard<std::mutex> lk(p->m);
-  auto it = p->channels.find(qp_idx);
-  if (it != p->channels.end()) return it->second;
-  auto ch = std::make_shared<Channel>();
-  ch->dev_ = weak_from_this();
-  ch->peer_ = p;
-  ch->qp_ = qp_idx;
-  // Figure 4 of Xue et al.: a peer's queue pairs are spread round-robin over the CQs.
-  ch->thread_ = threads_[size_t(qp_idx) % threads_.size()].get();
-  ch->drivers_ = ch->thread_->drivers();
-  ch->remote_thread_ = qp_idx % p->num_workers;
-  p->channels[qp_idx] = ch;
+  std::shared_ptr<Channel> ch;
+  {
+    std::lock_guard<std::mutex> lk(p->m);
+    auto it = p->channels.find(qp_idx);
+    if (it != p->channels.end()) {
+      ch = it->second;
+    } else {
+      ch = std::make_shared<Channel>();
+      ch->dev_ = weak_from_this();
+      ch->peer_ = p;
+      ch->qp_ = qp_idx;
+      // Figure 4 of Xue et al.: a peer's queue pairs are spread round-robin over the CQs.
+      ch->thread_ = threads_[size_t(qp_idx) % threads_.size()].get();
+      ch->drivers_ = ch->thread_->drivers();
+      ch->remote_thread_ = qp_idx % p->num_workers;
+      p->channels[qp_idx] = ch;
+    }
+  }
+  open_channel(p, ch);
   return ch;
+}
+
+// Opening a channel (docs/architecture.md, "Opening a channel"): this device's endpoint to the
+// peer's worker first, on the channel's thread; then OPEN_CHANNEL, which has the peer make its
+// endpoint of the same qp back to this worker, unless it has one. Only then does anything travel
+// on the channel, so neither side creates a data endpoint to the other while a put of the other's
+// is arriving (ProgressThread::data_eps_ says why that matters).
+void Device::open_channel(const std::shared_ptr<Peer>& p, const std::shared_ptr<Channel>& ch) {
+  std::lock_guard<std::mutex> lk(ch->open_m_);
+  if (ch->opened_) return;
+  struct Made {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false, ok = false;
+  };
+  auto made = std::make_shared<Made>();
+  if (!ch->thread_->post([ch, made] {
+        const bool ok = ch->ensure_ep();
+        {
+          std::lock_guard<std::mutex> l(made->m);
+          made->done = true;
+          made->ok = ok;
+        }
+        made->cv.notify_all();
+      }))
+    throw Error(ErrorKind::Closed, "device is closed");
+  {
+    std::unique_lock<std::mutex> l(made->m);
+    if (!made->cv.wait_for(l, std::chrono::duration<double>(cfg_.rpc_timeout),
+                           [&] { return made->done; }))
+      throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(int(cfg_.rpc_timeout)) +
+                                          " s creating an endpoint to " + p->endpoint);
+  }
+  if (!made->ok) throw Error(ErrorKind::Peer, ch->error());
+  Writer w;
+  w.u32(uint32_t(ch->qp_));
+  w.str(ch->thread_->address());
+  const std::string what = "channel " + std::to_string(ch->qp_) + " to " + p->endpoint;
+  call(p->link, OPEN_CHANNEL, w.s, "connection is closed", cfg_.rpc_timeout, "opening " + what,
+       ErrorKind::Peer, [&](const std::string& why) { return "cannot open " + what + ": " + why; });
+  ch->opened_ = true;
+}
+
+// The peer's side of OPEN_CHANNEL (progress thread 0): its worker for qp makes the endpoint back
+// to the opener's worker, unless one exists (the peer opened that channel first, or made it
+// ahead already), and thread 0 answers.
+void Device::answer_open_channel(Link* l, uint64_t req, uint32_t qp, const std::string& worker_addr) {
+  ProgressThread* t = threads_[qp % threads_.size()].get();
+  const uint64_t uuid = l->remote_uuid;
+  ProgressThread* t0 = threads_[0].get();
+  t->post([this, t, t0, l, req, uuid, qp, worker_addr] {
+    std::string why;
+    const bool ok = t->prepare_data_ep(uuid, int(qp), worker_addr, &why);
+    Writer w;
+    w.u32(ok);
+    w.str(why);
+    t0->post([this, l, req, payload = w.s] { send_ctrl(l, OPEN_CHANNEL_REPLY, req, payload); });
+  });
 }
 
 void Channel::progress_now() const {
@@ -453,24 +519,17 @@ void Channel::on_ep_error(void* arg, ucp_ep_h, ucs_status_t st) {
 bool Channel::ensure_ep() {
   if (ep_) return true;
   if (failed_.load()) return false;
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.address = reinterpret_cast<const ucp_address_t*>(peer_->worker_addrs[remote_thread_].data());
-  // UCX's peer-failure mode costs TCP puts much of their bandwidth (docs/benchmarks.md), so
-  // data endpoints run without it by default: a dead peer still fails their requests with a
-  // connection error, and the control link (which has it) marks the channels failed.
-  auto dev = dev_.lock();
-  ep.err_mode = dev && dev->config().data_error_handling ? UCP_ERR_HANDLING_MODE_PEER
-                                                          : UCP_ERR_HANDLING_MODE_NONE;
-  ep.err_handler.cb = on_ep_error;
-  ep.err_handler.arg = this;
-  ucs_status_t st = ucp_ep_create(thread_->handle(), &ep, &ep_);
-  if (st != UCS_OK) {
-    ep_ = nullptr;
-    fail("cannot create a UCX endpoint to " + peer_->endpoint + ": " + ucs_error(st));
-    return false;
+  ep_ = thread_->adopt_data_ep(peer_->uuid, qp_, shared_from_this());
+  if (!ep_) {
+    ucs_status_t st =
+        thread_->create_data_ep(peer_->worker_addrs[remote_thread_], on_ep_error, this, &ep_);
+    if (st != UCS_OK) {
+      fail("cannot create a UCX endpoint to " + peer_->endpoint + ": " + ucs_error(st));
+      return false;
+    }
+    thread_->note_data_ep(peer_->uuid, qp_);
   }
+  auto dev = dev_.lock();
   const EndpointPaths paths =
       flagged_paths(dev ? dev->config().flagged_writes : FlaggedWrites::Put, ep_);
   flagged_by_message_ = paths.by_message;

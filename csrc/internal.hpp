@@ -196,6 +196,22 @@ class ProgressThread {
   void note_deferred(Channel* ch);
   void add_channel(const std::shared_ptr<Channel>& ch) { channels_.push_back(ch); }
   std::vector<std::shared_ptr<Channel>>& channels() { return channels_; }
+  // Data endpoints to peers' workers, one per (peer device uuid, qp): made by the channel
+  // (Channel::ensure_ep), or made ahead of it when the peer opens its channel of that qp
+  // (OPEN_CHANNEL: Device::answer_open_channel), for the channel to adopt. Made ahead because
+  // UCX's tcp transport (1.22) crashes a process that creates an endpoint to a peer while a put
+  // of that peer's is arriving on the connection the peer opened to it: the new endpoint takes
+  // the connection over, but not the put in progress (docs/architecture.md, "Opening a channel").
+  bool has_data_ep(uint64_t uuid, int qp) const { return data_eps_.count({uuid, qp}) != 0; }
+  // Makes the endpoint for (uuid, qp) ahead of its channel; false and why if UCX refuses.
+  bool prepare_data_ep(uint64_t uuid, int qp, const std::string& worker_addr, std::string* why);
+  // The endpoint made ahead for (uuid, qp), now ch's; null if there is none (ch makes its own and
+  // notes it with note_data_ep).
+  ucp_ep_h adopt_data_ep(uint64_t uuid, int qp, const std::shared_ptr<Channel>& ch);
+  void note_data_ep(uint64_t uuid, int qp) { data_eps_.emplace(std::make_pair(uuid, qp), nullptr); }
+  // ucp_ep_create to a peer's worker, in the data endpoints' error mode (Config::data_error_handling).
+  ucs_status_t create_data_ep(const std::string& worker_addr, ucp_err_handler_cb_t cb, void* arg,
+                              ucp_ep_h* ep);
 
  private:
   void loop();
@@ -216,6 +232,14 @@ class ProgressThread {
   void post_deferred();  // Channel::post_ready_words on each channel with deferred words
   void op_done(Op* op);
   void close_all();
+  struct PreparedEp {  // an endpoint made ahead of its channel: its error handler's argument
+    ucp_ep_h ep = nullptr;  // until adopted
+    bool failed = false;    // UCX reported an error before it was adopted
+    std::weak_ptr<Channel> ch;  // once adopted
+  };
+  static void on_prepared_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st);
+  // Progress-thread only; null for an endpoint its channel made.
+  std::map<std::pair<uint64_t, int>, std::unique_ptr<PreparedEp>> data_eps_;
   Device* dev_;
   int idx_;
   ucp_worker_h w_ = nullptr;

@@ -433,6 +433,11 @@ void ProgressThread::close_all() {
     auto r = ch->close_ep(true);
     reqs.insert(reqs.end(), r.begin(), r.end());
   }
+  for (auto& kv : data_eps_)
+    if (kv.second && kv.second->ep) {
+      close_endpoint(kv.second->ep, true, &reqs);
+      kv.second->ep = nullptr;
+    }
   if (idx_ == 0) {
     auto r = dev_->close_links();
     reqs.insert(reqs.end(), r.begin(), r.end());
@@ -445,6 +450,63 @@ void ProgressThread::close_all() {
   }
   flush_dirty();
   for (int i = 0; i < 100; ++i) ucp_worker_progress(w_);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data endpoints (internal.hpp, ProgressThread::data_eps_).
+
+ucs_status_t ProgressThread::create_data_ep(const std::string& worker_addr, ucp_err_handler_cb_t cb,
+                                            void* arg, ucp_ep_h* ep) {
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.address = reinterpret_cast<const ucp_address_t*>(worker_addr.data());
+  // UCX's peer-failure mode costs TCP puts much of their bandwidth (docs/benchmarks.md), so
+  // data endpoints run without it by default: a dead peer still fails their requests with a
+  // connection error, and the control link (which has it) marks the channels failed.
+  p.err_mode = dev_->config().data_error_handling ? UCP_ERR_HANDLING_MODE_PEER
+                                                  : UCP_ERR_HANDLING_MODE_NONE;
+  p.err_handler.cb = cb;
+  p.err_handler.arg = arg;
+  *ep = nullptr;
+  ucs_status_t st = ucp_ep_create(w_, &p, ep);
+  if (st != UCS_OK) *ep = nullptr;
+  return st;
+}
+
+bool ProgressThread::prepare_data_ep(uint64_t uuid, int qp, const std::string& worker_addr,
+                                     std::string* why) {
+  if (has_data_ep(uuid, qp)) return true;
+  auto slot = std::make_unique<PreparedEp>();
+  ucs_status_t st = create_data_ep(worker_addr, on_prepared_ep_error, slot.get(), &slot->ep);
+  if (st != UCS_OK) {
+    *why = "cannot create a UCX endpoint back to it: " + ucs_error(st);
+    return false;
+  }
+  data_eps_[{uuid, qp}] = std::move(slot);
+  return true;
+}
+
+ucp_ep_h ProgressThread::adopt_data_ep(uint64_t uuid, int qp, const std::shared_ptr<Channel>& ch) {
+  auto it = data_eps_.find({uuid, qp});
+  if (it == data_eps_.end() || !it->second || !it->second->ep) return nullptr;
+  PreparedEp& slot = *it->second;
+  ucp_ep_h ep = slot.ep;
+  slot.ep = nullptr;
+  if (slot.failed) {  // the channel makes a new one
+    close_endpoint(ep, true, nullptr);
+    return nullptr;
+  }
+  slot.ch = ch;
+  return ep;
+}
+
+void ProgressThread::on_prepared_ep_error(void* arg, ucp_ep_h ep, ucs_status_t st) {
+  auto* slot = static_cast<PreparedEp*>(arg);
+  if (auto ch = slot->ch.lock())
+    Channel::on_ep_error(ch.get(), ep, st);
+  else
+    slot->failed = true;
 }
 
 }  // namespace rdmaflow

@@ -13,7 +13,9 @@
 //   RemoteRegion a peer's region parsed from its descriptor; authenticated on first use.
 //   Channel      (peer, qp_idx): operations posted on it run in order on worker
 //                qp_idx % num_cqs (by its progress thread, or by the posting thread when the
-//                worker is free), against the peer's worker qp_idx % peer_num_cqs.
+//                worker is free), against the peer's worker qp_idx % peer_num_cqs. Opened
+//                by its first Device::channel() call, which returns once both devices have
+//                their UCX endpoint of that qp to each other.
 //   DirectWindow a same-host peer's region written by the caller's own thread: no worker.
 //   Future       completes exactly once, on the thread driving the worker:
 //                  WRITE  when the data is visible at the destination (put + endpoint flush,
@@ -393,6 +395,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::atomic<bool> failed_{false};
   mutable std::mutex m_;
   std::string error_;
+  std::mutex open_m_;    // held while the channel opens (Device::open_channel)
+  bool opened_ = false;  // under open_m_
 };
 
 // The RDMA device (Xue et al. §3.1). Every method may be called from any thread.
@@ -415,6 +419,10 @@ class Device : public std::enable_shared_from_this<Device> {
   bool cuda_supported() const;
   // Connects (and authenticates) on first use, bounded by connect_timeout; throws
   // OutOfBounds for a qp_idx outside [0, qps_per_peer), Auth for a peer of another job.
+  // Blocks. The first call for (peer, qp_idx) opens the channel: this device's endpoint to the
+  // peer, then the peer's endpoint back (one round trip on the control link, bounded by
+  // rpc_timeout; Peer or Timeout if it fails, and the next call tries again). Every call
+  // returns only once the channel is open.
   std::shared_ptr<Channel> channel(const std::string& remote_endpoint, int qp_idx);
 
   // Side RPC: named byte strings handed out to authenticated peers.
@@ -509,6 +517,9 @@ class Device : public std::enable_shared_from_this<Device> {
   void ensure_validated(const std::shared_ptr<Peer>& peer, RemoteRegion& r);
   void answer_lookup(Link* l, uint64_t req, const std::string& name);
   void answer_validate(Link* l, uint64_t req, uint64_t id, uint64_t addr, uint64_t len);
+  // channel.cpp: the two ends of opening a channel (docs/architecture.md, "Opening a channel").
+  void open_channel(const std::shared_ptr<Peer>& p, const std::shared_ptr<Channel>& ch);
+  void answer_open_channel(Link* l, uint64_t req, uint32_t qp, const std::string& worker_addr);
   void answer_revoke(Link* l, uint64_t req, uint64_t region_id);
 
   DeviceConfig cfg_;

@@ -9,6 +9,7 @@
 //   LOOKUP(name str) / LOOKUP_REPLY(ok u32, value str)
 //   VALIDATE(region u64, addr u64, len u64) / VALIDATE_REPLY(ok u32, reason str)
 //   REVOKE(region u64) / REVOKE_ACK()                            owner -> holder -> owner
+//   OPEN_CHANNEL(qp u32, worker address str) / OPEN_CHANNEL_REPLY(ok u32, reason str)
 // Flagged write: one UCP active message (id kFlaggedAmId), header FlaggedHeader, payload the
 // data (flagged.cpp).
 // Descriptor: see docs/architecture.md ("Descriptors"); the MAC covers everything before it.
@@ -25,7 +26,7 @@ namespace rdmaflow {
 
 constexpr uint16_t kAmId = 0x5246;  // "RF"
 constexpr uint32_t kCtrlMagic = 0x52464331;  // "RFC1"
-constexpr uint32_t kProtoVersion = 1;
+constexpr uint32_t kProtoVersion = 2;  // 2: OPEN_CHANNEL
 constexpr char kDescMagic[4] = {'R', 'F', 'D', '1'};
 constexpr size_t kMacLen = 16;
 constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block follows the rkey
@@ -69,6 +70,8 @@ enum CtrlType : uint32_t {
   VALIDATE_REPLY,
   REVOKE,
   REVOKE_ACK,
+  OPEN_CHANNEL,
+  OPEN_CHANNEL_REPLY,
 };
 
 struct CtrlHeader {

@@ -244,7 +244,8 @@ void Device::handle_as_server(Link* l, uint32_t type, uint64_t req, const std::s
       return;
     }
     case LOOKUP:
-    case VALIDATE: {
+    case VALIDATE:
+    case OPEN_CHANNEL: {
       if (!l->authed) {
         send_ctrl(l, REJECT, req, "not authenticated");
         return;
@@ -253,6 +254,13 @@ void Device::handle_as_server(Link* l, uint32_t type, uint64_t req, const std::s
         std::string name = rd.str(4096);
         rd.end();
         answer_lookup(l, req, name);
+        return;
+      }
+      if (type == OPEN_CHANNEL) {
+        uint32_t qp = rd.num<uint32_t>();
+        std::string worker_addr = rd.str(64 * 1024);
+        rd.end();
+        answer_open_channel(l, req, qp, worker_addr);
         return;
       }
       uint64_t id = rd.num<uint64_t>(), addr = rd.num<uint64_t>(), len = rd.num<uint64_t>();
@@ -320,7 +328,8 @@ void Device::handle_as_client(Link* l, uint32_t type, uint64_t req, const std::s
       return;
     }
     case LOOKUP_REPLY:
-    case VALIDATE_REPLY: {
+    case VALIDATE_REPLY:
+    case OPEN_CHANNEL_REPLY: {
       uint32_t ok = rd.num<uint32_t>();
       std::string v = rd.str();
       rd.end();

@@ -87,6 +87,14 @@ def main() -> None:
                     else:
                         time.sleep(0)
                 reply(ok=True, behind=behind, seen=seen, marker=marker)
+            elif op == "write_to":
+                # WRITEs `nbytes` of byte `value` into region `name` published by the device at
+                # `endpoint` (this device's first channel to it, when it has none yet).
+                r = regions.setdefault("_src", dev.alloc_region(cmd["nbytes"]))
+                r.tensor(torch.uint8, cmd["nbytes"]).fill_(cmd["value"])
+                remote = dev.lookup_region(cmd["endpoint"], cmd["name"])
+                dev.channel(cmd["endpoint"]).memcpy(r, 0, remote, 0, cmd["nbytes"], rdmaflow.WRITE).result(60)
+                reply(ok=True)
             elif op == "free":
                 regions.pop(cmd["name"]).free()
                 reply(ok=True)

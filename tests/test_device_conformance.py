@@ -134,6 +134,28 @@ def test_small_transfers_byte_for_byte(spawn_peer):
         assert bytes.fromhex(peer.call("read", name="b", offset=1000, nbytes=len(payload))["data"]) == payload
 
 
+def test_a_peer_opens_its_channel_back_while_our_large_write_arrives(spawn_peer, transport):
+    """The peer opens its first channel to us (a new UCX endpoint) while a WRITE of ours is
+    still arriving at it. Over tcp, UCX 1.22 lets that endpoint take over our connection but not
+    the put in progress, and the peer crashed in the next receive; opening a channel makes the
+    endpoint back before anything travels on it (docs/architecture.md, "Opening a channel")."""
+    peer = spawn_peer()
+    n = 256 * MiB
+    peer.call("alloc", name="big", nbytes=n)
+    with local_device() as dev:
+        mark = dev.alloc_region(4096)
+        dev.publish_region("mark", mark)
+        src = dev.alloc_region(n)
+        src.tensor(torch.uint8, n).copy_(seeded_bytes(5, n))
+        remote = dev.lookup_region(peer.endpoint, "big")
+        ch = dev.channel(peer.endpoint)
+        fut = ch.memcpy(src, 0, remote, 0, n, rdmaflow.WRITE)
+        peer.call("write_to", endpoint=dev.endpoint, name="mark", nbytes=4096, value=7, timeout=60)
+        fut.result(60)
+        assert bytes(memoryview(mark)[:4096]) == b"\x07" * 4096
+        assert peer.call("digest", name="big", offset=0, nbytes=n)["digest"] == digest(src, 0, n)
+
+
 def test_many_concurrent_memcpys_across_qps_and_cqs(spawn_peer):
     peer = spawn_peer(RDMAFLOW_TEST_CQS=2)
     n_chunks, chunk = 512, 64 * 1024 + 3

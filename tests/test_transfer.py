@@ -823,6 +823,7 @@ def test_receiver_dies_while_sender_waits_for_credit(tpeer, dev):
     for key in ("static", "dynamic"):
         e, _ = results[key]
         assert isinstance(e, rdmaflow.PeerError), f"{key}: {e!r}"
+        assert "unreachable" in str(e), f"{key}: the error does not say why: {e}"  # the channel's reason
     assert time.monotonic() - t_crash < 30
     # Later calls fail at once.
     raises_within(rdmaflow.PeerError, 10, s.wait_consumed, timeout=30)

@@ -220,7 +220,14 @@ class WorkerPair(System):
         self.rx.send({"cmd": "recv", "peer": self.sender_info, **cmd})
         self.rx.read(min(timeout, 60.0))  # ready
         self.tx.send({"cmd": "send", "peer": self.peer, **cmd})
-        self.tx.read(deadline - time.monotonic())
+        try:
+            self.tx.read(deadline - time.monotonic())
+        except BenchError as e:  # the receiver's side of it, if it has one, says more
+            try:
+                self.rx.read(2.0)
+            except BenchError as r:
+                raise BenchError(f"{e}; {r}") from None
+            raise
         res = self.rx.read(deadline - time.monotonic() + 5.0)
         if res.get("bad"):
             raise BenchError(f"{res['bad']} of {warmup + count} received tensors had a wrong max")

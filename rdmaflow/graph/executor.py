@@ -20,7 +20,7 @@ import time
 from collections import deque
 
 import rdmaflow
-from rdmaflow.transfer import wait_any
+from rdmaflow.transfer import peer_failed, wait_any
 
 IDLE_SLICE = 0.5      # seconds of one wait_any before the abort key is read again
 SEND_RETRY = 200e-6   # sleep while only credit-blocked sends could make progress
@@ -167,7 +167,7 @@ class Executor:
         else:
             for s in sends:
                 if s.sender.channel.failed:
-                    raise rdmaflow.PeerError(f"{self.stage_name}: {s.name}: peer {s.sender.remote_endpoint} failed")
+                    raise peer_failed(f"{self.stage_name}: {s.name}", s.sender.channel)
             time.sleep(SEND_RETRY)
         self._event("wait", ",".join(op.name for op in recvs), wall=time.monotonic() - t0,
                     cpu=time.process_time() - c0)

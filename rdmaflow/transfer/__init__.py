@@ -21,7 +21,7 @@ from rdmaflow.transfer.bounded import SIZE_RECORD_BYTES, BoundedReceiver, Bounde
 from rdmaflow.transfer.common import CTL_BYTES, FLAG_STRIDE, pack_header, unpack_header
 from rdmaflow.transfer.dtypes import FLOAT_DTYPES, describe, dtype_code, dtype_name
 from rdmaflow.transfer.dynamic import MAX_RANK, DynamicReceiver, DynamicSender
-from rdmaflow.transfer.flag import Word, wait_any, wait_flag
+from rdmaflow.transfer.flag import Word, peer_failed, wait_any, wait_flag
 from rdmaflow.transfer.static import StaticReceiver, StaticSender
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "dtype_code",
     "dtype_name",
     "pack_header",
+    "peer_failed",
     "unpack_header",
     "wait_any",
     "wait_flag",

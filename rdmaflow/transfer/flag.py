@@ -61,6 +61,12 @@ class Word:
         return wait_u64_at_least(self.address, v, timeout)
 
 
+def peer_failed(what: str, channel) -> PeerError:
+    """The PeerError for a wait (``what``) whose channel failed, with the channel's reason."""
+    why = channel.error
+    return PeerError(f"{what}: peer {channel.remote_endpoint} failed" + (f" ({why})" if why else ""))
+
+
 def wait_flag(word: Word, value: int, deadline: Deadline, what: str, *, peer: Peer = None,
               give_up: Callable[[], bool] | None = None, abort_reason: Callable[[], str | None] | None = None,
               aborted: type[Exception] = RdmaflowError, on_timeout: Callable[[], None] | None = None,
@@ -69,7 +75,7 @@ def wait_flag(word: Word, value: int, deadline: Deadline, what: str, *, peer: Pe
 
     Each time ``poll`` seconds pass without the word, it looks, in this order, at:
 
-    - ``peer``: a failed channel raises PeerError("{what}: peer <endpoint> failed");
+    - ``peer``: a failed channel raises ``peer_failed(what, channel)``;
     - ``give_up()``: the caller's own check; it raises, or returns True to stop waiting (this
       then returns False);
     - ``abort_reason()``, at most once per ABORT_CHECK seconds: a reason raises
@@ -92,7 +98,7 @@ def wait_flag(word: Word, value: int, deadline: Deadline, what: str, *, peer: Pe
         if peer is not None:
             channel = peer() if callable(peer) else peer
             if channel is not None and channel.failed:
-                raise PeerError(f"{what}: peer {channel.remote_endpoint} failed")
+                raise peer_failed(what, channel)
         if give_up is not None and give_up():
             return False
         if abort_reason is not None and time.monotonic() - last_abort_check >= ABORT_CHECK:

@@ -38,6 +38,7 @@ from rdmaflow.transfer.flag import (
     PEER_FAILED,
     WAIT_SLICE,
     Word,
+    peer_failed,
     wait_flag,
 )
 
@@ -208,7 +209,7 @@ class Receiver(Endpoint):
             deadline = Deadline(None if timeout is None else timeout - first)
         while True:
             if code == PEER_FAILED:
-                raise PeerError(f"waiting for transfer {k} on '{self.name}': peer {channel.remote_endpoint} failed")
+                raise peer_failed(f"waiting for transfer {k} on '{self.name}'", channel)
             if code == OTHER_SENDER or self.ctl_ready.get() != self._generation:
                 raise RdmaflowError(
                     f"a second sender introduced itself to '{self.name}': a receiver pairs with one sender"
@@ -245,7 +246,7 @@ class Receiver(Endpoint):
             return True
         channel = self._sender_if_known()
         if channel is not None and channel.failed:
-            raise PeerError(f"'{self.name}' waits for transfer {k}: peer {channel.remote_endpoint} failed")
+            raise peer_failed(f"'{self.name}' waits for transfer {k}", channel)
         return False
 
     def close(self) -> None:

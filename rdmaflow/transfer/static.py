@@ -22,7 +22,7 @@ from rdmaflow.arena import arena_of
 from rdmaflow.deadline import Deadline
 from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
-from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE
+from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE, peer_failed
 from rdmaflow.transfer.pair import CLOSED, Receiver, Sender
 
 MODES = ("auto", "zerocopy", "copy")
@@ -380,7 +380,7 @@ class StaticSender(Sender):
             if code == RECEIVER_CLOSED:
                 raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
             if code == PEER_FAILED:
-                raise PeerError(f"{what}: peer {self.remote_endpoint} failed")
+                raise peer_failed(what, self.channel)
             if deadline.passed():
                 raise TimeoutError(f"timed out {what}")
             code = attempt(deadline.slice(WAIT_SLICE))
