@@ -119,13 +119,21 @@ class PhaseTrace:
     settled: bool = False
 
 
-def _best_of(trials: int, fn) -> float:
-    best = float("inf")
+def _best_of_each(trials: int, *fns) -> list[float]:
+    """The fastest of ``trials`` timed calls of each of ``fns``, the calls interleaved so that a
+    slow stretch of the machine (another process's time slice, a stolen virtual CPU) slows them
+    alike rather than one of them only."""
+    best = [float("inf")] * len(fns)
     for _ in range(trials):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
     return best
+
+
+def _best_of(trials: int, fn) -> float:
+    return _best_of_each(trials, fn)[0]
 
 
 @functools.cache
@@ -147,7 +155,8 @@ def mode_cost_per_op() -> float:
 
     ops()
     under_mode()
-    return max(0.0, (_best_of(5, under_mode) - _best_of(5, ops)) / n)
+    with_mode, without = _best_of_each(9, under_mode, ops)
+    return max(0.0, (with_mode - without) / n)
 
 
 COPY_PROBE_MAX = 64 << 20  # larger copies are timed at this size and scaled
@@ -159,7 +168,7 @@ def copy_cost(nbytes: int) -> float:
     of an unplaced op is (a fresh buffer of megabytes is often new pages to fault in)."""
     n = max(1, min(nbytes, COPY_PROBE_MAX))
     src = torch.ones(n, dtype=torch.uint8)
-    return _best_of(3, lambda: torch.empty(n, dtype=torch.uint8).copy_(src)) * nbytes / n
+    return _best_of(5, lambda: torch.empty(n, dtype=torch.uint8).copy_(src)) * nbytes / n
 
 
 class Placement(TorchDispatchMode):
