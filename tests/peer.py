@@ -90,7 +90,9 @@ def main() -> None:
             elif op == "write_to":
                 # WRITEs `nbytes` of byte `value` into region `name` published by the device at
                 # `endpoint` (this device's first channel to it, when it has none yet).
-                r = regions.setdefault("_src", dev.alloc_region(cmd["nbytes"]))
+                r = regions.get("_src")
+                if r is None or r.nbytes < cmd["nbytes"]:
+                    r = regions["_src"] = dev.alloc_region(cmd["nbytes"])
                 r.tensor(torch.uint8, cmd["nbytes"]).fill_(cmd["value"])
                 remote = dev.lookup_region(cmd["endpoint"], cmd["name"])
                 dev.channel(cmd["endpoint"]).memcpy(r, 0, remote, 0, cmd["nbytes"], rdmaflow.WRITE).result(60)

@@ -222,11 +222,12 @@ class WorkerPair(System):
         self.tx.send({"cmd": "send", "peer": self.peer, **cmd})
         try:
             self.tx.read(deadline - time.monotonic())
-        except BenchError as e:  # the receiver's side of it, if it has one, says more
+        except BenchError as e:  # the receiver's error or exit, if it has one, says more
             try:
                 self.rx.read(2.0)
             except BenchError as r:
-                raise BenchError(f"{e}; {r}") from None
+                if self.rx.proc.poll() is not None or "did not answer" not in str(r):
+                    raise BenchError(f"{e}; {r}") from None
             raise
         res = self.rx.read(deadline - time.monotonic() + 5.0)
         if res.get("bad"):
