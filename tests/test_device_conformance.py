@@ -156,6 +156,43 @@ def test_a_peer_opens_its_channel_back_while_our_large_write_arrives(spawn_peer,
         assert peer.call("digest", name="big", offset=0, nbytes=n)["digest"] == digest(src, 0, n)
 
 
+def test_both_devices_open_every_qp_at_once_and_write_both_ways(transport, job_secret):
+    """Two devices with different CQ counts open all their channels to each other at the same
+    time, from two threads, and WRITE over every qp in both directions at once, three rounds:
+    each side's endpoint of a qp made ahead at the other's request is the one its own channel
+    adopts (qp mod its CQs), and every byte arrives."""
+    n, qps = 8 * MiB, 4
+    with local_device(num_cqs=2, qps_per_peer=qps) as a, local_device(num_cqs=3, qps_per_peer=qps) as b:
+        regions = {}
+        for seed, d in enumerate((a, b)):
+            src, dst = d.alloc_region(qps * n), d.alloc_region(qps * n)
+            src.tensor(torch.uint8, qps * n).copy_(seeded_bytes(seed, qps * n))
+            d.publish_region("dst", dst)
+            regions[d] = (src, dst)
+        errors: list[str] = []
+
+        def write_all(me, other) -> None:
+            try:
+                remote = me.lookup_region(other.endpoint, "dst")
+                futs = [me.channel(other.endpoint, q).memcpy(regions[me][0], q * n, remote, q * n, n, rdmaflow.WRITE)
+                        for q in range(qps)]
+                for f in futs:
+                    f.result(60)
+            except Exception as e:  # noqa: BLE001 - asserted below
+                errors.append(f"{me.endpoint}: {type(e).__name__}: {e}")
+
+        for _ in range(3):
+            threads = [threading.Thread(target=write_all, args=pair) for pair in ((a, b), (b, a))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert not any(t.is_alive() for t in threads), "a side hung"
+            assert not errors, errors
+        for me, other in ((a, b), (b, a)):
+            assert digest(regions[other][1], 0, qps * n) == digest(regions[me][0], 0, qps * n)
+
+
 def test_many_concurrent_memcpys_across_qps_and_cqs(spawn_peer):
     peer = spawn_peer(RDMAFLOW_TEST_CQS=2)
     n_chunks, chunk = 512, 64 * 1024 + 3
