@@ -139,30 +139,18 @@ std::shared_ptr<Channel> Device::channel(const std::string& remote_endpoint, int
 void Device::open_channel(const std::shared_ptr<Peer>& p, const std::shared_ptr<Channel>& ch) {
   std::lock_guard<std::mutex> lk(ch->open_m_);
   if (ch->opened_) return;
-  struct Made {
-    std::mutex m;
-    std::condition_variable cv;
-    bool done = false, ok = false;
-  };
-  auto made = std::make_shared<Made>();
+  auto made = std::make_shared<FutureState>();
   if (!ch->thread_->post([ch, made] {
-        const bool ok = ch->ensure_ep();
-        {
-          std::lock_guard<std::mutex> l(made->m);
-          made->done = true;
-          made->ok = ok;
-        }
-        made->cv.notify_all();
+        if (ch->ensure_ep())
+          made->complete_ok();
+        else
+          made->complete_error(ErrorKind::Peer, ch->error());
       }))
     throw Error(ErrorKind::Closed, "device is closed");
-  {
-    std::unique_lock<std::mutex> l(made->m);
-    if (!made->cv.wait_for(l, std::chrono::duration<double>(cfg_.rpc_timeout),
-                           [&] { return made->done; }))
-      throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(int(cfg_.rpc_timeout)) +
-                                          " s creating an endpoint to " + p->endpoint);
-  }
-  if (!made->ok) throw Error(ErrorKind::Peer, ch->error());
+  if (!made->wait(cfg_.rpc_timeout))
+    throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(int(cfg_.rpc_timeout)) +
+                                        " s creating an endpoint to " + p->endpoint);
+  if (!made->ok()) throw Error(made->error_kind(), made->error());
   Writer w;
   w.u32(uint32_t(ch->qp_));
   w.str(ch->thread_->address());
