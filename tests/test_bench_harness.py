@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -172,3 +173,32 @@ def test_styles_and_background_meter():
     bg = meter.report()
     assert bg["wall_s"] > 0 and bg["other_cpus"] >= 0 and bg["cpus"] >= 1
     assert "background:" in processes.format_background(bg)
+
+
+def test_background_meter_counts_tcp_segments_and_names_the_congestion_control():
+    """The meter's TCP line: what the kernel's counters moved by while the run sent over TCP,
+    and the congestion control every socket got."""
+    meter = processes.BackgroundMeter()
+    srv = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(sum(len(b) for b in iter(lambda: conn.recv(1 << 16), b""))))
+    reader.start()
+    for _ in range(64):
+        cli.sendall(b"x" * 1024)
+        time.sleep(0.001)  # one segment each (TCP_NODELAY is off: spaced out, nothing coalesces)
+    cli.close()
+    reader.join(10)
+    conn.close()
+    srv.close()
+    assert got == [64 * 1024]
+    bg = meter.report()
+    assert bg["tcp_out_segs"] >= 64 and bg["tcp_retrans_segs"] >= 0 and bg["tcp_reorder"] >= 0
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        assert bg["tcp_cc"] == f.read().strip() != ""
+    quiet = dict(bg, tcp_out_segs=999)
+    assert "tcp, machine-wide" not in processes.format_background(quiet)
+    busy = dict(bg, tcp_out_segs=2000, tcp_retrans_segs=30, tcp_reorder=7, tcp_cc="bbr")
+    assert processes.format_background(busy).splitlines()[1] == (
+        "tcp, machine-wide: congestion control bbr; 30 of 2000 segments retransmitted (1.50%), 7 reorderings seen")

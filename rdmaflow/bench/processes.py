@@ -312,32 +312,80 @@ def _proc_stat() -> list[float]:
     return [x / os.sysconf("SC_CLK_TCK") for x in v]  # user nice system idle iowait irq softirq steal
 
 
+def _tcp_counters() -> dict[str, int]:
+    """The kernel's TCP counters, machine-wide: segments sent (``OutSegs``) and retransmitted
+    (``RetransSegs``) from /proc/net/snmp, and ``reorder``, how often senders saw segments
+    arrive out of order (the ``TcpExt`` counters named ``*Reorder`` in /proc/net/netstat).
+    Empty where /proc does not have them."""
+    out: dict[str, int] = {}
+    for path, table in (("/proc/net/snmp", "Tcp:"), ("/proc/net/netstat", "TcpExt:")):
+        try:
+            with open(path) as f:
+                rows = [line.split() for line in f if line.startswith(table)]
+        except OSError:
+            continue
+        for names, values in zip(rows[::2], rows[1::2]):
+            for name, value in zip(names[1:], values[1:]):
+                if name in ("OutSegs", "RetransSegs"):
+                    out[name] = int(value)
+                elif name.endswith("Reorder"):
+                    out["reorder"] = out.get("reorder", 0) + int(value)
+    return out
+
+
+def tcp_congestion_control() -> str:
+    """The kernel's default TCP congestion control (``net.ipv4.tcp_congestion_control``), which
+    every system's sockets get; "" where unreadable. Over loopback it shapes every tcp figure:
+    bbr paces what it sends (docs/benchmarks.md, "Loopback tcp on this machine")."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 class BackgroundMeter:
     """How much CPU others used while the benchmark ran: the noise in its numbers.
 
     ``report()``: ``other_cpus``, user and system time of processes outside the benchmark's
     process tree (kernel threads excluded); ``kernel_cpus``, kernel threads, interrupts and
     softirqs (the benchmark's own loopback traffic lands there too); ``steal_cpus``, time the
-    hypervisor gave to other guests. All in CPUs busy (CPU-seconds per second)."""
+    hypervisor gave to other guests. All in CPUs busy (CPU-seconds per second). And what TCP
+    did meanwhile, machine-wide (the benchmark's loopback traffic, mostly): ``tcp_cc``, the
+    congestion control; ``tcp_out_segs``, ``tcp_retrans_segs`` and ``tcp_reorder``, the changes
+    of the counters of :func:`_tcp_counters`."""
 
     def __init__(self) -> None:
         self.t0 = time.monotonic()
         self.stat0 = _proc_stat()
         self.mine0, self.kthreads0 = _cpu_split(os.getpid())
+        self.tcp0 = _tcp_counters()
 
-    def report(self) -> dict[str, float]:
+    def report(self) -> dict[str, Any]:
         wall = max(1e-9, time.monotonic() - self.t0)
         st = [b - a for a, b in zip(self.stat0, _proc_stat())]
         mine, kthreads = _cpu_split(os.getpid())
         kthreads -= self.kthreads0
         others = max(0.0, st[0] + st[1] + st[2] - (mine - self.mine0) - kthreads)
+        tcp = _tcp_counters()
+        moved = {k: tcp[k] - self.tcp0[k] for k in tcp if k in self.tcp0}
         return {"wall_s": wall, "other_cpu_s": others, "other_cpus": others / wall,
                 "kernel_cpus": (kthreads + st[5] + st[6]) / wall, "steal_cpus": st[7] / wall,
-                "cpus": float(os.cpu_count() or 1)}
+                "cpus": float(os.cpu_count() or 1), "tcp_cc": tcp_congestion_control(),
+                "tcp_out_segs": moved.get("OutSegs", 0), "tcp_retrans_segs": moved.get("RetransSegs", 0),
+                "tcp_reorder": moved.get("reorder", 0)}
 
 
-def format_background(bg: Mapping[str, float]) -> str:
+def format_background(bg: Mapping[str, Any]) -> str:
+    """The background line; with a second line on TCP where the run sent a thousand segments or
+    more (tcp runs: the benchmark's own loopback traffic)."""
     text = (f"background: other processes used {bg['other_cpu_s']:.0f} CPU-s in {bg['wall_s']:.0f} s "
             f"({bg['other_cpus']:.2f} of {bg['cpus']:.0f} cores); kernel threads + softirq "
             f"{bg['kernel_cpus']:.2f} cores, steal {bg['steal_cpus']:.2f}")
-    return text + ("  <- noisy: other processes were busy" if bg["other_cpus"] > 0.1 else "  (quiet)")
+    text += "  <- noisy: other processes were busy" if bg["other_cpus"] > 0.1 else "  (quiet)"
+    out = bg.get("tcp_out_segs", 0)
+    if out >= 1000:
+        text += (f"\ntcp, machine-wide: congestion control {bg.get('tcp_cc') or 'unknown'}; "
+                 f"{bg['tcp_retrans_segs']} of {out} segments retransmitted "
+                 f"({bg['tcp_retrans_segs'] / out:.2%}), {bg['tcp_reorder']} reorderings seen")
+    return text
