@@ -433,7 +433,8 @@ PYBIND11_MODULE(_core, m) {
                                     [](py::object) { return Channel::flagged_message_bytes(); })
       .def("progress_now", &Channel::progress_now, py::call_guard<py::gil_scoped_release>(),
            "Progresses the channel's worker once on the caller's thread, unless another thread "
-           "drives it (completions it is owed run here instead of waking a progress thread).")
+           "drives it (completions it is owed run here instead of waking a progress thread). "
+           "Returns whether that did anything.")
       .def("direct_window", &Channel::direct_window, py::arg("remote_region"),
            py::call_guard<py::gil_scoped_release>(),
            "The peer's region written by the caller's thread (same host, shared memory), or "

@@ -177,9 +177,14 @@ void Device::answer_open_channel(Link* l, uint64_t req, uint32_t qp, const std::
   });
 }
 
-void Channel::progress_now() const {
+bool Channel::progress_now() const {
   auto dev = dev_.lock();
-  if (dev && !dev->closed()) thread_->progress_now();
+  return dev && !dev->closed() && thread_->progress_now();
+}
+
+void Channel::hand_back() const {
+  auto dev = dev_.lock();
+  if (dev && !dev->closed()) thread_->hand_back();
 }
 
 std::string Channel::remote_endpoint() const { return peer_->endpoint; }

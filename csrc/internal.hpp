@@ -166,7 +166,12 @@ class ProgressThread {
   bool post_inline(std::function<void()> fn, const FutureState* carry = nullptr);
   // Progresses the worker on the caller's thread unless someone else drives it: a waiting
   // receiver applies incoming puts itself (tcp) instead of waiting for the progress thread.
-  void progress_now();
+  // Returns whether that did anything (ran a command, or UCX progressed an event).
+  bool progress_now();
+  // A driving waiter whose wait was long (a large transfer) leaves the worker to this thread: the
+  // recent drive is forgotten and the thread woken, so that what is still arriving (the next
+  // transfer) is received while the caller computes, not when it next waits.
+  void hand_back();
   // A thread that blocks without driving (on a future, on a word without drive) holds one of
   // these while it blocks: it wakes every parked progress thread of the process, whose
   // completion the thread now relies on, and keeps them from parking for a recent driver

@@ -168,13 +168,19 @@ bool ProgressThread::post_inline(std::function<void()> fn, const FutureState* ca
   return true;
 }
 
-void ProgressThread::progress_now() {
-  if (driving_ != nullptr || !wm_.try_lock()) return;
+bool ProgressThread::progress_now() {
+  if (driving_ != nullptr || !wm_.try_lock()) return false;
   std::unique_lock<std::mutex> held(wm_, std::adopt_lock);
-  if (stopped_) return;
+  if (stopped_) return false;
   Driving d(driving_, this);
-  drive();
+  bool did = drive();
   drivers_->touch();
+  return did;
+}
+
+void ProgressThread::hand_back() {
+  drivers_->forget();
+  wake();
 }
 
 bool ProgressThread::drive() {

@@ -299,7 +299,11 @@ class Channel : public std::enable_shared_from_this<Channel> {
   std::shared_ptr<DirectWindow> direct_window(const std::shared_ptr<RemoteRegion>& remote);
   // Progresses the channel's worker on the caller's thread unless another thread drives it:
   // over tcp a put is applied by the target's progress, so a waiting receiver applies it.
-  void progress_now() const;
+  // Returns whether that did anything (false also where another thread holds the worker).
+  bool progress_now() const;
+  // After a long driving wait: the worker goes back to its progress thread (ProgressThread::
+  // hand_back).
+  void hand_back() const;
   // A waiter that drives the worker counts itself in (+1) and out (-1) (ProgressThread::drivers).
   void count_driver(int d) const { d > 0 ? drivers_->enter() : drivers_->leave(); }
   // Whether write_flagged of at most flagged_message_bytes() takes the message path here (data,

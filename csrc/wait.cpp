@@ -58,7 +58,11 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
   struct Counted {  // this waiter, counted in while it drives (ProgressThread::drivers)
     const Channel* ch;
     explicit Counted(const Channel* c) : ch(c) { if (ch) ch->count_driver(1); }
-    ~Counted() { if (ch) ch->count_driver(-1); }
+    ~Counted() { leave(); }
+    void leave() {
+      if (ch) ch->count_driver(-1);
+      ch = nullptr;
+    }
   } counted(drive ? peer : nullptr);
   auto t0 = Clock::now();
   const int64_t budget = std::min<int64_t>(spin_budget_ns, timeout_s < 0 ? kMaxSpinNs : int64_t(timeout_s * 1e9));
@@ -84,7 +88,13 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
     // On a machine with few cores the writer (or the progress thread applying its puts) may
     // need this core: yield first, then sleep with a short capped backoff, so a wait neither
     // starves the writer nor oversleeps the word (docs/benchmarks.md has the figures).
-    if (drive) peer->progress_now();
+    // A drive that moved something (a large put arriving in pieces) is followed by another at
+    // once, as in the progress thread's loop; backing off between the pieces slowed a 64 MiB
+    // stream over tcp (docs/benchmarks.md, "A waiter that drives").
+    if (drive && peer->progress_now()) {
+      sleep_us = 1;
+      continue;
+    }
     if (yields < kYields) {
       ++yields;
       std::this_thread::yield();
@@ -94,10 +104,18 @@ WaitStatus wait_word(uintptr_t addr, uint64_t value, double timeout_s, const Cha
     }
   }
   const int64_t took = ns_since(t0);
-  if (took <= kSpinWorthNs)
+  if (took <= kSpinWorthNs) {
     spin_budget_ns = std::clamp<int64_t>(4 * took, kMinSpinNs, kMaxSpinNs);
-  else
+  } else {
     spin_budget_ns = std::max<int64_t>(spin_budget_ns / 2, kMinSpinNs);
+    // A long wait is a large transfer's: what follows it (the next one) keeps arriving while the
+    // caller computes only if the progress thread takes the worker back now, rather than staying
+    // parked for a driver that was here moments ago (docs/benchmarks.md, "A waiter that drives").
+    if (drive) {
+      counted.leave();
+      peer->hand_back();
+    }
+  }
   return WaitStatus::Ok;
 }
 
