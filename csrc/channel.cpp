@@ -535,6 +535,12 @@ bool Channel::ensure_ep() {
 ucp_rkey_h Channel::rkey_for(const RemoteRegion& r) {
   auto it = rkeys_.find(r.region_id);
   if (it != rkeys_.end()) return it->second;
+  // Revoked (answer_revoke dropped its rkey): what was accepted before the revocation but posted
+  // only now (a word deferred behind its data's flush, a queued command) must not reach the
+  // region once its owner may have reused the memory; the operation fails instead
+  // (Device::op_error_message says why).
+  auto owner = dev_.lock();
+  if (owner && owner->revoked(r.owner_uuid, r.region_id)) return nullptr;
   if (r.cuda_device >= 0) {  // unpacking opens the peer's CUDA IPC handle: a context is needed
     auto dev = dev_.lock();
     try {

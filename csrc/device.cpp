@@ -174,6 +174,11 @@ std::string Device::op_error_message(Op* op, ucs_status_t st, ErrorKind* kind) {
     *kind = ErrorKind::Peer;
     return op->ch->error();
   }
+  if (op->remote && revoked(op->remote->owner_uuid, op->remote->region_id)) {
+    *kind = ErrorKind::Region;
+    return "remote region " + std::to_string(op->remote->region_id) + " was freed by its owner at " +
+           op->remote->owner_endpoint;
+  }
   switch (st) {
     case UCS_ERR_CONNECTION_RESET:
     case UCS_ERR_UNREACHABLE:

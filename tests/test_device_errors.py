@@ -121,6 +121,48 @@ def test_freed_region(pair):
         ch.memcpy(mine, 0, remote, 0, 16, rdmaflow.WRITE)
 
 
+def test_a_word_waiting_for_its_data_when_the_region_is_freed_is_not_written(spawn_peer, transport):
+    """A flagged write whose word waits for its data's flush (the put path) when the owner
+    frees the region: the holder flushes and acknowledges the revocation, and the word, posted
+    only after that flush, must not reach memory the owner may already have reused. It fails
+    with RegionError instead."""
+    if transport != "tcp":
+        pytest.skip("over tcp a 255 MiB put is still on the wire when the revocation arrives; "
+                    "over sm UCX's cma copies it within the post")
+    import threading
+
+    n = 256 * MiB
+    peer = spawn_peer()
+    with local_device(flagged_writes="put", same_host=False) as dev:
+        local = dev.alloc_region(n)
+        for attempt in range(3):
+            peer.call("alloc", name="r", nbytes=n)
+            remote = dev.lookup_region(peer.endpoint, "r")
+            ch = dev.channel(peer.endpoint)
+            ch.memcpy(local, 0, remote, 0, 8, rdmaflow.WRITE).result(30)  # validated, rkey unpacked
+            fut = ch.write_flagged(local, 0, remote, 0, n - 64, n - 8, 7, n - 8)
+            freeing = threading.Thread(target=peer.call, args=("free",), kwargs={"name": "r", "timeout": 60})
+            freeing.start()
+            deadline = time.monotonic() + 30
+            while True:  # until this device has taken the revocation in
+                try:
+                    ch.memcpy(local, 0, remote, 0, 8, rdmaflow.WRITE)
+                except rdmaflow.RegionError:
+                    break
+                assert time.monotonic() < deadline, "the revocation never arrived"
+                time.sleep(0.001)
+            in_flight = not fut.done()
+            freeing.join(60)
+            assert not freeing.is_alive()
+            if not in_flight:  # the write finished before the revocation: try again
+                fut.result(30)
+                continue
+            with pytest.raises(rdmaflow.RegionError, match="freed by its owner"):
+                fut.result(30)
+            return
+        pytest.fail("in three tries the 255 MiB write finished before the revocation arrived")
+
+
 def test_unknown_peer(job_secret, transport):
     with local_device(connect_timeout=5) as dev:
         t0 = time.monotonic()

@@ -238,6 +238,19 @@ def test_a_batch_that_differs_from_the_plan(tmp_path, bad):
         })
 
 
+def test_a_step_without_its_target_fails_every_rank(tmp_path):
+    """A misuse of step() on one rank (the last stage's target left out) is that rank's
+    InvalidArgumentError, recorded in the abort key: the other rank raises it too, at once."""
+    cfg = {"model": "mlp", "stages": 2, "steps": 3, "no_target": True}
+    with Job(tmp_path, cfg) as j:
+        start(j, 2)
+        what = r"InvalidArgumentError: the last stage's step\(\) takes target= for its loss_fn"
+        assert_every_rank_fails(j, 2, {
+            1: what,
+            0: LIB_ERROR + r".*the job was aborted: stage 1 \(rank 1\): " + what,
+        })
+
+
 def test_a_stage_killed_mid_step(tmp_path):
     """The middle one of three stages SIGKILLs itself in the forward of a microbatch of step 1:
     both neighbours raise (the peer failed, or the job was aborted by the other), none hangs."""

@@ -39,10 +39,6 @@ class _Schedule:
         whole batch's mean loss; run the stage's optimizer after it. Inference: the last stage
         gets the batch's outputs, the others None."""
         st = self.stage
-        if st.is_first and not args:
-            raise rdmaflow.InvalidArgumentError("the first stage's step() takes the model's inputs")
-        if self.training and st.is_last and target is None:
-            raise rdmaflow.InvalidArgumentError("the last stage's step() takes target= for its loss_fn")
         order = self.order() if self.training else [("F", m) for m in range(self.n_microbatches)]
         return st.run_step(order, args if st.is_first else (), target, losses, self.loss_fn)
 

@@ -225,6 +225,11 @@ class PipelineStage:
 
     def _run_step(self, order, args, target, losses, loss_fn):
         plan, M = self.plan, self.plan.n_microbatches
+        # Checked here, inside run_step's abort: the other ranks raise too instead of timing out.
+        if self.is_first and not args:
+            raise rdmaflow.InvalidArgumentError("the first stage's step() takes the model's inputs")
+        if plan.training and self.is_last and target is None:
+            raise rdmaflow.InvalidArgumentError("the last stage's step() takes target= for its loss_fn")
         self._chunks = self._split_inputs(args) if self.is_first else None
         self._targets = self._split(target, "target") if self.is_last and plan.training else None
         self._mbs = [Microbatch() for _ in range(M)]

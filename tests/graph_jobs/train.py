@@ -20,6 +20,7 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
                    microbatch 0 while the receive of microbatch 1 is pending)
     slow_start     seconds stage 0 sleeps before its first step (others wait on receives)
     too_long       {"step": t, "length": n}: rank 0's batch of step t has sequence length n
+    no_target      the last rank calls step() of step 1 without its target=
 
 Every rank prints ``rank {r} step {t}`` after each step.
 """
@@ -164,7 +165,8 @@ def main() -> int:
         if cfg.get("too_long", {}).get("step") == t and rank == 0:
             x = torch.randn(x.shape[0], cfg["too_long"]["length"], *x.shape[2:])
         opt.zero_grad()
-        out = schedule.step(x, target=y, losses=losses)
+        target = {} if cfg.get("no_target") and stage.is_last and t == 1 else {"target": y}
+        out = schedule.step(x, losses=losses, **target)
         if inference:
             outputs.append(out)
         else:
