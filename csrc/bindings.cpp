@@ -205,9 +205,11 @@ PYBIND11_MODULE(_core, m) {
       .value("AUTO", SameHost::Auto);
 
   py::enum_<FlaggedWrites>(m, "FlaggedWrites",
-                           "How a transfer's data and flag travel over UCX: PUT (put, fence, put), "
+                           "How a transfer's data and flag travel over UCX: PUT (the data's put, then the flag's "
+                           "once the data's flush completed), "
                            "MESSAGE (one active message the target applies in order), or AUTO "
-                           "(MESSAGE on endpoints whose every lane is tcp, PUT elsewhere).")
+                           "(MESSAGE on endpoints whose every lane is tcp, PUT elsewhere; on one tcp lane a write "
+                           "above the message size puts its flag right behind its data).")
       .value("AUTO", FlaggedWrites::Auto)
       .value("PUT", FlaggedWrites::Put)
       .value("MESSAGE", FlaggedWrites::Message);
@@ -367,7 +369,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("rider_remote_region") = nullptr, py::arg("rider_offset") = 0,
           py::arg("rider_value") = 0, py::arg("rider_remote_offset") = 0,
           py::arg("word_local_region") = nullptr, py::arg("word_remote_region") = nullptr,
-          "One command: WRITE nbytes, fence, then store value at local word_offset and WRITE "
+          "One command: WRITE nbytes, then store value at local word_offset and WRITE "
           "it to word_remote_offset. The future completes when both are visible at the peer. "
           "A rider (rider_remote_region given) is a second word for the same peer: rider_value, "
           "stored first at local rider_offset, lands at rider_remote_offset of "

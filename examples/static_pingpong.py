@@ -12,6 +12,7 @@ StaticSender, StaticReceiver, Device.empty), so the same script times older chec
 PINGPONG_RELEASE=1 needs ``send(..., release=)`` (2026-11-25).
 """
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,7 @@ def main() -> None:
         half = [1e6 * v / 2 for v in (t[len(t) // 2], t[len(t) // 10], t[9 * len(t) // 10])]
         print(f"{size} B one way: median {half[0]:.1f} us (p10 {half[1]:.1f}, p90 {half[2]:.1f})")
         child.wait(60)
+        shutil.rmtree(rendezvous, ignore_errors=True)  # the two endpoint files
     time.sleep(0.3)  # the peer's last recv() acks before this process goes
     dev.close()
 

@@ -10,6 +10,7 @@ starts the second; they find each other through a temporary directory.
 """
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,7 @@ def main() -> None:
             sender.send(x)
         sender.wait_consumed(timeout=60)
         child.wait(60)
+        shutil.rmtree(rendezvous, ignore_errors=True)  # the receiver's endpoint file
     dev.close()
 
 

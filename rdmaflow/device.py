@@ -125,10 +125,12 @@ class Device(_core.Device):
     to the progress thread (docs/architecture.md, "Threads"); off is for measuring the difference.
 
     ``flagged_writes`` (default ``$RDMAFLOW_FLAGGED_WRITES``, else ``"auto"``): how a transfer's
-    data and flag travel over UCX: ``"put"`` (put, fence, put), ``"message"`` (one active message
+    data and flag travel over UCX: ``"put"`` (two puts, the flag's once the data's flush
+    completed), ``"message"`` (one active message
     that the receiving side applies data first, flag last; only where every lane is tcp, put
     elsewhere, as on other transports a flush does not say the message was applied) or
-    ``"auto"`` (message on endpoints whose every lane is tcp, put elsewhere); docs/transfer.md,
+    ``"auto"`` (message on endpoints whose every lane is tcp, put elsewhere; on one tcp lane a
+    write above the message size puts its flag right behind its data); docs/transfer.md,
     "Flagged writes".
 
     A device is a context manager: leaving the ``with`` block closes it.

@@ -10,7 +10,7 @@ no handshake and no READ. Each slot starts with a size record, then the data:
 
 The sender writes the size record, then the data (the tensor's actual bytes, at the start of the
 data area), then the slot's flag, on the static transfer's paths: over UCX a WRITE of the record,
-then the data, a fence and the flag in one command; on one host one call that copies both and
+then the data and the flag in one ``write_flagged``; on one host one call that copies both and
 stores the flag. The receiver reads the record only after the flag, so it sees this transfer's
 shape, checks it against the maxima and returns a view of the slot's first ``prod(shape)``
 elements (no copy). Credits and acks are the static transfer's.
@@ -89,7 +89,7 @@ class BoundedSender(StaticSender):
 
     def _size_record(self, slot: int, k: int, tensor: torch.Tensor) -> int:
         """Packs transfer k's size record into the slot's cell; returns the cell's arena offset.
-        The cell is free: over UCX the previous transfer's flag, fenced behind it, completed;
+        The cell is free: over UCX the previous transfer's flag, ordered behind it, completed;
         on one host its send returned after copying it."""
         dims = list(tensor.shape) + [0] * (MAX_RANK - tensor.dim())
         record = SIZE.pack(k, tensor.dim(), 0, *dims)

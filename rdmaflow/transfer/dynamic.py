@@ -2,7 +2,7 @@
 
 For tensors whose shape changes from call to call. The receiver preallocates only a
 fixed-size metadata record per slot. The sender writes the record (rank, dims, dtype, size,
-and where its data lies in its registered arena), a fence, then the slot's flag. The receiver
+and where its data lies in its registered arena), then the slot's flag, ordered behind it. The receiver
 checks the record, allocates the tensor in its own arena, fetches the data with a one-sided
 READ and acknowledges; only then does the sender release its buffer.
 

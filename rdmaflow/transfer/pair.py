@@ -8,7 +8,7 @@ From then on every transfer is one-sided:
     sender                                      receiver
       wait until ack >= k - depth  (credits: never overwrite an unconsumed slot)
       WRITE payload of transfer k -> slot
-      fence
+      (ordered behind it: write_flagged)
       WRITE k -> flag of slot  ──────────────▶  waits until flag >= k, then reads the slot
                                ◀──────────────  WRITE k -> sender's ack word, once consumed
 """
@@ -128,7 +128,8 @@ class Receiver(Endpoint):
             return
         off = self._ack_cell(deadline)
         # Acks must land in order (a late smaller one would take credits back for good):
-        # write_flagged fences before the word (tcp: one message each, applied in order).
+        # write_flagged orders the word behind what the channel posted before (tcp: one message
+        # each, applied in order).
         self._acked(k, channel.write_flagged(self.arena.region, off, remote, ack_off, 0, off, k, ack_off))
 
     def _ack_cell(self, deadline: Deadline) -> int:
@@ -403,8 +404,8 @@ class Sender(Endpoint):
     def _post(self, k: int, slot: int, local_off: int = 0, data_off: int = 0, nbytes: int = 0,
               rider: tuple | None = None, local=None, remote=None):
         """One command: WRITE ``nbytes`` from the arena at ``local_off`` to the receiver's region
-        at ``data_off``, fence, WRITE k into the flag of ``slot``: the flag never lands before
-        the payload. ``rider``: a receiver's ack to the same peer, in the same message (stored
+        at ``data_off``, then WRITE k into the flag of ``slot`` (``write_flagged``): the flag never
+        lands before the payload. ``rider``: a receiver's ack to the same peer, in the same message (stored
         just before the flag), else as a word of its own right behind it (``Receiver._rider_for``).
         ``local``/``remote``: the data's regions when they are not the two arenas (GPU memory);
         the flag stays in the host arenas, put once the data's flush has completed."""

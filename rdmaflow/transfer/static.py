@@ -2,13 +2,14 @@
 
 The receiver preallocates the destination tensor (shape and dtype known in advance) in its
 registered arena and publishes where it is, once. The sender then writes the tensor straight
-into it, a fence, then the slot's flag: the receiver sees the flag only after the data. The
-pair is reused every iteration with no handshake.
+into it, then the slot's flag: the receiver sees the flag only after the data. The pair is
+reused every iteration with no handshake.
 
 The paper relies on RDMA writes landing in ascending address order with the flag byte last;
 neither UCX nor current NICs promise that (adaptive routing, relaxed ordering), so the flag
-WRITE is ordered behind the data WRITE with ``ucp_worker_fence`` (see docs/transfer.md for
-what that costs against a flush). Flags carry the transfer's sequence number instead of a
+WRITE is ordered behind the data WRITE by the core (``write_flagged``): put once the data's
+flush has completed, right behind it on one tcp connection, or in the same active message
+(docs/transfer.md, "The flag never lands before the data"). Flags carry the transfer's sequence number instead of a
 set/cleared byte, so the receiver never has to clear one.
 """
 from __future__ import annotations
