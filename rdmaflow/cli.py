@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         _add(sub, name, module, help_text)
-    bench = sub.add_parser("bench", help="benchmarks (bench device, bench transfer)",
+    bench = sub.add_parser("bench", help="benchmarks (rdmaflow bench --help lists them)",
                            description="rdmaflow benchmarks")
     bsub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():

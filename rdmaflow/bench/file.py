@@ -207,3 +207,13 @@ def run(args) -> int:
                 title="Training step through the file view: synchronous (qd 1) and asynchronous (qd 32) I/O "
                       "next to the Python API (iRDMA Figure 5)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rdmaflow bench file", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
