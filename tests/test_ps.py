@@ -406,10 +406,12 @@ def test_async_modes_train_and_staleness_is_bounded(tmp_path, mode):
     another still running, as the shards count it and as the fast worker counts it through the
     store, and that bound was reached; in async mode the same job runs further ahead, so the
     bound is what holds the fast worker back."""
-    cfg = async_cfg(mode)
+    cfg = dict(async_cfg(mode), checkpoint_dir=str(tmp_path / "ckpt"))  # takes none here: the job says so
     with Job(tmp_path, cfg) as j:
         j.start_local(2, 2)
         j.check_ok(j.wait())
+        assert f"checkpoints are taken in mode='sync' only: this {mode} job writes none" in j.proc("shard0").output()
+        assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
         initial = eval_loss(cfg, dict(job.make_model(cfg["seed"]).named_parameters()))
         assert initial > 4 * EARLY_LOSS
         fast, slow = j.worker_result(0), j.worker_result(1)

@@ -56,6 +56,9 @@ class Shard:
         self.ckpt_every = int(self.config.get("checkpoint_every") or 0)
         if self.ckpt_every and self.mode != "sync":
             raise ShardFailure("checkpoints need mode='sync' (an asynchronous job has no common step to save)")
+        if self.ckpt_dir and self.mode != "sync" and self.id == 0:  # often set for every job (the variable)
+            print(f"rdmaflow ps: checkpoint_dir {self.ckpt_dir} is set, but checkpoints are taken in mode='sync' "
+                  f"only: this {self.mode} job writes none", file=sys.stderr, flush=True)
         self.plan = make_plan(spec, role.num_shards, self.config["policy"], int(self.config["block_bytes"]))
         self.units = self.plan.units_of(self.id)
         self.chunks = self.plan.chunks_of(self.id, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES))
