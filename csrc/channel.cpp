@@ -539,10 +539,9 @@ ucp_rkey_h Channel::rkey_for(const RemoteRegion& r) {
   // only now (a word deferred behind its data's flush, a queued command) must not reach the
   // region once its owner may have reused the memory; the operation fails instead
   // (Device::op_error_message says why).
-  auto owner = dev_.lock();
-  if (owner && owner->revoked(r.owner_uuid, r.region_id)) return nullptr;
+  auto dev = dev_.lock();
+  if (dev && dev->revoked(r.owner_uuid, r.region_id)) return nullptr;
   if (r.cuda_device >= 0) {  // unpacking opens the peer's CUDA IPC handle: a context is needed
-    auto dev = dev_.lock();
     try {
       if (dev) dev->use_cuda_device(0);  // device 0 unless this device uses another GPU already
     } catch (const Error&) {

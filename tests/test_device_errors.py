@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import threading
 import time
 
 import pytest
@@ -129,13 +130,11 @@ def test_a_word_waiting_for_its_data_when_the_region_is_freed_is_not_written(spa
     if transport != "tcp":
         pytest.skip("over tcp a 255 MiB put is still on the wire when the revocation arrives; "
                     "over sm UCX's cma copies it within the post")
-    import threading
-
     n = 256 * MiB
     peer = spawn_peer()
     with local_device(flagged_writes="put", same_host=False) as dev:
         local = dev.alloc_region(n)
-        for attempt in range(3):
+        for _ in range(3):
             peer.call("alloc", name="r", nbytes=n)
             remote = dev.lookup_region(peer.endpoint, "r")
             ch = dev.channel(peer.endpoint)
