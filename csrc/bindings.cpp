@@ -433,6 +433,10 @@ PYBIND11_MODULE(_core, m) {
                              "the endpoint exists.")
       .def_property_readonly_static("flagged_message_bytes",
                                     [](py::object) { return Channel::flagged_message_bytes(); })
+      .def_property_readonly_static("striped_write_bytes",
+                                    [](py::object) { return Channel::striped_write_bytes(); },
+                                    "The smallest static send over tcp that is split over two "
+                                    "workers (both devices with num_cqs >= 2).")
       .def("progress_now", &Channel::progress_now, py::call_guard<py::gil_scoped_release>(),
            "Progresses the channel's worker once on the caller's thread, unless another thread "
            "drives it (completions it is owed run here instead of waking a progress thread). "
@@ -672,6 +676,7 @@ PYBIND11_MODULE(_core, m) {
             r["dropped"] = d.dropped_writes();
             r["word_after_flush"] = d.flushed_words();
             r["word_in_stream"] = d.stream_words();
+            r["striped"] = d.striped_writes();
             r["carried"] = d.carried_posts();
             return r;
           },
@@ -679,8 +684,8 @@ PYBIND11_MODULE(_core, m) {
           "flagged writes left as one message, and how many arriving ones were dropped (they "
           "named no live region of this device); of the flagged writes over puts, how many words "
           "were put once their data's flush completed, and how many right behind their data on "
-          "one tcp connection; how many posts run on the caller's thread handed what was left of "
-          "them to the progress thread.")
+          "one tcp connection; how many static sends were striped over two workers; how many "
+          "posts run on the caller's thread handed what was left of them to the progress thread.")
       .def_property_readonly("copy_threads",
                              [](const Device& d) { return d.config().copy_threads; })
       .def_property_readonly("same_host_mapping", &Device::same_host_mapping,

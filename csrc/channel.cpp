@@ -108,7 +108,11 @@ std::shared_ptr<Channel> Device::channel(const std::string& remote_endpoint, int
     throw Error(ErrorKind::OutOfBounds, "qp_idx " + std::to_string(qp_idx) +
                                             " is outside [0, " +
                                             std::to_string(cfg_.qps_per_peer) + ")");
-  auto p = connect(remote_endpoint);
+  return channel_at(connect(remote_endpoint), qp_idx);
+}
+
+std::shared_ptr<Channel> Device::channel_at(const std::shared_ptr<Peer>& p, int qp_idx) {
+  check_open();
   std::shared_ptr<Channel> ch;
   {
     std::lock_guard<std::mutex> lk(p->m);
@@ -260,6 +264,33 @@ constexpr size_t kInlineMaxBytes = size_t(64) << 10;
 // so posts up to this size run there too, and the progress thread carries what the socket could
 // not take yet (post_inline's carry).
 constexpr size_t kInlineSocketMaxBytes = size_t(1) << 20;
+// write_flagged(stripe=) splits writes of at least this many bytes over two workers.
+constexpr size_t kStripeMinBytes = size_t(4) << 20;
+
+// A striped write's two halves: `both` completes once each has (failed if either did). The far
+// half completes on the other channel's thread, so that one wakes `home`, where the word waits.
+struct StripeJoin {
+  Future both;
+  ProgressThread* home;
+  std::atomic<int> left{2};
+  std::mutex m;
+  ErrorKind kind = ErrorKind::Generic;
+  std::string error;
+  StripeJoin(Future b, ProgressThread* h) : both(std::move(b)), home(h) {}
+  void half_done(const Future& f, bool far) {
+    if (!f->ok()) {
+      std::lock_guard<std::mutex> lk(m);
+      if (error.empty()) {
+        kind = f->error_kind();
+        error = f->error();
+      }
+    }
+    if (left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    if (error.empty()) both->complete_ok();
+    else both->complete_error(kind, error);
+    if (far) home->post([] {});  // a command wakes it, and its drive posts the ready words
+  }
+};
 }  // namespace
 
 bool Channel::post_data(size_t n, const Future& fut, std::function<void()> task) {
@@ -303,8 +334,9 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
                               size_t n, size_t word_local_off, uint64_t value,
                               size_t word_remote_off, Callback cb, const Rider* rider,
                               const std::shared_ptr<MemRegion>& word_local_region,
-                              const std::shared_ptr<RemoteRegion>& word_remote_region) {
-  check_range(local, local_off, remote, remote_off, n);
+                              const std::shared_ptr<RemoteRegion>& word_remote_region,
+                              bool stripe) {
+  auto dev = check_range(local, local_off, remote, remote_off, n);
   const std::shared_ptr<MemRegion>& wl = word_local_region ? word_local_region : local;
   const std::shared_ptr<RemoteRegion>& wr = word_remote_region ? word_remote_region : remote;
   if (wl != local || wr != remote) {
@@ -331,10 +363,11 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
     ErrorKind kind = ErrorKind::Generic;
     std::string error;
   };
+  std::shared_ptr<Channel> far = stripe ? stripe_partner(*dev, n, *local, *remote) : nullptr;
   auto fut = std::make_shared<FutureState>();
   fut->on_complete = std::move(cb);
   auto parts = std::make_shared<Parts>();
-  parts->left = (n ? 2 : 1) + (rider ? 1 : 0);
+  parts->left = (n ? 2 : 1) + (rider ? 1 : 0) + (far ? 1 : 0);
   auto part_done = [fut, parts](const Future& f) {  // on the progress thread
     if (!f->ok() && parts->error.empty()) {
       parts->kind = f->error_kind();
@@ -352,6 +385,27 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   Op* data = nullptr;
   Future data_fut;
   if (n) std::tie(data_fut, data) = part(local, remote);
+  // Striped: this channel puts the first half, `far` the second, and the word waits for
+  // `both` (the two flushes). The far half completes on far's thread, which then wakes this
+  // channel's, where the word waits.
+  size_t near_n = n;
+  Op* far_op = nullptr;
+  if (far) {
+    near_n = ((n / 2) + 4095) & ~size_t(4095);
+    auto far_fut = std::make_shared<FutureState>();
+    far_op = far->make_op(far_fut, local, remote);
+    auto both = std::make_shared<FutureState>();
+    auto join = std::make_shared<StripeJoin>(both, thread_);
+    data_fut->on_complete = [part_done, join](const Future& f) {
+      part_done(f);
+      join->half_done(f, false);
+    };
+    far_fut->on_complete = [part_done, join](const Future& f) {
+      part_done(f);
+      join->half_done(f, true);
+    };
+    data_fut = both;
+  }
   Op* word = part(wl, wr).second;
   RiderPost rp;
   if (rider) {
@@ -362,24 +416,75 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   __atomic_store_n(reinterpret_cast<uint64_t*>(wl->addr_ + word_local_off), value,
                    __ATOMIC_RELEASE);
   ProgressThread* t = thread_;
-  Path data_path{local_off, remote_off, n, true};
+  if (far_op) {  // the far half first, so that both threads start at once
+    ProgressThread* ft = far->thread_;
+    Path far_path{local_off + near_n, remote_off + near_n, n - near_n, true};
+    if (!far->post_data(n - near_n, far_op->fut, [far_op, ft, far_path] {
+          ft->track(far_op);
+          far_path.ucx(ft, far_op);
+        })) {
+      for (Op* op : {data, word, rp.op, far_op})
+        if (op) unpost(op);
+      throw Error(ErrorKind::Closed, "device is closed");
+    }
+    striped_words_.fetch_add(1, std::memory_order_relaxed);
+    dev->striped_writes_.fetch_add(1, std::memory_order_relaxed);
+  }
+  Path data_path{local_off, remote_off, near_n, true};
   Path word_path{word_local_off, word_remote_off, 8, true};
-  auto task = [data, data_fut, word, t, data_path, word_path, value, rp]() {
+  const bool striped = far_op != nullptr;
+  auto task = [data, data_fut, word, t, data_path, word_path, value, rp, striped]() {
     t->track(word);
     if (data) t->track(data);
     if (rp.op) t->track(rp.op);
-    if (post_flagged(t, data, data_fut, word, data_path, word_path, value, rp.op ? &rp : nullptr) ||
+    if (post_flagged(t, data, data_fut, word, data_path, word_path, value, rp.op ? &rp : nullptr,
+                     striped) ||
         !rp.op)
       return;
     post_flagged(t, nullptr, nullptr, rp.op, Path{0, 0, 0, true},
                  Path{rp.rider.local_off, rp.rider.remote_off, 8, true}, rp.rider.value, nullptr);
   };
-  if (!post_data(n, fut, std::move(task))) {
+  if (!post_data(near_n, fut, std::move(task))) {
+    // The far half, if posted, is cancelled by close(); its part completes a future no one has.
+    if (striped) striped_words_.fetch_sub(1, std::memory_order_relaxed);
     for (Op* op : {data, word, rp.op})
       if (op) unpost(op);
     throw Error(ErrorKind::Closed, "device is closed");
   }
   return fut;
+}
+
+size_t Channel::striped_write_bytes() { return kStripeMinBytes; }
+
+std::shared_ptr<Channel> Channel::stripe_partner(Device& dev, size_t n, const MemRegion& local,
+                                                 const RemoteRegion& remote) {
+  // Over loopback tcp on two cores, two connections each with its own thread on both sides
+  // move a large write faster than one (docs/benchmarks.md); elsewhere one put is the transport's.
+  if (n < kStripeMinBytes || !sockets_only_.load(std::memory_order_relaxed) ||
+      dev.same_host_mapping() || local.cuda_device() >= 0 || remote.cuda_device >= 0 ||
+      dev.num_cqs() < 2 || peer_->num_workers < 2)
+    return nullptr;
+  std::lock_guard<std::mutex> lk(stripe_m_);
+  auto p = stripe_.lock();
+  if (!p) {
+    p = dev.channel_at(peer_, qp_ ^ 1);  // qp_ ± 1: another worker on both sides
+    stripe_ = p;
+  }
+  return p->failed() ? nullptr : p;
+}
+
+void Channel::drain_striped(Device& dev) {
+  if (striped_words_.load(std::memory_order_acquire) == 0) return;
+  const auto t0 = Clock::now();
+  while (striped_words_.load(std::memory_order_acquire) != 0) {
+    if (dev.closed()) throw Error(ErrorKind::Closed, "device is closed");
+    if (failed_.load()) throw Error(ErrorKind::Peer, error());
+    if (seconds_since(t0) > dev.config().rpc_timeout)
+      throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(int(dev.config().rpc_timeout)) +
+                                          " s waiting for a striped write to " + peer_->endpoint +
+                                          " to land before a fence or flush");
+    if (!progress_now()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 std::pair<WaitStatus, Future> Channel::send_slot(uintptr_t ack_addr, int64_t need,
@@ -393,7 +498,7 @@ std::pair<WaitStatus, Future> Channel::send_slot(uintptr_t ack_addr, int64_t nee
   WaitStatus st = wait_credit(ack_addr, need, closed_value, timeout_s, this, true);
   if (st != WaitStatus::Ok) return {st, nullptr};
   return {WaitStatus::Ok, write_flagged(local, local_off, remote, remote_off, n, word_local_off, value,
-                                        word_remote_off, nullptr, rider)};
+                                        word_remote_off, nullptr, rider, nullptr, nullptr, true)};
 }
 
 std::pair<WaitStatus, Future> Channel::ack_and_receive(const std::shared_ptr<MemRegion>& local,
@@ -410,11 +515,11 @@ std::pair<WaitStatus, Future> Channel::ack_and_receive(const std::shared_ptr<Mem
 
 bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, Op* word,
                            const Path& data_path, const Path& word_path, uint64_t value,
-                           const RiderPost* rider) {
+                           const RiderPost* rider, bool striped) {
   Channel* ch = word->ch.get();
   bool behind = !ch->deferred_.empty();  // an earlier word still waits: this one waits too
-  bool mapped = data && data_path.same_host(t, data);
-  if (!mapped && !behind &&
+  bool mapped = data && !striped && data_path.same_host(t, data);
+  if (!mapped && !behind && !striped &&
       send_flagged_message(t, data, word, data_path.local_off, data_path.remote_off, data_path.n,
                            word_path.remote_off, value, rider))
     return true;
@@ -422,7 +527,7 @@ bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, 
   if (put_data) data_path.ucx(t, data);
   // One tcp connection: the word follows the data (not GPU data, which UCX may stage through
   // its own protocol rather than the stream's order).
-  if (put_data && ch->one_stream_ && !behind && !data->gpu()) {
+  if (put_data && ch->one_stream_ && !behind && !data->gpu() && !striped) {
     t->device()->stream_words_.fetch_add(1, std::memory_order_relaxed);
     word_path.ucx(t, word);
     return false;
@@ -432,7 +537,7 @@ bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, 
     // (post_ready_words), not behind a fence: UCX's strong fence holds every later operation
     // of the worker back until everything before it has completed (docs/transfer.md).
     ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off,
-                             put_data ? data_fut : nullptr});
+                             put_data ? data_fut : nullptr, put_data && striped});
     t->note_deferred(ch);
     return false;
   }
@@ -443,15 +548,22 @@ bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, 
   return false;
 }
 
+void Channel::pop_deferred() {
+  if (deferred_.front().striped) striped_words_.fetch_sub(1, std::memory_order_release);
+  deferred_.pop_front();
+}
+
 void Channel::post_ready_words(ProgressThread* t, bool now) {
   while (!deferred_.empty()) {
     DeferredWord& d = deferred_.front();
     bool waiting = d.data && !d.data->done();  // its data's flush is pending
-    if (waiting && !now) return;
+    // A striped write's second half is on another worker, which no fence of this one orders:
+    // its word waits for both flushes even here (fence() and flush() drain them first).
+    if (waiting && (!now || d.striped)) return;
     Op* word = d.word;
     Path path{d.local_off, d.remote_off, 8, true};
     bool failed = d.data && d.data->done() && !d.data->ok();
-    deferred_.pop_front();
+    pop_deferred();
     if (failed) {
       finish_now(t, word, UCS_ERR_CANCELED);  // the flagged write's future carries the data's error
     } else if (now) {
@@ -465,7 +577,7 @@ void Channel::post_ready_words(ProgressThread* t, bool now) {
 }
 
 void Channel::fence() {
-  open_device();
+  drain_striped(*open_device());
   ProgressThread* t = thread_;
   // Words still waiting for their data go first, each behind a fence, so that what follows
   // the fence lands after them too (a push's flag before the pull request behind it).
@@ -478,7 +590,7 @@ void Channel::fence() {
 }
 
 Future Channel::flush(Callback cb) {
-  open_device();
+  drain_striped(*open_device());
   if (failed_.load()) throw Error(ErrorKind::Peer, error());
   auto fut = std::make_shared<FutureState>();
   fut->on_complete = std::move(cb);
@@ -576,8 +688,10 @@ std::vector<ucs_status_ptr_t> Channel::close_ep(bool force) {
   std::vector<ucs_status_ptr_t> reqs;
   // Words still waiting for their data go with the endpoint (their data is cancelled with it).
   const ucs_status_t st = failed() ? UCS_ERR_CONNECTION_RESET : UCS_ERR_CANCELED;
-  for (auto& d : deferred_) finish_now(thread_, d.word, st);
-  deferred_.clear();
+  while (!deferred_.empty()) {
+    finish_now(thread_, deferred_.front().word, st);
+    pop_deferred();
+  }
   for (auto& kv : rkeys_) ucp_rkey_destroy(kv.second);
   rkeys_.clear();
   mappings_.clear();

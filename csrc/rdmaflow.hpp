@@ -81,7 +81,7 @@ enum class FlaggedWrites : int { Auto = 0, Put = 1, Message = 2 };
 
 struct DeviceConfig {
   std::string endpoint = "127.0.0.1:0";
-  int num_cqs = 1;
+  int num_cqs = 2;  // two workers: a large send over tcp is striped over both (Channel::write_flagged)
   int qps_per_peer = 1;
   std::string secret;
   bool busy_poll = false;
@@ -248,6 +248,14 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // (Invalid otherwise). Data in GPU memory takes the put path, its word put once the data's
   // flush has completed.
   //
+  // stripe: where every lane is tcp, n is at least striped_write_bytes(), the data is host
+  // memory with no same-host mapping, and both devices have two workers or more, the data's
+  // second half is put on the channel of qp_idx ^ 1 (another worker on each side, so two
+  // threads on each side move the bytes; that channel is opened by the first such write, which
+  // then waits for it like Device::channel) and the word is put once both halves' flushes have
+  // completed. A fence() or flush() of this channel first waits (driving the worker, bounded by
+  // the device's rpc_timeout) until such words are put.
+  //
   // A rider, when given, is a second word for the same peer (a receiver handing a slot back to
   // its sender on this channel, in the message of a transfer of its own): `value` is stored
   // first into local[local_off] (a registered source no WRITE in flight uses) and lands at
@@ -266,7 +274,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
                        size_t word_local_off, uint64_t value, size_t word_remote_off,
                        Callback cb, const Rider* rider = nullptr,
                        const std::shared_ptr<MemRegion>& word_local = nullptr,
-                       const std::shared_ptr<RemoteRegion>& word_remote = nullptr);
+                       const std::shared_ptr<RemoteRegion>& word_remote = nullptr,
+                       bool stripe = false);
   // One transfer of a static pair over UCX, on the caller's thread in one call: waits until the
   // word at ack_addr (this process's memory) is >= need (credits; need <= 0: none) and below
   // closed_value, progressing this channel's worker while it waits (over tcp the ack is applied
@@ -310,6 +319,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // word and rider in one message): known once the endpoint exists (any post made it).
   bool flagged_by_message() const { return flagged_by_message_.load(); }
   static size_t flagged_message_bytes();
+  // The smallest write_flagged that stripe= splits over two workers.
+  static size_t striped_write_bytes();
   int qp_idx() const { return qp_; }
   std::string remote_endpoint() const;
   bool failed() const { return failed_.load(); }
@@ -350,7 +361,14 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // carried the rider; else the caller posts it as a word-only write of its own.
   static bool post_flagged(ProgressThread* t, Op* data, const Future& data_fut, Op* word,
                            const Path& data_path, const Path& word_path, uint64_t value,
-                           const RiderPost* rider);
+                           const RiderPost* rider, bool striped = false);
+  // write_flagged's stripe=: the channel that carries the second half of n bytes, or null where
+  // the write is not split (the conditions at write_flagged). Opens it the first time. Any thread.
+  std::shared_ptr<Channel> stripe_partner(Device& dev, size_t n, const MemRegion& local,
+                                          const RemoteRegion& remote);
+  // fence() and flush(): waits until no word of a striped write is still deferred (throws
+  // Timeout, Closed or Peer). Caller's thread.
+  void drain_striped(Device& dev);
 
   // Progress-thread only.
   bool ensure_ep();
@@ -388,7 +406,10 @@ class Channel : public std::enable_shared_from_this<Channel> {
     Op* word;
     size_t local_off, remote_off;
     Future data;  // null: the data needs no wait (none, or copied already)
+    bool striped = false;  // data is split over two channels: a fence cannot order it
   };
+  // Removes the front deferred word (counted out of striped_words_). Progress thread.
+  void pop_deferred();
   std::deque<DeferredWord> deferred_;
   bool deferred_listed_ = false;  // in thread_'s list of channels with deferred words
   // Puts every deferred word whose data (and every earlier word's) has landed; fails the words
@@ -396,6 +417,9 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // and flush(), which cover them). Progress thread.
   void post_ready_words(ProgressThread* t, bool now = false);
   // Shared state.
+  std::atomic<int> striped_words_{0};  // deferred words of striped writes (drain_striped)
+  std::mutex stripe_m_;                // guards stripe_ while it is made
+  std::weak_ptr<Channel> stripe_;      // stripe_partner's channel, once opened
   std::atomic<bool> failed_{false};
   mutable std::mutex m_;
   std::string error_;
@@ -452,6 +476,8 @@ class Device : public std::enable_shared_from_this<Device> {
   // behind their data on an endpoint of one tcp lane (FlaggedWrites::Auto).
   uint64_t flushed_words() const { return flushed_words_.load(); }
   uint64_t stream_words() const { return stream_words_.load(); }
+  // Flagged writes whose data was split over two channels (Channel::write_flagged's stripe).
+  uint64_t striped_writes() const { return striped_writes_.load(); }
   // Posts above 64 KiB run on the caller's thread (over sockets alone) that handed what was left
   // of them to the progress thread (ProgressThread::post_inline's carry).
   uint64_t carried_posts() const { return carried_posts_.load(); }
@@ -523,6 +549,9 @@ class Device : public std::enable_shared_from_this<Device> {
   void answer_validate(Link* l, uint64_t req, uint64_t id, uint64_t addr, uint64_t len);
   // channel.cpp: the two ends of opening a channel (docs/architecture.md, "Opening a channel").
   void open_channel(const std::shared_ptr<Peer>& p, const std::shared_ptr<Channel>& ch);
+  // channel() once the peer is connected and qp_idx checked (Channel::stripe_partner's way in,
+  // which may use a qp past qps_per_peer).
+  std::shared_ptr<Channel> channel_at(const std::shared_ptr<Peer>& p, int qp_idx);
   void answer_open_channel(Link* l, uint64_t req, uint32_t qp, const std::string& worker_addr);
   void answer_revoke(Link* l, uint64_t req, uint64_t region_id);
 
@@ -538,7 +567,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<int> cuda_ordinal_{-1};  // use_cuda_device
   std::atomic<uint64_t> next_rpc_{1};
   std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0}, message_writes_{0}, dropped_writes_{0};
-  std::atomic<uint64_t> flushed_words_{0}, stream_words_{0}, carried_posts_{0};
+  std::atomic<uint64_t> flushed_words_{0}, stream_words_{0}, carried_posts_{0}, striped_writes_{0};
   // flagged.cpp: the parts applied so far of flagged writes sent as several messages, by
   // (region id, word offset, value); an entry goes when its last part stores the word.
   std::mutex parts_m_;

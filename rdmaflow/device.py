@@ -105,6 +105,8 @@ class Device(_core.Device):
 
     ``num_cqs`` completion queues, each a UCX worker with its own progress thread, and
     ``qps_per_peer`` queue pairs per peer, spread round-robin over them (Xue et al., Figure 4).
+    The default of two lets a static send of 4 MiB or more over tcp travel as two halves on two
+    workers' connections (docs/transfer.md); an idle worker's thread sleeps.
     Peers must share ``secret`` (default: ``$RDMAFLOW_JOB_SECRET``) before any remote key is
     handed out. Progress threads sleep on UCX's wakeup fd when idle unless ``busy_poll``.
     ``data_error_handling`` turns on UCX's peer-failure mode for data endpoints as well as the
@@ -139,7 +141,7 @@ class Device(_core.Device):
     def __init__(
         self,
         endpoint: str = "127.0.0.1:0",
-        num_cqs: int = 1,
+        num_cqs: int = 2,
         qps_per_peer: int = 1,
         *,
         secret: str | bytes | None = None,

@@ -1053,16 +1053,46 @@ def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev,
     data, on the same-host direct path (sm: copy + release store; 8 MiB is copied with
     non-temporal stores) and over UCX: tcp up to 256 KiB as active messages of at most 64 KiB
     each, the flag stored with the last one applied (the default there); tcp at 1 MiB (posted on
-    the sending thread, the rest carried by the progress thread) and 8 MiB as WRITE
-    and the flag's WRITE right behind it on the endpoint's one tcp connection (UCX_NET_DEVICES=lo:
-    one lane); sm-cma as WRITE, then the flag's WRITE once the data's flush has completed."""
+    the sending thread, the rest carried by the progress thread) as WRITE and the flag's WRITE
+    right behind it on the endpoint's one tcp connection (UCX_NET_DEVICES=lo: one lane); tcp at
+    8 MiB striped, its halves WRITEs on two workers' connections, the flag's WRITE once both
+    flushes have completed; sm-cma as WRITE, then the flag's WRITE once the data's flush has
+    completed."""
     direct = transport == "sm"  # sm-cma turns rdmaflow's same-host path off: UCX's own sm moves the data
+    before = dev.transfer_counts()["striped"]
     theirs = race(tpeer(), dev, nbytes, n, direct)
+    striped = transport == "tcp" and nbytes >= rdmaflow.Channel.striped_write_bytes
     if not direct:
         by_message = transport == "tcp" and nbytes <= 256 * 1024
-        words = None if by_message else ("stream" if transport == "tcp" else "flush")
+        words = None if by_message else ("stream" if transport == "tcp" and not striped else "flush")
         for counts in (dev.transfer_counts(), theirs["counts"]):
             assert_flagged_path(counts, n, by_message=by_message, words=words)
+    assert dev.transfer_counts()["striped"] - before == (n if striped else 0)
+    assert theirs["counts"]["striped"] == (n if striped else 0)
+
+
+def test_a_flush_right_after_a_striped_send_covers_both_halves_and_the_flag(tpeer, dev, transport):
+    """Over tcp a static send of 8 MiB is striped: its halves travel on two workers' connections,
+    which no fence of one worker orders. A flush of the sender's channel right after send()
+    waits until both halves and then the flag have landed: the send's future is done when the
+    flush's is, and the receiver finds each tensor without waiting (``timeout=0``), every element
+    checked."""
+    if transport != "tcp":
+        pytest.skip("only tcp stripes")
+    numel = 8 * MiB // 8
+    peer = tpeer()
+    peer.call("static_receiver", name="fl", shape=[numel], dtype="int64")
+    s = StaticSender(dev, peer.endpoint, "fl", mode="zerocopy")
+    before = dev.transfer_counts()["striped"]
+    x = dev.empty((numel,), torch.int64)
+    for i in range(4):
+        x.copy_(static_tensor(7, i, s.shape, s.dtype))
+        f = s.send(x, timeout=30)
+        s.channel.flush().result(30)
+        assert f.done()
+        got = peer.call("recv", name="fl", n=1, seed=7, start=i, timeout=0.0)
+        assert got["verified"] == 1, got
+    assert dev.transfer_counts()["striped"] - before == 4
 
 
 @pytest.mark.parametrize("transport,flagged,busy", [("tcp", "put", False), ("sm-cma", "message", False),
