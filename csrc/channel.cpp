@@ -19,17 +19,6 @@ void finish_now(ProgressThread* t, Op* op, ucs_status_t st) {
 }
 }  // namespace
 
-// One memcpy as the progress thread runs it.
-struct Channel::Path {
-  size_t local_off, remote_off, n;
-  bool write;
-  // The same-host path: true when it took op (copied, or cancelled by close()).
-  bool same_host(ProgressThread* t, Op* op) const;
-  // The UCX path: a put (which also waits for its flush) or a get.
-  void ucx(ProgressThread* t, Op* op) const;
-  static void sent(void* req, ucs_status_t st, void* user);
-};
-
 void Channel::Path::sent(void* req, ucs_status_t st, void* user) {
   Op* op = static_cast<Op*>(user);
   op->ch->thread_->op_note(op, st);
@@ -264,33 +253,6 @@ constexpr size_t kInlineMaxBytes = size_t(64) << 10;
 // so posts up to this size run there too, and the progress thread carries what the socket could
 // not take yet (post_inline's carry).
 constexpr size_t kInlineSocketMaxBytes = size_t(1) << 20;
-// write_flagged(stripe=) splits writes of at least this many bytes over two workers.
-constexpr size_t kStripeMinBytes = size_t(4) << 20;
-
-// A striped write's two halves: `both` completes once each has (failed if either did). The far
-// half completes on the other channel's thread, so that one wakes `home`, where the word waits.
-struct StripeJoin {
-  Future both;
-  ProgressThread* home;
-  std::atomic<int> left{2};
-  std::mutex m;
-  ErrorKind kind = ErrorKind::Generic;
-  std::string error;
-  StripeJoin(Future b, ProgressThread* h) : both(std::move(b)), home(h) {}
-  void half_done(const Future& f, bool far) {
-    if (!f->ok()) {
-      std::lock_guard<std::mutex> lk(m);
-      if (error.empty()) {
-        kind = f->error_kind();
-        error = f->error();
-      }
-    }
-    if (left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    if (error.empty()) both->complete_ok();
-    else both->complete_error(kind, error);
-    if (far) home->post([] {});  // a command wakes it, and its drive posts the ready words
-  }
-};
 }  // namespace
 
 bool Channel::post_data(size_t n, const Future& fut, std::function<void()> task) {
@@ -357,55 +319,24 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
     if (rider->local_off == word_local_off)
       throw Error(ErrorKind::Invalid, "the rider's source word is the write's own word");
   }
-  // The caller's future completes when every part has: ok only if all are.
-  struct Parts {
-    int left = 0;
-    ErrorKind kind = ErrorKind::Generic;
-    std::string error;
-  };
   std::shared_ptr<Channel> far = stripe ? stripe_partner(*dev, n, *local, *remote) : nullptr;
+  // The caller's future completes when every part has: ok only if all are.
   auto fut = std::make_shared<FutureState>();
   fut->on_complete = std::move(cb);
-  auto parts = std::make_shared<Parts>();
-  parts->left = (n ? 2 : 1) + (rider ? 1 : 0) + (far ? 1 : 0);
-  auto part_done = [fut, parts](const Future& f) {  // on the progress thread
-    if (!f->ok() && parts->error.empty()) {
-      parts->kind = f->error_kind();
-      parts->error = f->error();
-    }
-    if (--parts->left > 0) return;
-    if (parts->error.empty()) fut->complete_ok();
-    else fut->complete_error(parts->kind, parts->error);
-  };
+  auto parts = std::make_shared<FutureJoin>(fut, (n ? 2 : 1) + (rider ? 1 : 0) + (far ? 1 : 0));
   auto part = [&](const std::shared_ptr<MemRegion>& l, const std::shared_ptr<RemoteRegion>& r) {
     auto f = std::make_shared<FutureState>();
-    f->on_complete = part_done;
+    f->on_complete = [parts](const Future& done) { parts->part_done(done); };
     return std::make_pair(f, make_op(f, l, r));
   };
   Op* data = nullptr;
   Future data_fut;
   if (n) std::tie(data_fut, data) = part(local, remote);
-  // Striped: this channel puts the first half, `far` the second, and the word waits for
-  // `both` (the two flushes). The far half completes on far's thread, which then wakes this
-  // channel's, where the word waits.
+  // Striped (stripe.cpp): this channel puts the first near_n bytes and `far` the rest; the word
+  // waits for data_fut, which is then both halves' flushes.
   size_t near_n = n;
   Op* far_op = nullptr;
-  if (far) {
-    near_n = ((n / 2) + 4095) & ~size_t(4095);
-    auto far_fut = std::make_shared<FutureState>();
-    far_op = far->make_op(far_fut, local, remote);
-    auto both = std::make_shared<FutureState>();
-    auto join = std::make_shared<StripeJoin>(both, thread_);
-    data_fut->on_complete = [part_done, join](const Future& f) {
-      part_done(f);
-      join->half_done(f, false);
-    };
-    far_fut->on_complete = [part_done, join](const Future& f) {
-      part_done(f);
-      join->half_done(f, true);
-    };
-    data_fut = both;
-  }
+  if (far) std::tie(near_n, far_op) = stripe_halves(*far, n, local, remote, parts, data_fut);
   Op* word = part(wl, wr).second;
   RiderPost rp;
   if (rider) {
@@ -416,19 +347,11 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   __atomic_store_n(reinterpret_cast<uint64_t*>(wl->addr_ + word_local_off), value,
                    __ATOMIC_RELEASE);
   ProgressThread* t = thread_;
-  if (far_op) {  // the far half first, so that both threads start at once
-    ProgressThread* ft = far->thread_;
-    Path far_path{local_off + near_n, remote_off + near_n, n - near_n, true};
-    if (!far->post_data(n - near_n, far_op->fut, [far_op, ft, far_path] {
-          ft->track(far_op);
-          far_path.ucx(ft, far_op);
-        })) {
-      for (Op* op : {data, word, rp.op, far_op})
-        if (op) unpost(op);
-      throw Error(ErrorKind::Closed, "device is closed");
-    }
-    striped_words_.fetch_add(1, std::memory_order_relaxed);
-    dev->striped_writes_.fetch_add(1, std::memory_order_relaxed);
+  // The far half first, so that both threads start at once.
+  if (far_op && !post_far_half(*far, far_op, local_off + near_n, remote_off + near_n, n - near_n)) {
+    for (Op* op : {data, word, rp.op})
+      if (op) unpost(op);
+    throw Error(ErrorKind::Closed, "device is closed");
   }
   Path data_path{local_off, remote_off, near_n, true};
   Path word_path{word_local_off, word_remote_off, 8, true};
@@ -446,45 +369,12 @@ Future Channel::write_flagged(const std::shared_ptr<MemRegion>& local, size_t lo
   };
   if (!post_data(near_n, fut, std::move(task))) {
     // The far half, if posted, is cancelled by close(); its part completes a future no one has.
-    if (striped) striped_words_.fetch_sub(1, std::memory_order_relaxed);
+    if (striped) striped_flagged_.fetch_add(1, std::memory_order_release);
     for (Op* op : {data, word, rp.op})
       if (op) unpost(op);
     throw Error(ErrorKind::Closed, "device is closed");
   }
   return fut;
-}
-
-size_t Channel::striped_write_bytes() { return kStripeMinBytes; }
-
-std::shared_ptr<Channel> Channel::stripe_partner(Device& dev, size_t n, const MemRegion& local,
-                                                 const RemoteRegion& remote) {
-  // Over loopback tcp on two cores, two connections each with its own thread on both sides
-  // move a large write faster than one (docs/benchmarks.md); elsewhere one put is the transport's.
-  if (n < kStripeMinBytes || !sockets_only_.load(std::memory_order_relaxed) ||
-      dev.same_host_mapping() || local.cuda_device() >= 0 || remote.cuda_device >= 0 ||
-      dev.num_cqs() < 2 || peer_->num_workers < 2)
-    return nullptr;
-  std::lock_guard<std::mutex> lk(stripe_m_);
-  auto p = stripe_.lock();
-  if (!p) {
-    p = dev.channel_at(peer_, qp_ ^ 1);  // qp_ ± 1: another worker on both sides
-    stripe_ = p;
-  }
-  return p->failed() ? nullptr : p;
-}
-
-void Channel::drain_striped(Device& dev) {
-  if (striped_words_.load(std::memory_order_acquire) == 0) return;
-  const auto t0 = Clock::now();
-  while (striped_words_.load(std::memory_order_acquire) != 0) {
-    if (dev.closed()) throw Error(ErrorKind::Closed, "device is closed");
-    if (failed_.load()) throw Error(ErrorKind::Peer, error());
-    if (seconds_since(t0) > dev.config().rpc_timeout)
-      throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(int(dev.config().rpc_timeout)) +
-                                          " s waiting for a striped write to " + peer_->endpoint +
-                                          " to land before a fence or flush");
-    if (!progress_now()) std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
 }
 
 std::pair<WaitStatus, Future> Channel::send_slot(uintptr_t ack_addr, int64_t need,
@@ -549,7 +439,7 @@ bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, 
 }
 
 void Channel::pop_deferred() {
-  if (deferred_.front().striped) striped_words_.fetch_sub(1, std::memory_order_release);
+  if (deferred_.front().striped) striped_flagged_.fetch_add(1, std::memory_order_release);
   deferred_.pop_front();
 }
 

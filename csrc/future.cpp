@@ -1,5 +1,5 @@
 // FutureState: the completion of one memcpy or flush, shared by the issuer and the progress
-// thread that completes it.
+// thread that completes it; FutureJoin: one future for several.
 #include "internal.hpp"
 
 namespace rdmaflow {
@@ -34,6 +34,28 @@ void FutureState::complete_error(ErrorKind k, const std::string& msg) {
   kind_ = k;
   msg_ = msg;
   finish(2);
+}
+
+bool FutureJoin::part_done(const Future& f) {
+  if (!f->ok()) {
+    std::lock_guard<std::mutex> lk(m_);
+    if (error_.empty()) {
+      kind_ = f->error_kind();
+      error_ = f->error();
+    }
+  }
+  if (left_.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;
+  std::unique_lock<std::mutex> lk(m_);  // the last part: every error is counted in
+  if (error_.empty()) {
+    lk.unlock();
+    fut_->complete_ok();
+  } else {
+    const ErrorKind kind = kind_;
+    const std::string error = error_;
+    lk.unlock();
+    fut_->complete_error(kind, error);
+  }
+  return true;
 }
 
 }  // namespace rdmaflow

@@ -134,6 +134,33 @@ struct Peer {
   std::set<uint64_t> validated;  // region ids validated with the owner
 };
 
+// Completes `fut` once `parts` futures have completed, whichever threads complete them: ok if
+// every part was, else with the first error counted in (future.cpp).
+class FutureJoin {
+ public:
+  FutureJoin(Future fut, int parts) : fut_(std::move(fut)), left_(parts) {}
+  // Counts f in; returns true for the last part, whose call completed fut.
+  bool part_done(const Future& f);
+
+ private:
+  Future fut_;
+  std::atomic<int> left_;
+  std::mutex m_;
+  ErrorKind kind_ = ErrorKind::Generic;
+  std::string error_;
+};
+
+// One memcpy as the progress thread runs it (channel.cpp).
+struct Channel::Path {
+  size_t local_off, remote_off, n;
+  bool write;
+  // The same-host path: true when it took op (copied, or cancelled by close()).
+  bool same_host(ProgressThread* t, Op* op) const;
+  // The UCX path: a put (which also waits for its flush) or a get.
+  void ucx(ProgressThread* t, Op* op) const;
+  static void sent(void* req, ucs_status_t st, void* user);
+};
+
 // One posted memcpy or flush, from posting until UCX calls back for the last time.
 struct Op {
   Future fut;

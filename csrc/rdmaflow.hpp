@@ -129,6 +129,7 @@ class Device;
 class DirectWindow;
 class ProgressThread;
 class CopyPool;
+class FutureJoin;
 struct Link;
 struct Mapping;
 struct Op;
@@ -329,7 +330,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
  private:
   friend class Device;
   friend class ProgressThread;
-  struct Path;  // the same-host and UCX paths of one posted memcpy (channel.cpp)
+  struct Path;  // the same-host and UCX paths of one posted memcpy (internal.hpp)
   // The device, or Closed.
   std::shared_ptr<Device> open_device() const;
   // memcpy's argument checks (throws); the device.
@@ -362,12 +363,22 @@ class Channel : public std::enable_shared_from_this<Channel> {
   static bool post_flagged(ProgressThread* t, Op* data, const Future& data_fut, Op* word,
                            const Path& data_path, const Path& word_path, uint64_t value,
                            const RiderPost* rider, bool striped = false);
-  // write_flagged's stripe=: the channel that carries the second half of n bytes, or null where
-  // the write is not split (the conditions at write_flagged). Opens it the first time. Any thread.
+  // stripe.cpp, write_flagged's stripe=. stripe_partner: the channel that carries the second
+  // half of n bytes, or null where the write is not split (the conditions at write_flagged);
+  // opens it the first time. Any thread.
   std::shared_ptr<Channel> stripe_partner(Device& dev, size_t n, const MemRegion& local,
                                           const RemoteRegion& remote);
-  // fence() and flush(): waits until no word of a striped write is still deferred (throws
-  // Timeout, Closed or Peer). Caller's thread.
+  // Splits n bytes: returns how many this channel puts and the Op of far's half (the caller
+  // posts it with post_far_half). Both halves count in `parts`; data_fut (the first half's
+  // future on entry) becomes the future of both, which the word waits for.
+  std::pair<size_t, Op*> stripe_halves(Channel& far, size_t n, const std::shared_ptr<MemRegion>& local,
+                                       const std::shared_ptr<RemoteRegion>& remote,
+                                       const std::shared_ptr<FutureJoin>& parts, Future& data_fut);
+  // Posts far's half of n bytes (counted in striped_posted_); false, the op undone, once far's
+  // device is closed.
+  bool post_far_half(Channel& far, Op* far_op, size_t local_off, size_t remote_off, size_t n);
+  // fence() and flush(): waits (wait_word, driving the worker) until the word of every striped
+  // write posted so far is put; throws Timeout (the device's rpc_timeout) or Peer. Caller's thread.
   void drain_striped(Device& dev);
 
   // Progress-thread only.
@@ -408,7 +419,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
     Future data;  // null: the data needs no wait (none, or copied already)
     bool striped = false;  // data is split over two channels: a fence cannot order it
   };
-  // Removes the front deferred word (counted out of striped_words_). Progress thread.
+  // Removes the front deferred word (a striped one counted in striped_flagged_). Progress thread.
   void pop_deferred();
   std::deque<DeferredWord> deferred_;
   bool deferred_listed_ = false;  // in thread_'s list of channels with deferred words
@@ -417,7 +428,8 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // and flush(), which cover them). Progress thread.
   void post_ready_words(ProgressThread* t, bool now = false);
   // Shared state.
-  std::atomic<int> striped_words_{0};  // deferred words of striped writes (drain_striped)
+  // Striped writes posted, and those whose word has left the deferred queue (drain_striped).
+  std::atomic<uint64_t> striped_posted_{0}, striped_flagged_{0};
   std::mutex stripe_m_;                // guards stripe_ while it is made
   std::weak_ptr<Channel> stripe_;      // stripe_partner's channel, once opened
   std::atomic<bool> failed_{false};

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,18 @@ class Proc:
                 return f.read()
         except OSError:
             return ""
+
+    def stacks(self) -> str:
+        """Every thread's native stack (gdb, where there is one; best effort), for a process that
+        did not exit in time: whether it hangs in the core, UCX or Python's exit says where to look."""
+        if self.popen.poll() is not None or not shutil.which("gdb"):
+            return ""
+        try:
+            r = subprocess.run(["gdb", "-p", str(self.popen.pid), "-batch", "-ex", "thread apply all bt 30"],
+                               check=False, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"(no stacks: {e})"
+        return "\n".join(line for line in r.stdout.splitlines() if line.startswith(("#", "Thread ")))
 
     def kill(self) -> None:
         """SIGKILLs its process group and every descendant: torchrun starts its workers in
@@ -188,7 +201,9 @@ class Job:
             if not running:
                 return {p.name: p.popen.returncode for p in procs}
             if time.monotonic() > deadline:
-                pytest.fail(f"still running after {timeout:.0f} s: {[p.name for p in running]}\n" + self.logs())
+                stacks = "".join(f"\n--- {p.name}: stacks\n{p.stacks()}" for p in running)
+                pytest.fail(f"still running after {timeout:.0f} s: {[p.name for p in running]}\n" + self.logs()
+                            + stacks)
             time.sleep(0.05)
 
     def wait_output(self, name: str, pattern: str, timeout: float = JOB_TIMEOUT) -> None:
