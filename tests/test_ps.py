@@ -549,6 +549,24 @@ def test_shard_killed_mid_training(tmp_path, victim):
                     f"{p.name} does not name shard {victim}\n" + j.logs())
 
 
+def test_a_worker_declares_a_dead_shard_in_the_store(tmp_path):
+    """SIGKILL shard 1 with the store served by this process (as torchrun's agent does): the
+    worker that finds the shard dead records it in the store, so that a process serving the
+    store would not wait at exit for a shard that will never leave."""
+    from rdmaflow.ps.context import PREFIX
+
+    cfg = dict(sync_cfg("block", "sgd", steps=100000), step_delay=0.01)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 2, agent_store=True)
+        j.wait_output("worker0", r"worker 0 step 5\b")
+        victim = j.proc("shard1")
+        victim.kill()
+        rcs = j.wait(DETECT_TIMEOUT, [p for p in j.procs if p is not victim])
+        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
+        assert j.store.check([PREFIX + "dead/shard/1"]), j.logs()
+        assert not j.store.check([PREFIX + "dead/shard/0"]), j.logs()
+
+
 def test_worker_killed_mid_training(tmp_path):
     """SIGKILL worker 1 (of 2) while training: the shard and worker 0 exit non-zero within
     DETECT_TIMEOUT with an error naming worker 1 (surviving it is a later issue). Worker 0
@@ -647,6 +665,26 @@ def test_root_cause_worker_reports_abort_reason():
     with pytest.raises(Exception) as e:
         w._wait_word(0, 1, "the initial weights")
     assert reason in str(e.value)
+
+
+def test_the_store_host_counts_declared_dead_processes_as_gone(monkeypatch):
+    """The process serving the store waits at exit until every other one has left (bounded):
+    a process declared dead (a worker a shard lost, a shard a worker lost) never leaves, and
+    counts as gone instead."""
+    from rdmaflow.ps.context import PREFIX, Role, Store
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    master = Store(Role("shard", 0, 2, 2, 0, 4), 5.0)
+    worker = Store(Role("worker", 0, 2, 2, 2, 4), 5.0)
+    assert master._gone() == 0
+    worker.declare_dead("shard", 1)
+    assert master._gone() == 1
+    master.declare_dead("worker", 1)
+    assert master._gone() == 2
+    worker.store.add(PREFIX + "left", 1)
+    assert master._gone() == 3
 
 
 def test_store_gone_raises_library_errors(monkeypatch):

@@ -106,6 +106,7 @@ class Store:
         self.address = f"{host}:{port}"
         self.world_size = role.world_size
         self.num_workers = role.num_workers
+        self.num_shards = role.num_shards
         self.is_master = is_master
         try:
             self.store = dist.TCPStore(host, port, role.world_size, is_master,
@@ -135,9 +136,17 @@ class Store:
                     time.sleep(0.05)
 
     def _gone(self) -> int:
-        """Processes that left, plus workers the shards declared dead (they never leave)."""
+        """Processes that left, plus those declared dead (they never leave): workers a shard lost,
+        shards a worker lost."""
         dead = sum(self.store.check([PREFIX + f"dead/worker/{w}"]) for w in range(self.num_workers))
+        dead += sum(self.store.check([PREFIX + f"dead/shard/{s}"]) for s in range(self.num_shards))
         return self.store.add(PREFIX + "left", 0) + dead
+
+    def declare_dead(self, kind: str, index: int) -> None:
+        """Records that ``kind`` ("worker" or "shard") ``index`` died, so that the process serving
+        the store does not wait at exit for it to leave. Best effort: the store may be gone."""
+        with contextlib.suppress(RuntimeError):
+            self.store.set(PREFIX + f"dead/{kind}/{index}", "1")
 
     def _call(self, what: str, fn, *args):
         try:

@@ -229,7 +229,7 @@ class Shard:
         if live < self.min_workers:
             raise ShardFailure(f"{msg}; {live} of {self.nw} workers remain, fewer than min_workers={self.min_workers}")
         print(f"rdmaflow ps: {msg}; going on with the {live} remaining workers", file=sys.stderr, flush=True)
-        self.store.set(f"dead/worker/{w}", "1")
+        self.store.declare_dead("worker", w)
         self.stats.setdefault("dead", []).append(w)
         return True
 

@@ -362,6 +362,7 @@ class Worker:
                 if reason:
                     raise WorkerFailure(f"the job was aborted: {reason}")
                 msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
+                self.store.declare_dead("shard", s)
                 self.store.abort(msg)
                 raise PeerError(msg)
             return False
@@ -569,6 +570,7 @@ class Worker:
             for s, sh in enumerate(self.shards):
                 if sh["channel"].failed:
                     msg = f"shard {s} at {sh['ep']} died while worker {self.id} pushed step {t}"
+                    self.store.declare_dead("shard", s)
                     self.store.abort(msg)
                     raise PeerError(msg) from None
             raise
