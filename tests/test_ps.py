@@ -189,6 +189,19 @@ class Job:
     def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
 
+    def kill_mid_training(self, victim: str, worker: int) -> list[Proc]:
+        """Once ``worker`` has printed its step 5, SIGKILLs the process named ``victim``; every
+        other process must then exit non-zero within DETECT_TIMEOUT of the kill. Returns them."""
+        self.wait_output(f"worker{worker}", rf"worker {worker} step 5\b")
+        gone = self.proc(victim)
+        gone.kill()
+        t_kill = time.monotonic()
+        rest = [p for p in self.procs if p is not gone]
+        rcs = self.wait(DETECT_TIMEOUT, rest)
+        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + self.logs()
+        assert max(p.t_exit for p in rest) - t_kill < DETECT_TIMEOUT
+        return rest
+
     def wait(self, timeout: float = JOB_TIMEOUT, procs: list[Proc] | None = None) -> dict[str, int]:
         """Waits for every process (bounded); fails with their logs if one is still running."""
         procs = self.procs if procs is None else procs
@@ -533,15 +546,7 @@ def test_shard_killed_mid_training(tmp_path, victim):
     cfg = dict(sync_cfg("block", "sgd", steps=100000), step_delay=0.01)
     with Job(tmp_path, cfg) as j:
         j.start_local(2, 2)
-        j.wait_output("worker0", r"worker 0 step 5\b")
-        victim_proc = j.proc(f"shard{victim}")
-        victim_proc.kill()
-        t_kill = time.monotonic()
-        rest = [p for p in j.procs if p is not victim_proc]
-        rcs = j.wait(DETECT_TIMEOUT, rest)
-        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
-        assert max(p.t_exit for p in rest) - t_kill < DETECT_TIMEOUT
-        for p in rest:
+        for p in j.kill_mid_training(f"shard{victim}", 0):
             out = p.output()
             assert re.search(LIB_ERROR, out), f"{p.name}: no library error\n" + j.logs()
             if p.name.startswith("worker"):
@@ -558,11 +563,7 @@ def test_a_worker_declares_a_dead_shard_in_the_store(tmp_path):
     cfg = dict(sync_cfg("block", "sgd", steps=100000), step_delay=0.01)
     with Job(tmp_path, cfg) as j:
         j.start_local(2, 2, agent_store=True)
-        j.wait_output("worker0", r"worker 0 step 5\b")
-        victim = j.proc("shard1")
-        victim.kill()
-        rcs = j.wait(DETECT_TIMEOUT, [p for p in j.procs if p is not victim])
-        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
+        j.kill_mid_training("shard1", 0)
         assert j.store.check([PREFIX + "dead/shard/1"]), j.logs()
         assert not j.store.check([PREFIX + "dead/shard/0"]), j.logs()
 
@@ -576,15 +577,7 @@ def test_worker_killed_mid_training(tmp_path):
     cfg = dict(sync_cfg("variable", "sgd", steps=100000), step_delay=0.01)
     with Job(tmp_path, cfg) as j:
         j.start_local(2, 1, agent_store=True)
-        j.wait_output("worker1", r"worker 1 step 5\b")
-        victim = j.proc("worker1")
-        victim.kill()
-        t_kill = time.monotonic()
-        rest = [p for p in j.procs if p is not victim]
-        rcs = j.wait(DETECT_TIMEOUT, rest)
-        assert all(rc != 0 for rc in rcs.values()), f"exit codes {rcs}\n" + j.logs()
-        assert max(p.t_exit for p in rest) - t_kill < DETECT_TIMEOUT
-        for p in rest:
+        for p in j.kill_mid_training("worker1", 1):
             assert re.search(r"worker 1 at \S+ died", p.output()), f"{p.name} does not name worker 1\n" + j.logs()
 
 
