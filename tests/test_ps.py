@@ -680,6 +680,30 @@ def test_the_store_host_counts_declared_dead_processes_as_gone(monkeypatch):
     assert master._gone() == 3
 
 
+def test_a_failing_kv_store_host_does_not_wait_for_the_dead(monkeypatch):
+    """A failing key-value shard that serves the store lingers until every other process has
+    left (``kv/left/...``) or was declared dead; with all of them accounted for it returns at
+    once, long before its bound."""
+    from types import SimpleNamespace
+
+    from rdmaflow.ps import kv_job
+    from rdmaflow.ps.context import Role, Store
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(kv_job, "LINGER", 60.0)
+    role = Role("shard", 0, 2, 2, 0, 4)
+    host = SimpleNamespace(role=role, store=Store(role, 5.0))
+    worker = Store(Role("worker", 1, 2, 2, 3, 4), 5.0)
+    kv_job.leave(SimpleNamespace(store=worker), "worker/1")
+    worker.declare_dead("shard", 1)
+    host.store.declare_dead("worker", 0)
+    t0 = time.monotonic()
+    kv_job.linger(host)
+    assert time.monotonic() - t0 < 30.0, "linger waited for processes that left or died"
+
+
 def test_store_gone_raises_library_errors(monkeypatch):
     """The process serving the store (rank 0 without torchrun) has exited: every Store call
     raises the library's PeerError, as get() and wait() already do."""

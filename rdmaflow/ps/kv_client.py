@@ -186,13 +186,16 @@ class KVStore:
         return U64 * (1 + len(rows))
 
     # -- waiting ----------------------------------------------------------------------------------
-    def _fail(self, msg: str, exc=PeerError):
+    def _fail(self, msg: str, exc=PeerError, dead_shard: int | None = None):
         """The error for a shard that is gone; the job's abort reason instead if it has one (that
-        shard may have left because of another failure)."""
+        shard may have left because of another failure). Without one, ``dead_shard`` (the shard
+        whose channel failed) is declared dead in the store."""
         reason = self.store.abort_reason()
         leave(self.ctx, f"worker/{self.id}")
         if reason:
             return WorkerFailure(f"the job was aborted: {reason}")
+        if dead_shard is not None:
+            self.store.declare_dead("shard", dead_shard)
         self.store.abort(msg)
         return exc(msg)
 
@@ -207,7 +210,7 @@ class KVStore:
                                 f"{reason or self.store.aborted() or 'see its output'}")
         sh = self.shards[s]
         if sh["channel"].failed:
-            raise self._fail(f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}")
+            raise self._fail(f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}", dead_shard=s)
         return False
 
     def _abort_reason(self) -> str | None:
@@ -232,7 +235,7 @@ class KVStore:
                 raise TimeoutError(f"{what} did not reach shard {s} within {self.timeout:g} s") from None
             except PeerError as e:
                 raise self._fail(f"shard {s} at {self.shards[s]['ep']} died while worker {self.id} waited "
-                                 f"for {what}: {e}") from None
+                                 f"for {what}: {e}", dead_shard=s) from None
 
     def _write(self, s: int, local_off: int, remote_off: int, nbytes: int, what: str):
         """WRITEs nbytes at local_off of this worker's region to remote_off of shard s's block;

@@ -18,16 +18,17 @@ def leave(ctx, who: str) -> None:
 
 def linger(ctx) -> None:
     """A failing process that serves the job's store (rank 0 outside torchrun) keeps it up until
-    every other process has read the abort reason from it, for at most LINGER seconds."""
+    every other process has read the abort reason from it or was declared dead
+    (``Store.declare_dead``), for at most LINGER seconds."""
     if ctx.role.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
     me = f"{ctx.role.kind}/{ctx.role.index}"
-    others = [f"kv/left/{k}/{i}" for k, n in (("worker", ctx.role.num_workers), ("shard", ctx.role.num_shards))
+    others = [f"{k}/{i}" for k, n in (("worker", ctx.role.num_workers), ("shard", ctx.role.num_shards))
               for i in range(n) if f"{k}/{i}" != me]
     deadline = time.monotonic() + LINGER
     with contextlib.suppress(Exception):  # the store may be gone already
         while others and time.monotonic() < deadline:
-            others = [k for k in others if not ctx.store.check(k)]
+            others = [o for o in others if not (ctx.store.check(f"kv/left/{o}") or ctx.store.check(f"dead/{o}"))]
             time.sleep(0.05)
 
 

@@ -570,7 +570,8 @@ class Worker:
             for s, sh in enumerate(self.shards):
                 if sh["channel"].failed:
                     msg = f"shard {s} at {sh['ep']} died while worker {self.id} pushed step {t}"
-                    self.store.declare_dead("shard", s)
+                    if not self.store.abort_reason():  # else it may have left, aborted: not dead
+                        self.store.declare_dead("shard", s)
                     self.store.abort(msg)
                     raise PeerError(msg) from None
             raise
