@@ -38,6 +38,7 @@ from typing_extensions import Self
 from rdmaflow.bench.perftest import ucx_env
 from rdmaflow.ps.layout import Unit, covered_once, make_plan, runs_of, spec_of
 from rdmaflow.testing.netns import TwoHosts, netns_unavailable_reason
+from rdmaflow.testing.stacks import stacks_of
 
 JOBS = os.path.join(HERE, "ps_jobs")
 TRAIN = os.path.join(JOBS, "train.py")
@@ -83,18 +84,6 @@ class Proc:
                 return f.read()
         except OSError:
             return ""
-
-    def stacks(self) -> str:
-        """Every thread's native stack (gdb, where there is one; best effort), for a process that
-        did not exit in time: whether it hangs in the core, UCX or Python's exit says where to look."""
-        if self.popen.poll() is not None or not shutil.which("gdb"):
-            return ""
-        try:
-            r = subprocess.run(["gdb", "-p", str(self.popen.pid), "-batch", "-ex", "thread apply all bt 30"],
-                               check=False, capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"(no stacks: {e})"
-        return "\n".join(line for line in r.stdout.splitlines() if line.startswith(("#", "Thread ")))
 
     def kill(self) -> None:
         """SIGKILLs its process group and every descendant: torchrun starts its workers in
@@ -214,7 +203,7 @@ class Job:
             if not running:
                 return {p.name: p.popen.returncode for p in procs}
             if time.monotonic() > deadline:
-                stacks = "".join(f"\n--- {p.name}: stacks\n{p.stacks()}" for p in running)
+                stacks = stacks_of([(p.name, p.popen.pid) for p in running])
                 pytest.fail(f"still running after {timeout:.0f} s: {[p.name for p in running]}\n" + self.logs()
                             + stacks)
             time.sleep(0.05)
@@ -298,6 +287,20 @@ def assert_matches_reference(j: Job, workers: int, shards: int) -> None:
 def sync_cfg(policy: str, optim: str, steps: int = 5) -> dict:
     return {"mode": "sync", "policy": policy, "block_bytes": 256, "optim": optim,
             "lr": 0.05 if optim == "sgd" else 0.02, "steps": steps, "batch": 4, "seed": 3, "fast_exit": True}
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
+def test_a_job_process_past_its_deadline_gets_its_stacks_reported():
+    """What Job.wait adds to a "still running" failure: every thread's frames, named."""
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        time.sleep(0.5)  # past the loader, into its sleep
+        out = stacks_of([("sleeper", p.pid)])
+    finally:
+        p.kill()
+        p.wait()
+    assert out.startswith("\n--- sleeper: stacks\n"), out
+    assert re.search(r"^#0 .*(nanosleep|sleep)", out, re.MULTILINE), out
 
 
 def test_job_helpers_are_deterministic():

@@ -25,6 +25,7 @@ import time
 import pytest
 
 from rdmaflow.bench.perftest import ucx_env
+from rdmaflow.testing.stacks import stacks_of
 
 JOB_DEADLINE = 150.0  # seconds from the start of the jobs until every process must have exited
 
@@ -374,8 +375,9 @@ class Job:
                 self._start()
                 continue
             if time.monotonic() > deadline:
+                stacks = stacks_of([(f"rank {r}", p.pid) for r, p in enumerate(self.procs) if p.poll() is None])
                 self.kill()
-                pytest.fail(f"job {self.name} did not finish in time:\n{self.output()}")
+                pytest.fail(f"job {self.name} did not finish in time:\n{self.output()}{stacks}")
             time.sleep(0.1)
         self.ended = self.ended or time.monotonic()
 

@@ -36,6 +36,7 @@ from typing_extensions import Self
 from rdmaflow._ucx import ucx_env
 from rdmaflow.bench import models
 from rdmaflow.bench import train_job as job
+from rdmaflow.testing.stacks import stacks_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_TIMEOUT = 90.0          # one job, start to end (2 loaded cores: startup dominates)
@@ -102,7 +103,8 @@ class Job:
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p, _ in self.procs):
             if time.monotonic() > deadline:
-                pytest.fail(f"{self.cfg['system']}: still running after {timeout:.0f} s\n" + self.logs())
+                stacks = stacks_of([(f"rank {r}", p.pid) for p, r in self.procs if p.poll() is None])
+                pytest.fail(f"{self.cfg['system']}: still running after {timeout:.0f} s\n" + self.logs() + stacks)
             time.sleep(0.05)
         return [p.returncode for p, _ in self.procs]
 
