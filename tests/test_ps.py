@@ -623,6 +623,12 @@ class _Store:
     def abort(self, reason: str) -> None:
         self.aborts.append(reason)
 
+    def fail_with(self, msg: str, dead=None):
+        if self.reason:
+            return self.reason
+        self.abort(msg)
+        return None
+
 
 def _word():
     from rdmaflow.transfer import Word

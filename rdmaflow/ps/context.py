@@ -148,6 +148,18 @@ class Store:
         with contextlib.suppress(RuntimeError):
             self.store.set(PREFIX + f"dead/{kind}/{index}", "1")
 
+    def fail_with(self, msg: str, dead: tuple[str, int] | None = None) -> str | None:
+        """The job's abort reason if one is recorded already (the failure seen here may be its
+        consequence: nothing is recorded then); else records ``msg`` as the reason and ``dead``
+        (kind, index), if given, as a process that died (``declare_dead``)."""
+        reason = self.abort_reason()
+        if reason:
+            return reason
+        if dead is not None:
+            self.declare_dead(*dead)
+        self.abort(msg)
+        return None
+
     def _call(self, what: str, fn, *args):
         try:
             return fn(*args)

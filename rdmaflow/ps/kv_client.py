@@ -190,13 +190,10 @@ class KVStore:
         """The error for a shard that is gone; the job's abort reason instead if it has one (that
         shard may have left because of another failure). Without one, ``dead_shard`` (the shard
         whose channel failed) is declared dead in the store."""
-        reason = self.store.abort_reason()
+        reason = self.store.fail_with(msg, None if dead_shard is None else ("shard", dead_shard))
         leave(self.ctx, f"worker/{self.id}")
         if reason:
             return WorkerFailure(f"the job was aborted: {reason}")
-        if dead_shard is not None:
-            self.store.declare_dead("shard", dead_shard)
-        self.store.abort(msg)
         return exc(msg)
 
     def _shard_gave_up(self, s: int, what: str) -> bool:

@@ -358,12 +358,10 @@ class Worker:
         def shard_gone() -> bool:
             if sh["channel"].failed:
                 # A shard that stopped because the job was aborted is not the cause: say what is.
-                reason = self.store.abort_reason()
+                msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
+                reason = self.store.fail_with(msg, ("shard", s))
                 if reason:
                     raise WorkerFailure(f"the job was aborted: {reason}")
-                msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
-                self.store.declare_dead("shard", s)
-                self.store.abort(msg)
                 raise PeerError(msg)
             return False
 
@@ -570,9 +568,7 @@ class Worker:
             for s, sh in enumerate(self.shards):
                 if sh["channel"].failed:
                     msg = f"shard {s} at {sh['ep']} died while worker {self.id} pushed step {t}"
-                    if not self.store.abort_reason():  # else it may have left, aborted: not dead
-                        self.store.declare_dead("shard", s)
-                    self.store.abort(msg)
+                    self.store.fail_with(msg, ("shard", s))
                     raise PeerError(msg) from None
             raise
 
