@@ -36,6 +36,7 @@ from conftest import HERE
 from typing_extensions import Self
 
 from rdmaflow.bench.perftest import ucx_env
+from rdmaflow.bench.processes import free_port
 from rdmaflow.ps.layout import Unit, covered_once, make_plan, runs_of, spec_of
 from rdmaflow.testing.netns import TwoHosts, netns_unavailable_reason
 from rdmaflow.testing.stacks import stacks_of
@@ -53,12 +54,6 @@ DETECT_TIMEOUT = 25.0   # from a failure to every process's exit
 PS_TIMEOUT = "20"
 PS_STEP_TIMEOUT = "90"
 RTOL, ATOL = 1e-5, 1e-6  # float32, a few steps, sums in another order
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(extra: dict | None = None, transport_env: dict | None = None) -> dict:
@@ -528,7 +523,7 @@ def test_late_worker_learns_why_the_job_failed(tmp_path):
     """Rank 0 (shard 0) serves the store, as without torchrun. Worker 2's model differs and
     aborts the job at once; worker 1, whose model differs too, gets to its setup 8 s later,
     when every other process has failed and shard 0 only lingers to serve the store (up to
-    15 s, see Store._leave). It should still say that its model differs (or why the job was
+    15 s, see JobStore.leave). It should still say that its model differs (or why the job was
     aborted), not merely that a peer is gone. (Joining after the store is gone too can only
     say that the store is gone; waiting up to 15 s here raced with the 15 s linger.)"""
     cfg = dict(sync_cfg("block", "sgd"), variant={"1": "extra", "2": "shape"},
@@ -667,70 +662,3 @@ def test_root_cause_worker_reports_abort_reason():
     with pytest.raises(Exception) as e:
         w._wait_word(0, 1, "the initial weights")
     assert reason in str(e.value)
-
-
-def test_the_store_host_counts_declared_dead_processes_as_gone(monkeypatch):
-    """The process serving the store waits at exit until every other one has left (bounded):
-    a process declared dead (a worker a shard lost, a shard a worker lost) never leaves, and
-    counts as gone instead."""
-    from rdmaflow.ps.context import PREFIX, Role, Store
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    master = Store(Role("shard", 0, 2, 2, 0, 4), 5.0)
-    worker = Store(Role("worker", 0, 2, 2, 2, 4), 5.0)
-    assert master._gone() == 0
-    worker.declare_dead("shard", 1)
-    assert master._gone() == 1
-    master.declare_dead("worker", 1)
-    assert master._gone() == 2
-    worker.store.add(PREFIX + "left", 1)
-    assert master._gone() == 3
-
-
-def test_a_failing_kv_store_host_does_not_wait_for_the_dead(monkeypatch):
-    """A failing key-value shard that serves the store lingers until every other process has
-    left (``kv/left/...``) or was declared dead; with all of them accounted for it returns at
-    once, long before its bound."""
-    from types import SimpleNamespace
-
-    from rdmaflow.ps import kv_job
-    from rdmaflow.ps.context import Role, Store
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    monkeypatch.setattr(kv_job, "LINGER", 60.0)
-    role = Role("shard", 0, 2, 2, 0, 4)
-    host = SimpleNamespace(role=role, store=Store(role, 5.0))
-    worker = Store(Role("worker", 1, 2, 2, 3, 4), 5.0)
-    kv_job.leave(SimpleNamespace(store=worker), "worker/1")
-    worker.declare_dead("shard", 1)
-    host.store.declare_dead("worker", 0)
-    t0 = time.monotonic()
-    kv_job.linger(host)
-    assert time.monotonic() - t0 < 30.0, "linger waited for processes that left or died"
-
-
-def test_store_gone_raises_library_errors(monkeypatch):
-    """The process serving the store (rank 0 without torchrun) has exited: every Store call
-    raises the library's PeerError, as get() and wait() already do."""
-    import gc
-
-    import rdmaflow
-    from rdmaflow.ps.context import Role, Store
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    master = Store(Role("shard", 0, 1, 1, 0, 2), 5.0)
-    client = Store(Role("worker", 0, 1, 1, 1, 2), 5.0)
-    client.set("k", "v")
-    del master
-    gc.collect()
-    with pytest.raises(rdmaflow.PeerError):
-        client.get("k", 2.0)  # already wrapped
-    for call in (lambda: client.set("x", "1"), lambda: client.check("k")):
-        with pytest.raises(rdmaflow.PeerError):
-            call()

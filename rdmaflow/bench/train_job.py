@@ -10,7 +10,7 @@ model, data and optimizer everywhere; only how gradients and weights move differ
 Ranks of the parameter-server systems: 0..shards-1 are shards, shards..shards+workers-1 are
 workers. Rank 0 serves the job's c10d TCPStore at ``MASTER_ADDR:MASTER_PORT`` (for tensorpipe
 the store of ``rpc.init_rpc``); servers bind and advertise the address of this host on the
-route to the master (:func:`rdmaflow.ps.context.local_address`), and gloo and TensorPipe are
+route to the master (:func:`rdmaflow.job.route_address`), and gloo and TensorPipe are
 pointed at that address's interface (``GLOO_SOCKET_IFNAME``, ``TP_SOCKET_IFNAME``, unless
 already set), so processes in different network namespaces ("hosts") reach each other.
 
@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch
 
 from rdmaflow.bench.baselines import TENSORPIPE_OPTIONS
+from rdmaflow.job import route_address
 
 SYSTEMS = ("rdmaflow", "tensorpipe", "grpc", "ddp", "local")
 PS_SYSTEMS = ("rdmaflow", "tensorpipe", "grpc")
@@ -248,12 +249,6 @@ def exit_process(code: int, watchdog: Watchdog | None = None) -> None:
     os._exit(code)
 
 
-def host_address(master_addr: str) -> str:
-    from rdmaflow.ps.context import local_address
-
-    return local_address(master_addr)
-
-
 def interface_of(addr: str) -> str | None:
     """The name of the network interface holding IPv4 address ``addr`` (None if none)."""
     try:
@@ -277,7 +272,7 @@ def point_at_interface(master_addr: str, var: str) -> None:
     """Sets ``var`` (GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME) to the interface facing the master."""
     if os.environ.get(var):
         return
-    name = interface_of(host_address(master_addr))
+    name = interface_of(route_address(master_addr))
     if name:
         os.environ[var] = name
 

@@ -14,8 +14,9 @@ import json
 import os
 
 import rdmaflow
-from rdmaflow.graph.store import JobStore, env_int, route_address, shared_secret
+from rdmaflow.job import JobStore, env_int, job_secret, route_address
 
+NAMESPACE = "rdmaflow/graph/"  # this layer's keys in the job's store (rdmaflow.job)
 PREFIX = "graph/"
 _setups = itertools.count()  # every rank builds its pipelines in the same order
 
@@ -52,10 +53,10 @@ class Rendezvous:
 
     def __init__(self, rank: int, world_size: int, timeout: float):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.store = JobStore(rank, world_size, timeout)
+        self.store = JobStore(rank, world_size, timeout, NAMESPACE)
         self.prefix = f"{PREFIX}{next(_setups)}/"
         self.host = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        self.secret = shared_secret(world_size)
+        self.secret = job_secret(world_size)
 
     def agree(self, plan_json: dict) -> None:
         """Publishes this rank's plan and checks it against every other rank's; raises

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from rdmaflow import Device, InvalidArgumentError, RdmaflowError
-from rdmaflow.ps.context import Role, Store, job_secret, local_address, resolve_role
+from rdmaflow.job import job_secret, route_address
+from rdmaflow.ps.context import Role, Store, resolve_role
 from rdmaflow.ps.kv import KVHandle, KVStore
 from rdmaflow.ps.kv_server import check_handlers
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
@@ -73,7 +74,7 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     role = resolve_role()
     secret = job_secret()
     store = Store(role, timeout)
-    host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    host = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     device = Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
     ctx = PSContext(role, store, device, timeout, step_timeout)
     if role.kind == "shard":
@@ -85,11 +86,15 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
         except RdmaflowError as e:
             print(f"rdmaflow ps: shard {role.index} failed: {e}", file=sys.stderr, flush=True)
             device.close()
+            # Now, while this frame holds the store: serving it, this process stays (bounded)
+            # until the others have read why (rdmaflow.job); at exit the store may be gone.
+            store.leave()
             if exit_shards:
                 sys.exit(1)
             raise
         if exit_shards:
             device.close()
+            store.leave()
             sys.exit(0)
         stats["ctx"] = ctx
         return stats

@@ -9,7 +9,6 @@ import torch
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.context import dumps
-from rdmaflow.ps.kv_job import leave
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
 from rdmaflow.ps.kv_request import Request, short
 from rdmaflow.ps.protocol import DONE
@@ -90,9 +89,13 @@ class KVStore:
                 init = self._check_init(decl, keys, init)
             self._setup(decl, init if self.id == 0 else None)
         except Exception as e:
-            self.store.abort(f"worker {self.id}: {e}")
-            leave(ctx, f"worker/{self.id}")
+            # A peer lost during setup (a shard that closed its device) is most likely a
+            # consequence of the job's abort: then that is what to report.
+            reason = self.store.fail_with(f"worker {self.id}: {e}")
+            self.store.count_out()
             _ACTIVE.discard(id(ctx))
+            if reason and isinstance(e, PeerError):
+                raise WorkerFailure(f"the job was aborted: {reason}") from e
             raise
 
     @staticmethod
@@ -191,7 +194,7 @@ class KVStore:
         shard may have left because of another failure). Without one, ``dead_shard`` (the shard
         whose channel failed) is declared dead in the store."""
         reason = self.store.fail_with(msg, None if dead_shard is None else ("shard", dead_shard))
-        leave(self.ctx, f"worker/{self.id}")
+        self.store.count_out()
         if reason:
             return WorkerFailure(f"the job was aborted: {reason}")
         return exc(msg)
@@ -202,7 +205,7 @@ class KVStore:
         if self.status.ne(0).any():
             bad = int(self.status.ne(0).nonzero()[0])
             reason = bytes(self.reasons[bad].numpy()).split(b"\0", 1)[0].decode("utf-8", "replace")
-            leave(self.ctx, f"worker/{self.id}")
+            self.store.count_out()
             raise WorkerFailure(f"shard {bad} gave up while worker {self.id} waited for {what}: "
                                 f"{reason or self.store.aborted() or 'see its output'}")
         sh = self.shards[s]
@@ -213,7 +216,7 @@ class KVStore:
     def _abort_reason(self) -> str | None:
         reason = self.store.aborted()
         if reason:
-            leave(self.ctx, f"worker/{self.id}")
+            self.store.count_out()
         return reason
 
     def _wait_word(self, words: torch.Tensor, j: int, value: int, s: int, what: str, deadline: Deadline) -> None:

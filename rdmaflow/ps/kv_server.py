@@ -10,7 +10,6 @@ import torch
 
 from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.deadline import Deadline
-from rdmaflow.ps.kv_job import leave, linger
 from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
 from rdmaflow.ps.protocol import ABORT, DONE
 from rdmaflow.ps.shard import ShardFailure
@@ -24,6 +23,16 @@ def sum_handler(key: int, stored: torch.Tensor, pushed: torch.Tensor) -> None:
     """The default server-side handler: ``stored += pushed`` (applied to a whole request at once
     as one ``index_add_``, never called per key)."""
     stored.add_(pushed)
+
+
+def job_kind(ctx) -> str:
+    """What worker 0 declared the job to be: "kv" (a KVStore) or "model" (a DistributedOptimizer)."""
+    try:
+        cfg = json.loads(ctx.store.get("config"))
+    except Exception as e:
+        ctx.store.abort(f"shard {ctx.role.index}: {e}")
+        raise
+    return cfg.get("kind", "model")
 
 
 def check_handlers(handler, batch_handler) -> None:
@@ -306,8 +315,8 @@ class KVShard:
             reason = f"shard {self.id}: {e}"
             self.store.abort(reason)
             self._abort_workers(reason)
-            leave(self.ctx, f"shard/{self.id}")
-            linger(self.ctx)
+            # ps.init then leaves the store (JobStore.leave): if this process serves it, it stays
+            # until the others have read the reason.
             if isinstance(e, RdmaflowError):
                 raise
             raise ShardFailure(reason) from e

@@ -161,7 +161,7 @@ def main() -> None:
         deadline = time.monotonic() + float(linger)
         while time.monotonic() < deadline:
             try:
-                ctx.store.store.check(["rdmaflow/ps/config"])
+                ctx.store.tcp.check(["rdmaflow/ps/config"])
             except Exception:  # noqa: BLE001 - the store is gone
                 break
             time.sleep(0.05)

@@ -19,13 +19,13 @@ from rdmaflow.bench.train_job import (
     Watchdog,
     build_model,
     dump_state,
-    host_address,
     hostport,
     leave_store,
     make_store,
     result,
     train_loop,
 )
+from rdmaflow.job import route_address
 
 GRPC_SERVICE = "rdmaflow.bench.train.ParameterServer"
 _TENSORS_CLS = None
@@ -127,7 +127,7 @@ def run(cfg: dict, me: ProcessRole, wd: Watchdog) -> dict | None:
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2 * cfg["workers"] + 4),
                              options=GRPC_OPTIONS)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GRPC_SERVICE, handlers),))
-        host = host_address(me.master_addr)
+        host = route_address(me.master_addr)
         port = server.add_insecure_port(hostport(host, 0))
         if not port:
             raise RuntimeError(f"the gRPC server could not bind a port on {host}")

@@ -1,0 +1,211 @@
+"""A multi-process job's shared ground: the launcher's environment, the job secret, and the
+job's c10d store. The parameter server (``rdmaflow.ps``) and the pipeline (``rdmaflow.graph``)
+both build on it, each under a namespace of its own in the one store.
+
+The store carries only endpoints and small JSON documents; region descriptors (remote keys) go
+through the devices' authenticated side RPC, never through the store.
+
+Rank 0 serves the store at ``MASTER_ADDR:MASTER_PORT``, unless a torchrun agent already does
+(``TORCHELASTIC_USE_AGENT_STORE``). Every wait is bounded and watches the abort key, so that a
+process that fails makes every other one raise instead of waiting.
+
+Leaving. A process that fails late must still be able to read why the job was aborted, so the
+process serving the store outlives the others, boundedly. Keys under the namespace:
+
+    any process                                   the serving process, at exit
+    -----------                                   ----------------------------
+    count_out(): left += 1, once (at exit, or     leave(): count_out(), then wait
+      once it has read why the job failed)          until left + dead == world_size
+    declare_dead(kind, index): it found that        or LINGER s have passed,
+      process dead (a dead one never leaves):       looking every POLL s
+      dead/KIND/INDEX += 1; the first to name
+      that process adds 1 to dead
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import socket
+import time
+import weakref
+from datetime import timedelta
+
+from rdmaflow.errors import InvalidArgumentError, PeerError, TimeoutError
+
+POLL = 0.02  # seconds between looks at keys not yet set
+LINGER = 15.0  # at most this long the serving process outlives the others at exit
+
+
+def env_int(name: str, default: int | None = None) -> int:
+    """The launcher's integer ``$name``; ``default`` when unset (an error when there is none)."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        if default is None:
+            raise InvalidArgumentError(
+                f"${name} is not set: start the job with `rdmaflow launch` or torchrun, or set it yourself"
+            )
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise InvalidArgumentError(f"${name}={v!r} is not an integer") from None
+
+
+def job_secret(world_size: int | None = None) -> str:
+    """The job's secret (``$RDMAFLOW_JOB_SECRET``): every process of a multi-process job must be
+    given the same one. A single process (``world_size``, default ``$WORLD_SIZE``, of 1) makes
+    one up."""
+    value = os.environ.get("RDMAFLOW_JOB_SECRET")
+    if value:
+        return value
+    if (env_int("WORLD_SIZE", 1) if world_size is None else world_size) > 1:
+        raise InvalidArgumentError(
+            "RDMAFLOW_JOB_SECRET is not set: every process of a job needs the same secret "
+            "(rdmaflow launch sets one; with another launcher, export a random one on every node)"
+        )
+    os.environ["RDMAFLOW_JOB_SECRET"] = value = secrets.token_hex(16)
+    return value
+
+
+def route_address(master_addr: str) -> str:
+    """This host's address on the route to the store (``$RDMAFLOW_HOST`` if set; a UDP connect
+    only picks the route and sends nothing)."""
+    if os.environ.get("RDMAFLOW_HOST"):
+        return os.environ["RDMAFLOW_HOST"]
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(master_addr, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class JobStore:
+    """The job's c10d TCPStore under ``namespace`` (every key this class takes is relative to
+    it), with bounded waits that watch the abort key. ``tcp`` is the TCPStore itself, for keys
+    given in full. Calls block for at most ``timeout`` seconds; one object is not meant for
+    concurrent use by several threads."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float, namespace: str):
+        import torch.distributed as dist
+
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = env_int("MASTER_PORT", 29500)
+        self.serving = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        self.address, self.timeout, self.world_size, self.ns = f"{host}:{port}", timeout, world_size, namespace
+        self._left = self._waited = False
+        try:
+            self.tcp = dist.TCPStore(host, port, world_size, self.serving, timeout=timedelta(seconds=timeout),
+                                     wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - torch raises several types here
+            raise PeerError(f"cannot reach the job's c10d store at {self.address} within {timeout:.0f} s: {e}") from None
+        atexit.register(_leave_at_exit, weakref.ref(self))
+
+    def _do(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError and others
+            raise PeerError(f"the job's c10d store at {self.address} is unreachable ({what}): {e}") from None
+
+    def set(self, key: str, value: str) -> None:
+        self._do("set", self.tcp.set, self.ns + key, value)
+
+    def check(self, key: str) -> bool:
+        """Whether ``key`` is set; never waits."""
+        return self._do("check", self.tcp.check, [self.ns + key])
+
+    def get(self, key: str, timeout: float | None = None) -> str:
+        """``key``'s value once it is set (``wait``)."""
+        self.wait([key], timeout)
+        return self._do("get", self.tcp.get, self.ns + key).decode()
+
+    def wait(self, keys: list[str], timeout: float | None = None) -> None:
+        """Returns once every key is set. Raises PeerError when the job was aborted (with its
+        reason) or the store is unreachable, TimeoutError after ``timeout`` (default: the
+        store's) seconds."""
+        t = self.timeout if timeout is None else timeout
+        give_up = time.monotonic() + t
+        full = [self.ns + k for k in keys]
+        while not self._do("check", self.tcp.check, full):
+            reason = self.aborted()
+            if reason:
+                raise PeerError(f"the job was aborted: {reason}")
+            if time.monotonic() > give_up:
+                missing = [k for k in keys if not self.check(k)]
+                raise TimeoutError(f"timed out after {t:.0f} s waiting for {missing} in the job's store")
+            time.sleep(POLL)
+
+    def abort(self, reason: str) -> None:
+        """Records why the job stops (the first reason wins); best effort: the store may be gone."""
+        with contextlib.suppress(RuntimeError):  # torch's store errors are RuntimeErrors
+            if not self.tcp.check([self.ns + "abort"]):
+                self.tcp.set(self.ns + "abort", reason)
+
+    def abort_reason(self) -> str | None:
+        """The reason some process recorded for aborting the job; None if none or unreadable."""
+        with contextlib.suppress(RuntimeError):
+            if self.tcp.check([self.ns + "abort"]):
+                return self.tcp.get(self.ns + "abort").decode()
+        return None
+
+    def aborted(self) -> str | None:
+        """Like ``abort_reason``, but an unreachable store is a reason too."""
+        try:
+            return self.tcp.get(self.ns + "abort").decode() if self.tcp.check([self.ns + "abort"]) else None
+        except Exception:  # noqa: BLE001 - torch's store errors
+            return "the job's c10d store is unreachable"
+
+    def declare_dead(self, kind: str, index: int) -> None:
+        """Records that process ``kind`` ``index`` (a "worker", a "shard", ...) died, so that the
+        serving process does not wait at exit for it to leave. Best effort: the store may be gone."""
+        with contextlib.suppress(RuntimeError):
+            if self.tcp.add(self.ns + f"dead/{kind}/{index}", 1) == 1:
+                self.tcp.add(self.ns + "dead", 1)
+
+    def fail_with(self, msg: str, dead: tuple[str, int] | None = None) -> str | None:
+        """The one rule for a failure found here: returns the job's abort reason if one is
+        recorded already (this failure may be its consequence: nothing is recorded then); else
+        records ``msg`` as the reason and ``dead`` (kind, index), if given, as a process that
+        died, and returns None."""
+        reason = self.abort_reason()
+        if reason:
+            return reason
+        if dead is not None:
+            self.declare_dead(*dead)
+        self.abort(msg)
+        return None
+
+    def _gone(self) -> int:
+        """Processes that left, plus those declared dead."""
+        return self.tcp.add(self.ns + "left", 0) + self.tcp.add(self.ns + "dead", 0)
+
+    def count_out(self) -> None:
+        """Counts this process out, once, and never waits: it is leaving, or it has read why the
+        job failed and needs the store no more. Best effort."""
+        with contextlib.suppress(RuntimeError):
+            if not self._left:
+                self._left = True
+                self.tcp.add(self.ns + "left", 1)
+
+    def leave(self) -> None:
+        """``count_out``; the serving process then waits, at most LINGER seconds, until every
+        process has left or was declared dead. Runs at exit, if not called before (the store
+        must still be referenced then: a process that may have dropped it calls this itself);
+        waits once; best effort."""
+        self.count_out()
+        if not self.serving or self._waited:
+            return
+        self._waited = True
+        with contextlib.suppress(RuntimeError):
+            until = time.monotonic() + min(self.timeout, LINGER)
+            while time.monotonic() < until and self._gone() < self.world_size:
+                time.sleep(POLL)
+
+
+def _leave_at_exit(ref: weakref.ref) -> None:
+    store = ref()
+    if store is not None:
+        store.leave()
