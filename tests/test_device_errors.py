@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import secrets
-import socket
 import threading
 import time
 
@@ -11,14 +10,9 @@ import torch
 from conftest import local_device
 
 import rdmaflow
+from rdmaflow.bench.processes import free_port
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from typing_extensions import Self
 from rdmaflow._ucx import ucx_env
 from rdmaflow.bench import models
 from rdmaflow.bench import train_job as job
+from rdmaflow.bench.processes import free_port
 from rdmaflow.testing.stacks import stacks_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,12 +59,6 @@ def workdir():
     d = tempfile.mkdtemp(prefix="rdmaflow-train-test-")
     yield pathlib.Path(d)
     shutil.rmtree(d, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def world_of(system: str, workers: int, shards: int) -> int:
