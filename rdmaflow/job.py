@@ -86,8 +86,8 @@ def route_address(master_addr: str) -> str:
 class JobStore:
     """The job's c10d TCPStore under ``namespace`` (every key this class takes is relative to
     it), with bounded waits that watch the abort key. ``tcp`` is the TCPStore itself, for keys
-    given in full. Calls block for at most ``timeout`` seconds; one object is not meant for
-    concurrent use by several threads."""
+    given in full. Every call returns within ``timeout`` seconds (``leave``: LINGER); threads may
+    share one object, as they may share the TCPStore client."""
 
     def __init__(self, rank: int, world_size: int, timeout: float, namespace: str):
         import torch.distributed as dist
