@@ -36,6 +36,10 @@ from rdmaflow.errors import InvalidArgumentError, PeerError, TimeoutError
 
 POLL = 0.02  # seconds between looks at keys not yet set
 LINGER = 15.0  # at most this long the serving process outlives the others at exit
+# (store address, namespace, rank) that this process counted out of / waited for: once each,
+# however many JobStores it holds (a pipeline's stages, a parameter-server context).
+_counted_out: set[tuple[str, str, int]] = set()
+_waited: set[tuple[str, str, int]] = set()
 
 
 def env_int(name: str, default: int | None = None) -> int:
@@ -90,16 +94,19 @@ class JobStore:
     share one object, as they may share the TCPStore client."""
 
     def __init__(self, rank: int, world_size: int, timeout: float, namespace: str):
+        """A process may hold several (each pipeline it builds holds one; the parameter server
+        one more): on the serving rank they share one server (``multi_tenant``), and the
+        process counts out once per namespace."""
         import torch.distributed as dist
 
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = env_int("MASTER_PORT", 29500)
         self.serving = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self.address, self.timeout, self.world_size, self.ns = f"{host}:{port}", timeout, world_size, namespace
-        self._left = self._waited = False
+        self._me = (self.address, namespace, rank)
         try:
             self.tcp = dist.TCPStore(host, port, world_size, self.serving, timeout=timedelta(seconds=timeout),
-                                     wait_for_workers=False)
+                                     wait_for_workers=False, multi_tenant=True)
         except Exception as e:  # noqa: BLE001 - torch raises several types here
             raise PeerError(f"cannot reach the job's c10d store at {self.address} within {timeout:.0f} s: {e}") from None
         atexit.register(_leave_at_exit, weakref.ref(self))
@@ -186,8 +193,8 @@ class JobStore:
         """Counts this process out, once, and never waits: it is leaving, or it has read why the
         job failed and needs the store no more. Best effort."""
         with contextlib.suppress(RuntimeError):
-            if not self._left:
-                self._left = True
+            if self._me not in _counted_out:
+                _counted_out.add(self._me)
                 self.tcp.add(self.ns + "left", 1)
 
     def leave(self) -> None:
@@ -196,9 +203,9 @@ class JobStore:
         must still be referenced then: a process that may have dropped it calls this itself);
         waits once; best effort."""
         self.count_out()
-        if not self.serving or self._waited:
+        if not self.serving or self._me in _waited:
             return
-        self._waited = True
+        _waited.add(self._me)
         with contextlib.suppress(RuntimeError):
             until = time.monotonic() + min(self.timeout, LINGER)
             while time.monotonic() < until and self._gone() < self.world_size:

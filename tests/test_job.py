@@ -91,12 +91,24 @@ def test_fail_with_records_the_first_failure_and_the_dead_process(store_env):
 
 
 def test_namespaces_keep_the_layers_keys_apart(store_env):
-    """The parameter server and the pipeline share the job's store, each under its own keys."""
-    ps, graph = JobStore(0, 2, 5.0, "rdmaflow/ps/"), JobStore(1, 2, 5.0, "rdmaflow/graph/")
+    """The parameter server and the pipeline share the job's store, each under its own keys,
+    also in one process of the serving rank."""
+    ps, graph, other = JobStore(0, 2, 5.0, "rdmaflow/ps/"), JobStore(0, 2, 5.0, "rdmaflow/graph/"), stores(2)[1]
     ps.abort("a shard failed")
     ps.set("k", "ps")
     assert graph.aborted() is None and not graph.check("k")
-    assert ps.tcp.check(["rdmaflow/ps/k"])
+    assert ps.tcp.check(["rdmaflow/ps/k"]) and other.tcp.check(["rdmaflow/ps/k"])
+
+
+def test_a_process_holding_several_stores_counts_out_once(store_env):
+    """The serving rank builds a second pipeline while the first is alive: both stores work (one
+    server), and the process leaves once."""
+    first, second = JobStore(0, 2, 5.0, NS), JobStore(0, 2, 5.0, NS)
+    second.set("k", "v")
+    assert first.get("k") == "v"
+    first.count_out()
+    second.count_out()
+    assert first._gone() == 1
 
 
 def test_a_gone_store_raises_library_errors(store_env):
