@@ -145,6 +145,20 @@ def test_inference_returns_the_models_outputs(tmp_path):
         assert_matches_reference(j, 3)
 
 
+def test_a_second_pipeline_built_while_the_first_lives(tmp_path):
+    """Every rank builds a forward-only pipeline of the same model beside the one it trains (rank
+    0 serves both pipelines' stores): it returns the model's outputs, and training is unaffected."""
+    cfg = {"model": "mlp", "stages": 2, "steps": 2, "second_pipeline": True}
+    with Job(tmp_path, cfg) as j:
+        j.check_ok(start(j, 2).wait())
+        res = assert_matches_reference(j, 2)
+    x0, _ = job.make_batch("mlp", 1, 0, 16)
+    with torch.no_grad():
+        want = job.make_model("mlp", 1)(x0)
+    (got,) = res[-1]["second_outputs"]
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_copy_mode_copies_every_send_and_says_why(tmp_path):
     cfg = {"model": "mlp", "stages": 2, "microbatches": 2, "batch": 8, "steps": 2, "zero_copy": False}
     with Job(tmp_path, cfg) as j:

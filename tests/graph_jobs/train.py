@@ -21,6 +21,9 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
     slow_start     seconds stage 0 sleeps before its first step (others wait on receives)
     too_long       {"step": t, "length": n}: rank 0's batch of step t has sequence length n
     no_target      the last rank calls step() of step 1 without its target=
+    second_pipeline  every rank also builds a forward-only pipeline of a fresh copy of the model
+                   while the first one lives, runs batch 0 through it before training, and
+                   closes it last (rank{r}.pt's "second_outputs": the last stage's output)
 
 Every rank prints ``rank {r} step {t}`` after each step.
 """
@@ -155,6 +158,13 @@ def main() -> int:
             time.sleep(cfg["slow_forward"])
 
     stage.submod.register_forward_pre_hook(before_forward)
+    second, second_outputs = None, []
+    if cfg.get("second_pipeline"):  # a second pipeline of this job, built while the first lives
+        model2 = make_model(name, seed)
+        pipe2 = graph.pipeline(model2, (x0[: batch // M],), split_spec=split, dynamic_shapes=dynamic_shapes(name))
+        second = pipe2.build_stage(zero_copy=cfg.get("zero_copy", True))
+        with torch.no_grad():
+            second_outputs.append(graph.ScheduleGPipe(second, M).step(x0))
     if cfg.get("slow_start") and stage.is_first:
         time.sleep(cfg["slow_start"])
     losses, outputs = [], []
@@ -180,9 +190,12 @@ def main() -> int:
         "explain": stage.explain(),
         "trace": stage.trace,
         "placed": stage.placement.placed,
+        "second_outputs": second_outputs,
     }
     torch.save(result, os.path.join(cfg["out"], f"rank{rank}.pt"))
     stage.close()
+    if second is not None:
+        second.close()
     return 0
 
 
