@@ -28,6 +28,7 @@ import contextlib
 import os
 import secrets
 import socket
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -40,6 +41,7 @@ LINGER = 15.0  # at most this long the serving process outlives the others at ex
 # however many JobStores it holds (a pipeline's stages, a parameter-server context).
 _counted_out: set[tuple[str, str, int]] = set()
 _waited: set[tuple[str, str, int]] = set()
+_once_lock = threading.Lock()
 
 
 def env_int(name: str, default: int | None = None) -> int:
@@ -145,23 +147,28 @@ class JobStore:
                 raise TimeoutError(f"timed out after {t:.0f} s waiting for {missing} in the job's store")
             time.sleep(POLL)
 
-    def abort(self, reason: str) -> None:
-        """Records why the job stops (the first reason wins); best effort: the store may be gone."""
+    def abort(self, reason: str) -> str | None:
+        """Records why the job stops unless a reason is recorded already: the first wins, in one
+        atomic compare-and-set. Returns the reason on record now (``reason`` or the earlier one);
+        None if the store is gone (best effort)."""
         with contextlib.suppress(RuntimeError):  # torch's store errors are RuntimeErrors
-            if not self.tcp.check([self.ns + "abort"]):
-                self.tcp.set(self.ns + "abort", reason)
+            return self.tcp.compare_set(self.ns + "abort", "", reason).decode()
+        return None
+
+    def _recorded_abort(self) -> str | None:
+        key = self.ns + "abort"
+        return self.tcp.get(key).decode() if self.tcp.check([key]) else None
 
     def abort_reason(self) -> str | None:
         """The reason some process recorded for aborting the job; None if none or unreadable."""
         with contextlib.suppress(RuntimeError):
-            if self.tcp.check([self.ns + "abort"]):
-                return self.tcp.get(self.ns + "abort").decode()
+            return self._recorded_abort()
         return None
 
     def aborted(self) -> str | None:
         """Like ``abort_reason``, but an unreachable store is a reason too."""
         try:
-            return self.tcp.get(self.ns + "abort").decode() if self.tcp.check([self.ns + "abort"]) else None
+            return self._recorded_abort()
         except Exception:  # noqa: BLE001 - torch's store errors
             return "the job's c10d store is unreachable"
 
@@ -177,12 +184,11 @@ class JobStore:
         recorded already (this failure may be its consequence: nothing is recorded then); else
         records ``msg`` as the reason and ``dead`` (kind, index), if given, as a process that
         died, and returns None."""
-        reason = self.abort_reason()
-        if reason:
-            return reason
+        recorded = self.abort(msg)
+        if recorded is not None and recorded != msg:
+            return recorded
         if dead is not None:
             self.declare_dead(*dead)
-        self.abort(msg)
         return None
 
     def _gone(self) -> int:
@@ -192,9 +198,11 @@ class JobStore:
     def count_out(self) -> None:
         """Counts this process out, once, and never waits: it is leaving, or it has read why the
         job failed and needs the store no more. Best effort."""
-        with contextlib.suppress(RuntimeError):
-            if self._me not in _counted_out:
-                _counted_out.add(self._me)
+        with _once_lock:
+            first = self._me not in _counted_out
+            _counted_out.add(self._me)
+        if first:
+            with contextlib.suppress(RuntimeError):
                 self.tcp.add(self.ns + "left", 1)
 
     def leave(self) -> None:
@@ -203,9 +211,11 @@ class JobStore:
         must still be referenced then: a process that may have dropped it calls this itself);
         waits once; best effort."""
         self.count_out()
-        if not self.serving or self._me in _waited:
+        with _once_lock:
+            first = self.serving and self._me not in _waited
+            _waited.add(self._me)
+        if not first:
             return
-        _waited.add(self._me)
         with contextlib.suppress(RuntimeError):
             until = time.monotonic() + min(self.timeout, LINGER)
             while time.monotonic() < until and self._gone() < self.world_size:
