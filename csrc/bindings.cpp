@@ -216,6 +216,12 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("ucx_version", &ucx_version, "Version of the UCX library in use.");
   m.def(
+      "tcp_congestion_of",
+      [](const std::string& wanted) { return resolve_tcp_congestion(wanted).effective; },
+      py::arg("wanted"),
+      "The congestion control a Device(tcp_congestion=wanted) gives UCX's tcp data sockets on "
+      "this host (Device.tcp_congestion); raises like the Device for a name this process may not set.");
+  m.def(
       "_hmac_sha256",
       [](py::bytes key, py::bytes msg) {
         return py::bytes(hmac_sha256_bytes(std::string(key), std::string(msg)));
@@ -631,7 +637,7 @@ PYBIND11_MODULE(_core, m) {
                        const std::string& secret, bool busy_poll, int spin_us,
                        double connect_timeout, double rpc_timeout, bool data_error_handling,
                        SameHost same_host, int copy_threads, bool inline_posts,
-                       FlaggedWrites flagged_writes) {
+                       FlaggedWrites flagged_writes, const std::string& tcp_congestion) {
              DeviceConfig c;
              c.endpoint = endpoint;
              c.num_cqs = num_cqs;
@@ -646,6 +652,7 @@ PYBIND11_MODULE(_core, m) {
              c.copy_threads = copy_threads;
              c.inline_posts = inline_posts;
              c.flagged_writes = flagged_writes;
+             c.tcp_congestion = tcp_congestion;
              py::gil_scoped_release nogil;
              return Device::create(c);
            }),
@@ -659,7 +666,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("same_host") = defaults.same_host,
            py::arg("copy_threads") = defaults.copy_threads,
            py::arg("inline_posts") = defaults.inline_posts,
-           py::arg("flagged_writes") = defaults.flagged_writes)
+           py::arg("flagged_writes") = defaults.flagged_writes,
+           py::arg("tcp_congestion") = defaults.tcp_congestion)
       .def_property_readonly("endpoint", &Device::endpoint)
       .def_property_readonly("uuid", &Device::uuid)
       .def_property_readonly("num_cqs", &Device::num_cqs)
@@ -691,6 +699,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("same_host_mapping", &Device::same_host_mapping,
                              "Whether regions from alloc_region() are shared memory that "
                              "same-host peers map (the same-host fast path).")
+      .def_property_readonly("tcp_congestion", &Device::tcp_congestion,
+                             "The congestion control UCX's tcp data sockets run: the one "
+                             "tcp_congestion chose, or the system's.")
       .def_property_readonly("closed", &Device::closed)
       .def("close",
            [](Device& d) {

@@ -47,6 +47,7 @@ void Device::init(const DeviceConfig& cfg) {
     throw Error(ErrorKind::Invalid, "copy_threads must be between 1 and 64, got " +
                                         std::to_string(cfg.copy_threads));
   if (map_enabled_) copier_ = std::make_unique<CopyPool>(cfg.copy_threads - 1);
+  tcp_cc_ = resolve_tcp_congestion(cfg.tcp_congestion);
 
   ucp_config_t* ucfg = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucfg);

@@ -68,6 +68,18 @@ struct EndpointPaths {
 };
 EndpointPaths flagged_paths(FlaggedWrites mode, ucp_ep_h ep);
 
+// tcp_congestion.cpp (resolve_tcp_congestion: rdmaflow.hpp)
+// Gives cc (none when empty) to the TCP sockets opened between construction and apply().
+class NewTcpSockets {
+ public:
+  explicit NewTcpSockets(const std::string& cc);
+  void apply();
+
+ private:
+  std::string cc_;
+  std::set<unsigned long> before_;
+};
+
 // same_host.cpp
 // Whether UCX_TLS leaves shared-memory transports on.
 bool tls_allow_shared_memory();

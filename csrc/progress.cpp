@@ -17,7 +17,9 @@ ProgressThread::ProgressThread(Device* dev, int idx, ucp_context_h ctx) : dev_(d
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  NewTcpSockets tcp(dev->tcp_congestion_set());  // the tcp listener's accepted connections
   ucs_status_t st = ucp_worker_create(ctx, &wp, &w_);
+  tcp.apply();
   if (st != UCS_OK)
     throw Error(ErrorKind::Generic, "ucp_worker_create failed: " + ucs_error(st));
   st = ucp_worker_get_efd(w_, &efd_);
@@ -475,7 +477,9 @@ ucs_status_t ProgressThread::create_data_ep(const std::string& worker_addr, ucp_
   p.err_handler.cb = cb;
   p.err_handler.arg = arg;
   *ep = nullptr;
+  NewTcpSockets tcp(dev_->tcp_congestion_set());  // UCX's tcp connect (blocking by default)
   ucs_status_t st = ucp_ep_create(w_, &p, ep);
+  tcp.apply();
   if (st != UCS_OK) *ep = nullptr;
   return st;
 }

@@ -79,6 +79,14 @@ enum class SameHost : int { Off = 0, On = 1, Auto = 2 };
 //            Put elsewhere.
 enum class FlaggedWrites : int { Auto = 0, Put = 1, Message = 2 };
 
+// The congestion control UCX's tcp data sockets get: set ("" leaves the system's) and in effect.
+struct TcpCongestion {
+  std::string set, effective;
+};
+// DeviceConfig::tcp_congestion resolved on this host; throws Invalid when a named one cannot be
+// set by this process.
+TcpCongestion resolve_tcp_congestion(const std::string& wanted);
+
 struct DeviceConfig {
   std::string endpoint = "127.0.0.1:0";
   int num_cqs = 2;  // two workers: a large send over tcp is striped over both (Channel::write_flagged)
@@ -97,6 +105,10 @@ struct DeviceConfig {
   // post_inline); off: always handed to the progress thread.
   bool inline_posts = true;
   FlaggedWrites flagged_writes = FlaggedWrites::Auto;
+  // The congestion control of UCX's tcp data sockets (tcp_congestion.cpp): "auto" (cubic, else
+  // reno, where the system's is bbr, which paces; else the system's), "system", or a name
+  // (tcp(7) TCP_CONGESTION; Invalid at construction when this process may not set it).
+  std::string tcp_congestion = "auto";
 };
 
 // Completion state shared by the issuer and the progress thread.
@@ -477,6 +489,10 @@ class Device : public std::enable_shared_from_this<Device> {
   int num_cqs() const { return int(threads_.size()); }
   std::string ucx_info() const;  // ucp_context_print_info
   bool same_host_mapping() const { return map_enabled_; }
+  // The congestion control UCX's tcp data sockets run (DeviceConfig::tcp_congestion resolved),
+  // and the one this device sets on them ("" when it leaves the system's).
+  const std::string& tcp_congestion() const { return tcp_cc_.effective; }
+  const std::string& tcp_congestion_set() const { return tcp_cc_.set; }
   // memcpys done by a CPU copy through a same-host mapping, and through UCX.
   uint64_t mapped_ops() const { return mapped_ops_.load(); }
   uint64_t ucx_ops() const { return ucx_ops_.load(); }
@@ -585,6 +601,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::mutex parts_m_;
   std::map<std::tuple<uint64_t, uint64_t, uint64_t>, uint64_t> parts_seen_;
   bool map_enabled_ = false;
+  TcpCongestion tcp_cc_;
   std::unique_ptr<CopyPool> copier_;
   std::string boot_id_;
   std::mutex maps_m_;

@@ -26,6 +26,7 @@ SAME_HOST_ENV = "RDMAFLOW_SAME_HOST"
 COPY_THREADS_ENV = "RDMAFLOW_COPY_THREADS"
 INLINE_POSTS_ENV = "RDMAFLOW_INLINE_POSTS"
 FLAGGED_WRITES_ENV = "RDMAFLOW_FLAGGED_WRITES"
+TCP_CONGESTION_ENV = "RDMAFLOW_TCP_CONGESTION"
 
 _callback_thread: threading.Thread | None = None
 _callback_lock = threading.Lock()
@@ -87,6 +88,18 @@ def _flagged_writes(flagged_writes: FlaggedWrites | str | None) -> FlaggedWrites
     return modes[flagged_writes.lower()]
 
 
+def _tcp_congestion(tcp_congestion: str | None) -> str:
+    where = "tcp_congestion"
+    if tcp_congestion is None:
+        tcp_congestion = os.environ.get(TCP_CONGESTION_ENV, "auto").strip() or "auto"
+        where = TCP_CONGESTION_ENV
+    if not isinstance(tcp_congestion, str) or not tcp_congestion:
+        raise InvalidArgumentError(
+            f"{where} must be auto, system or a congestion control's name (e.g. cubic), got {tcp_congestion!r}"
+        )
+    return tcp_congestion
+
+
 def _copy_threads(copy_threads: int | None) -> int:
     if copy_threads is not None:
         return int(copy_threads)
@@ -98,6 +111,12 @@ def _copy_threads(copy_threads: int | None) -> int:
             raise InvalidArgumentError(f"{COPY_THREADS_ENV} must be an integer, got {env!r}") from None
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1, min(2, (os.cpu_count() or 1) // local))
+
+
+def tcp_congestion_of(tcp_congestion: str | None = None) -> str:
+    """The congestion control a :class:`Device` made with ``tcp_congestion`` (default
+    ``$RDMAFLOW_TCP_CONGESTION``, else ``"auto"``) gives UCX's tcp data sockets on this host."""
+    return _core.tcp_congestion_of(_tcp_congestion(tcp_congestion))
 
 
 class Device(_core.Device):
@@ -135,6 +154,14 @@ class Device(_core.Device):
     write above the message size puts its flag right behind its data); docs/transfer.md,
     "Flagged writes".
 
+    ``tcp_congestion`` (default ``$RDMAFLOW_TCP_CONGESTION``, else ``"auto"``): the congestion
+    control of UCX's tcp data sockets. ``"auto"`` gives them cubic (reno where this process may
+    not choose cubic) when the system's is bbr, whose pacing holds back a stream of bursts, and
+    leaves any other; ``"system"`` leaves the system's; a name (``tcp(7)``, ``TCP_CONGESTION``)
+    sets that one, and InvalidArgumentError says why when this process may not.
+    ``Device.tcp_congestion`` is the one in effect (docs/transfer.md, "The congestion control of
+    the data sockets").
+
     A device is a context manager: leaving the ``with`` block closes it.
     """
 
@@ -154,13 +181,15 @@ class Device(_core.Device):
         copy_threads: int | None = None,
         inline_posts: bool | None = None,
         flagged_writes: FlaggedWrites | str | None = None,
+        tcp_congestion: str | None = None,
     ):
         super().__init__(endpoint, num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
                          busy_poll=bool(busy_poll), spin_us=int(spin_us), connect_timeout=float(connect_timeout),
                          rpc_timeout=float(rpc_timeout), data_error_handling=bool(data_error_handling),
                          same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads),
                          inline_posts=_inline_posts(inline_posts),
-                         flagged_writes=_flagged_writes(flagged_writes))
+                         flagged_writes=_flagged_writes(flagged_writes),
+                         tcp_congestion=_tcp_congestion(tcp_congestion))
         _start_callback_thread()
 
     def __enter__(self) -> Self:
@@ -233,4 +262,5 @@ def wait_all(futures: Iterable[Future], timeout: float | None = None) -> None:
         f.result(deadline.left())
 
 
-__all__ = ["Channel", "Device", "FlaggedWrites", "Future", "MemRegion", "RemoteRegion", "SameHost", "wait_all"]
+__all__ = ["Channel", "Device", "FlaggedWrites", "Future", "MemRegion", "RemoteRegion", "SameHost", "tcp_congestion_of",
+           "wait_all"]

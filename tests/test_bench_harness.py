@@ -17,6 +17,7 @@ import pytest
 
 from rdmaflow.bench import harness as h
 from rdmaflow.bench import plots, processes
+from rdmaflow.device import tcp_congestion_of
 
 ECHO = textwrap.dedent("""
     import json, sys
@@ -199,6 +200,10 @@ def test_background_meter_counts_tcp_segments_and_names_the_congestion_control()
         assert bg["tcp_cc"] == f.read().strip() != ""
     quiet = dict(bg, tcp_out_segs=999)
     assert "tcp, machine-wide" not in processes.format_background(quiet)
-    busy = dict(bg, tcp_out_segs=2000, tcp_retrans_segs=30, tcp_reorder=7, tcp_cc="bbr")
+    assert bg["rdmaflow_tcp_cc"] == tcp_congestion_of()
+    busy = dict(bg, tcp_out_segs=2000, tcp_retrans_segs=30, tcp_reorder=7, tcp_cc="bbr", rdmaflow_tcp_cc="bbr")
     assert processes.format_background(busy).splitlines()[1] == (
         "tcp, machine-wide: congestion control bbr; 30 of 2000 segments retransmitted (1.50%), 7 reorderings seen")
+    busy["rdmaflow_tcp_cc"] = "cubic"
+    assert processes.format_background(busy).splitlines()[1].startswith(
+        "tcp, machine-wide: congestion control bbr (rdmaflow's data sockets: cubic); 30 of 2000")

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rdmaflow._ucx import ucx_env
+from rdmaflow.device import tcp_congestion_of
+from rdmaflow.errors import RdmaflowError
 
 # ------------------------------------------------------------------------------------------
 # Processes
@@ -344,6 +346,15 @@ def tcp_congestion_control() -> str:
         return ""
 
 
+def rdmaflow_tcp_congestion() -> str:
+    """The congestion control rdmaflow's devices give UCX's tcp data sockets here
+    (:func:`rdmaflow.device.tcp_congestion_of`); "" where it cannot be told."""
+    try:
+        return tcp_congestion_of()
+    except RdmaflowError:
+        return ""
+
+
 class BackgroundMeter:
     """How much CPU others used while the benchmark ran: the noise in its numbers.
 
@@ -372,6 +383,7 @@ class BackgroundMeter:
         return {"wall_s": wall, "other_cpu_s": others, "other_cpus": others / wall,
                 "kernel_cpus": (kthreads + st[5] + st[6]) / wall, "steal_cpus": st[7] / wall,
                 "cpus": float(os.cpu_count() or 1), "tcp_cc": tcp_congestion_control(),
+                "rdmaflow_tcp_cc": rdmaflow_tcp_congestion(),
                 "tcp_out_segs": moved.get("OutSegs", 0), "tcp_retrans_segs": moved.get("RetransSegs", 0),
                 "tcp_reorder": moved.get("reorder", 0)}
 
@@ -385,7 +397,11 @@ def format_background(bg: Mapping[str, Any]) -> str:
     text += "  <- noisy: other processes were busy" if bg["other_cpus"] > 0.1 else "  (quiet)"
     out = bg.get("tcp_out_segs", 0)
     if out >= 1000:
-        text += (f"\ntcp, machine-wide: congestion control {bg.get('tcp_cc') or 'unknown'}; "
+        cc = bg.get("tcp_cc") or "unknown"
+        ours = bg.get("rdmaflow_tcp_cc")
+        if ours and ours != bg.get("tcp_cc"):
+            cc += f" (rdmaflow's data sockets: {ours})"
+        text += (f"\ntcp, machine-wide: congestion control {cc}; "
                  f"{bg['tcp_retrans_segs']} of {out} segments retransmitted "
                  f"({bg['tcp_retrans_segs'] / out:.2%}), {bg['tcp_reorder']} reorderings seen")
     return text
