@@ -92,9 +92,9 @@ TcpCongestion resolve_tcp_congestion(const std::string& wanted) {
   std::string chosen;
   int err = 0;
   if (wanted == kAuto) {
-    // bbr paces each segment on a timer; on a loaded or virtual host the timer fires late,
-    // and a stream of bursts (a transfer, then a wait for credits) runs at a fraction of the
-    // link (docs/benchmarks.md). Linux's default, cubic, and reno send as the window allows.
+    // bbr paces a connection's segments at the rate it has estimated; a stream of bursts (a
+    // transfer, then a wait for credits) ran a fifth slower under it than under Linux's
+    // default, cubic, or reno, which send as the window allows (docs/benchmarks.md).
     if (system_cc.rfind("bbr", 0) == 0) {
       for (const char* cc : {"cubic", "reno"})
         if (set_cc(fd, cc) == 0) {
