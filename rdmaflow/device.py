@@ -156,8 +156,8 @@ class Device(_core.Device):
 
     ``tcp_congestion`` (default ``$RDMAFLOW_TCP_CONGESTION``, else ``"auto"``): the congestion
     control of UCX's tcp data sockets. ``"auto"`` gives them cubic (reno where this process may
-    not choose cubic) when the system's is bbr, whose pacing holds back a stream of bursts, and
-    leaves any other; ``"system"`` leaves the system's; a name (``tcp(7)``, ``TCP_CONGESTION``)
+    not choose cubic, bbr where it may choose neither) when the system's is bbr, whose pacing
+    holds back a stream of bursts, and leaves any other; ``"system"`` leaves the system's; a name (``tcp(7)``, ``TCP_CONGESTION``)
     sets that one, and InvalidArgumentError says why when this process may not.
     ``Device.tcp_congestion`` is the one in effect (docs/transfer.md, "The congestion control of
     the data sockets").
