@@ -77,7 +77,7 @@ class NewTcpSockets {
 
  private:
   std::string cc_;
-  std::set<unsigned long> before_;
+  std::map<unsigned long, int> before_;  // socket inode -> fd, before the call
 };
 
 // same_host.cpp

@@ -27,9 +27,9 @@ namespace {
 constexpr const char* kSystem = "system";
 constexpr const char* kAuto = "auto";
 
-// Socket inodes of the fds open in this process.
-std::set<unsigned long> socket_inodes(std::map<unsigned long, int>* fds = nullptr) {
-  std::set<unsigned long> out;
+// The sockets open in this process: inode -> fd.
+std::map<unsigned long, int> open_sockets() {
+  std::map<unsigned long, int> out;
   DIR* d = opendir("/proc/self/fd");
   if (!d) return out;
   while (dirent* e = readdir(d)) {
@@ -40,9 +40,7 @@ std::set<unsigned long> socket_inodes(std::map<unsigned long, int>* fds = nullpt
     if (n <= 0) continue;
     link[n] = 0;
     unsigned long ino = 0;
-    if (std::sscanf(link, "socket:[%lu]", &ino) != 1) continue;
-    out.insert(ino);
-    if (fds) (*fds)[ino] = std::atoi(e->d_name);
+    if (std::sscanf(link, "socket:[%lu]", &ino) == 1) out[ino] = std::atoi(e->d_name);
   }
   closedir(d);
   return out;
@@ -119,14 +117,12 @@ TcpCongestion resolve_tcp_congestion(const std::string& wanted) {
 }
 
 NewTcpSockets::NewTcpSockets(const std::string& cc) : cc_(cc) {
-  if (!cc_.empty()) before_ = socket_inodes();
+  if (!cc_.empty()) before_ = open_sockets();
 }
 
 void NewTcpSockets::apply() {
   if (cc_.empty()) return;
-  std::map<unsigned long, int> fds;
-  socket_inodes(&fds);
-  for (const auto& [ino, fd] : fds)
+  for (const auto& [ino, fd] : open_sockets())
     if (!before_.count(ino) && is_tcp(fd)) set_cc(fd, cc_);
   before_.clear();
 }
