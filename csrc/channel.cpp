@@ -460,7 +460,9 @@ void Channel::post_ready_words(ProgressThread* t, bool now) {
       ucp_worker_fence(t->handle());  // behind its data and the words before it
       if (!path.same_host(t, word)) path.ucx(t, word);
     } else if (!path.same_host(t, word)) {
-      if (d.data) t->device()->flushed_words_.fetch_add(1, std::memory_order_relaxed);
+      // seq_cst, before rkey_for reads revocations_: a test that takes a revocation in and
+      // then finds this count unmoved knows the word will fail (tests/test_device_errors.py).
+      if (d.data) t->device()->flushed_words_.fetch_add(1);
       path.ucx(t, word);  // its data and every earlier word are visible: no fence needed
     }
   }
@@ -535,12 +537,23 @@ bool Channel::ensure_ep() {
 }
 
 ucp_rkey_h Channel::rkey_for(const RemoteRegion& r) {
+  // Revoked: what was accepted before the revocation but posted only now (a word deferred
+  // behind its data's flush, a queued command) must not reach the region once its owner may
+  // have reused the memory; the operation fails instead (Device::op_error_message says why).
+  // answer_revoke's drop_rkey, queued to this thread, would come later than the revocation
+  // itself: the rkeys of regions revoked since the last look go as soon as it moves, so that
+  // nothing is posted to a region once this device has taken its revocation in.
+  Device* owner = thread_->device();
+  const uint64_t revocations = owner->revocations_.load();
+  if (revocations != seen_revocations_) {
+    seen_revocations_ = revocations;
+    std::vector<uint64_t> gone;
+    for (auto& kv : rkeys_)
+      if (owner->revoked(peer_->uuid, kv.first)) gone.push_back(kv.first);
+    for (uint64_t id : gone) drop_rkey(id);
+  }
   auto it = rkeys_.find(r.region_id);
   if (it != rkeys_.end()) return it->second;
-  // Revoked (answer_revoke dropped its rkey): what was accepted before the revocation but posted
-  // only now (a word deferred behind its data's flush, a queued command) must not reach the
-  // region once its owner may have reused the memory; the operation fails instead
-  // (Device::op_error_message says why).
   auto dev = dev_.lock();
   if (dev && dev->revoked(r.owner_uuid, r.region_id)) return nullptr;
   if (r.cuda_device >= 0) {  // unpacking opens the peer's CUDA IPC handle: a context is needed

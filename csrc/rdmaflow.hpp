@@ -412,6 +412,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // Progress-thread-only state.
   ucp_ep_h ep_ = nullptr;
   std::unordered_map<uint64_t, ucp_rkey_h> rkeys_;
+  uint64_t seen_revocations_ = 0;  // Device::revocations_ when rkeys_ was last checked against it
   std::unordered_map<uint64_t, std::shared_ptr<Mapping>> mappings_;
   std::vector<Op*> unflushed_;
   int rma_pending_ = 0;  // UCX puts/gets not yet complete; mapped copies wait for them
@@ -613,6 +614,9 @@ class Device : public std::enable_shared_from_this<Device> {
   std::map<std::string, std::string> published_;
   std::map<uint64_t, std::pair<Link*, std::shared_ptr<Rpc>>> rpcs_;  // id -> (link, rpc)
   std::set<std::pair<uint64_t, uint64_t>> revoked_;                 // (owner uuid, region)
+  // Entries ever put in revoked_: a channel that sees it move forgets what was revoked before
+  // answer_revoke's drop reaches its thread (Channel::rkey_for).
+  std::atomic<uint64_t> revocations_{0};
   std::vector<std::shared_ptr<RegionMemory>> quarantine_;  // memory a silent peer may still write
   // Progress thread 0 only.
   std::unordered_map<ucp_ep_h, Link*> links_;

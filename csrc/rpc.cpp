@@ -190,6 +190,7 @@ void Device::answer_revoke(Link* l, uint64_t req, uint64_t region_id) {
   {
     std::lock_guard<std::mutex> lk(m_);
     revoked_.insert({owner, region_id});
+    revocations_.fetch_add(1);  // seq_cst: a word counted before this is seen, or sees this
   }
   {
     std::lock_guard<std::mutex> lk(l->peer->m);
