@@ -221,6 +221,11 @@ PYBIND11_MODULE(_core, m) {
       py::arg("wanted"),
       "The congestion control a Device(tcp_congestion=wanted) gives UCX's tcp data sockets on "
       "this host (Device.tcp_congestion); raises like the Device for a name this process may not set.");
+  m.def("cache_line_handoff_ns", &cache_line_handoff_ns, py::arg("cpu_a"), py::arg("cpu_b"),
+        py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+        "Nanoseconds one cache line takes to move between two cpus, averaged over `seconds` of two "
+        "pinned threads handing it back and forth (the benchmarks' host probe). Blocks for about "
+        "`seconds`; InvalidArgumentError for a cpu this process may not run on.");
   m.def(
       "_hmac_sha256",
       [](py::bytes key, py::bytes msg) {

@@ -87,6 +87,11 @@ struct TcpCongestion {
 // set by this process.
 TcpCongestion resolve_tcp_congestion(const std::string& wanted);
 
+// Nanoseconds one cache line takes to move from cpu_a to cpu_b or back, averaged over `seconds`
+// of two pinned threads handing it to each other (host_probe.cpp). Blocks for about `seconds`;
+// throws Invalid for a cpu this process may not use, Timeout if the line stops moving.
+double cache_line_handoff_ns(int cpu_a, int cpu_b, double seconds);
+
 struct DeviceConfig {
   std::string endpoint = "127.0.0.1:0";
   int num_cqs = 2;  // two workers: a large send over tcp is striped over both (Channel::write_flagged)

@@ -2,6 +2,7 @@
 and clean-up on Ctrl-C. No timing assertions (this machine is shared and noisy)."""
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import signal
@@ -129,6 +130,71 @@ def test_failed_system_is_reported_and_the_run_goes_on(monkeypatch, tmp_path):
     assert status[("tensorpipe", 64 << 20)] == "ok"
     transfer.plot(str(tmp_path / "t.png"), results, ["tcp"], list(speeds), sizes)
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_a_cell_measured_while_the_host_handed_lines_slowly_is_marked(monkeypatch, tmp_path):
+    """Each measurement records the slower of the handoff probes around it; a cell with a repeat
+    at twice the run's fastest handoff or more is marked, and the CSV keeps every repeat's."""
+    monkeypatch.setattr(transfer, "make_system", lambda name, transport, **kw: _Fake(name, transport, 2.0))
+    probes = iter([30.0, 31.0, 165.0, 29.0] + [30.0] * 100)  # before/after: gloo's first repeat is slow
+    monkeypatch.setattr(transfer, "handoff_ns", lambda: next(probes))
+    results = {}
+    sizes = [1 << 20]
+    transfer.bench_transport("tcp", ["rdmaflow-zerocopy", "gloo"], sizes, repeats=2, target_bytes=1 << 20,
+                             min_iters=1, max_iters=4, window=2, max_inflight=1 << 30, busy_poll=False,
+                             timeout=5, torch_threads=1, results=results, log=lambda s: None)
+    slow = results[("gloo", "tcp", 1 << 20)]
+    assert slow["handoff_ns"][0] == 165.0 and results[("rdmaflow-zerocopy", "tcp", 1 << 20)]["handoff_ns"] == [31.0, 30.0]
+    table = transfer.format_tables(results, "tcp", ["rdmaflow-zerocopy", "gloo"], sizes, 2)
+    row = next(line for line in table.splitlines() if line.strip().startswith("1M"))
+    assert row.count("~") == 1 and row.rstrip().endswith("~")  # gloo's cell, the last column
+    assert "slow phase of the host" in table and "(30 ns)" in table
+    rows = {r["system"]: r for r in transfer.csv_rows(results)}
+    assert rows["gloo"]["values_handoff_ns"] == "165 30"
+
+
+def test_a_measurement_waits_bounded_for_the_host_to_leave_a_slow_phase(monkeypatch):
+    """--settle: before a measurement the probe repeats (idle in between) until the handoff is
+    within 2x of the fastest seen, or the time is up; either way the measurement runs."""
+    monkeypatch.setattr(transfer, "make_system", lambda name, transport, **kw: _Fake(name, transport, 2.0))
+    monkeypatch.setattr(transfer, "SETTLE_STEP", 0.0)
+    probes = iter([30.0, 30.0, 170.0, 165.0, 31.0, 32.0])
+    calls = []
+    monkeypatch.setattr(transfer, "handoff_ns", lambda: calls.append(1) or next(probes, 170.0))
+    results = {}
+    kw = {"target_bytes": 1 << 20, "min_iters": 1, "max_iters": 4, "window": 2, "max_inflight": 1 << 30,
+              "busy_poll": False, "timeout": 5, "torch_threads": 1, "results": results, "log": lambda s: None}
+    transfer.bench_transport("tcp", ["gloo"], [1 << 20], repeats=2, settle=30, **kw)
+    assert results[("gloo", "tcp", 1 << 20)]["handoff_ns"] == [30.0, 32.0]  # waited out 170 and 165
+    assert len(calls) == 6
+    probes = iter([30.0, 30.0])  # then slow for good: the second measurement waits `settle`, then runs
+    t0 = time.monotonic()
+    transfer.bench_transport("sm", ["gloo"], [1 << 20], repeats=2, settle=0.3, **kw)
+    assert results[("gloo", "sm", 1 << 20)]["handoff_ns"] == [30.0, 170.0]
+    assert 0.3 <= time.monotonic() - t0 < 30
+    ap = argparse.ArgumentParser()
+    transfer.add_arguments(ap)
+    assert transfer.settings(ap.parse_args([]))["settle"] == transfer.DEFAULT_SETTLE
+    assert transfer.settings(ap.parse_args(["--quick"]))["settle"] == 0
+    with pytest.raises(ValueError, match="--settle"):
+        transfer.settings(ap.parse_args(["--settle", "-1"]))
+
+
+def test_the_cache_line_probe_measures_and_refuses_bad_cpus():
+    from rdmaflow._core import cache_line_handoff_ns
+
+    from rdmaflow import InvalidArgumentError
+    from rdmaflow.bench.processes import handoff_ns
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        assert 0 < handoff_ns(0.01) < 1e6
+    with pytest.raises(InvalidArgumentError, match="must differ"):
+        cache_line_handoff_ns(cpus[0], cpus[0], 0.01)
+    with pytest.raises(InvalidArgumentError, match="may run on"):
+        cache_line_handoff_ns(cpus[0], max(cpus) + 1, 0.01)
+    with pytest.raises(InvalidArgumentError, match="seconds"):
+        cache_line_handoff_ns(cpus[0], cpus[-1] if len(cpus) > 1 else cpus[0] + 1, 0)
 
 
 def test_parameters():

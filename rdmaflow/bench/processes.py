@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rdmaflow._core import cache_line_handoff_ns
 from rdmaflow._ucx import ucx_env
 from rdmaflow.device import tcp_congestion_of
 from rdmaflow.errors import RdmaflowError
@@ -353,6 +354,26 @@ def rdmaflow_tcp_congestion() -> str:
         return tcp_congestion_of()
     except RdmaflowError:
         return ""
+
+
+# A handoff this many times the fastest seen in a run, or more: the host is in a slow phase.
+SLOW_HANDOFF = 2.0
+
+
+def handoff_ns(seconds: float = 0.02) -> float | None:
+    """Nanoseconds a cache line takes to move between the first two cpus this process may run
+    on (:func:`rdmaflow._core.cache_line_handoff_ns`, two threads spinning for ``seconds``);
+    None with fewer than two cpus or where the threads cannot be pinned. Under a hypervisor
+    this moves with where the host runs the vCPUs: a few times higher while they sit on
+    different dies, and so is the time of every copy that hands lines from one process to the
+    other (docs/benchmarks.md)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    try:
+        return cache_line_handoff_ns(cpus[0], cpus[1], seconds)
+    except RdmaflowError:
+        return None
 
 
 class BackgroundMeter:

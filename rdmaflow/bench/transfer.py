@@ -51,6 +51,12 @@ Method:
   median of ``--repeats`` repeats, with min, max and IQR; a cell that has spent
   ``--cell-budget`` seconds (60) stops after 3 repeats (in practice: gRPC at the largest
   sizes).
+* Around every measurement the harness times how long a cache line takes to move between the
+  first two cpus (:func:`rdmaflow.bench.processes.handoff_ns`, 20 ms before and after; the
+  slower counts). Under a hypervisor that figure moves several-fold with where the host runs
+  the vCPUs, and every system's copies with it. A cell with a repeat measured at twice the
+  run's fastest handoff or more is marked ``~`` in the tables; the CSV has each repeat's
+  figure (``values_handoff_ns``).
 * Each system (:mod:`rdmaflow.bench.transfer_systems`) is a sender and a receiver process
   (memcpy: one), started once per transport in
   their own process groups, with the transport's environment; every wait is bounded, and
@@ -121,7 +127,7 @@ from rdmaflow.bench.harness import (
     write_csv,
     write_json,
 )
-from rdmaflow.bench.processes import BenchError, new_secret
+from rdmaflow.bench.processes import SLOW_HANDOFF, BenchError, handoff_ns, new_secret
 from rdmaflow.bench.transfer_report import (
     CSV_COLUMNS,
     CUDA_TRANSPORT,
@@ -180,6 +186,9 @@ DEFAULT_OUT = "bench-results"
 OUT_NAME = {"cpu": "transfer", "cuda": "transfer-cuda"}
 CSV_NAME = "transfer.csv"
 PNG_NAME = "transfer.png"
+#: --settle's default, and the idle pause between its probes (seconds).
+DEFAULT_SETTLE = 5.0
+SETTLE_STEP = 0.2
 #: A cell (system, transport, size) that has used --cell-budget seconds stops at this many repeats.
 DEFAULT_CELL_BUDGET = 60.0
 
@@ -214,8 +223,9 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                     max_inflight: int, busy_poll: bool, timeout: float, torch_threads: int,
                     results: dict[Key, dict[str, Any]],
                     log: Callable[[str], None], consume: str = "max", device: str = "cpu",
-                    cell_budget: float = float("inf")) -> None:
-    """Fills ``results`` for one transport; see the module doc for the method."""
+                    cell_budget: float = float("inf"), settle: float = 0.0) -> None:
+    """Fills ``results`` for one transport; see the module doc for the method. ``settle``: how
+    long to wait before a measurement for the host to leave a slow phase (``--settle``)."""
     secret = new_secret()
     sock_dir = tempfile.mkdtemp(prefix="rdmaflow-bench-")
     try:
@@ -228,23 +238,46 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
             count = iterations(size, target_bytes, min_iters, max_iters)
             for name in systems:
                 results.setdefault((name, transport, size), {
-                    "gb_per_s": [], "p50_us": [], "errors": [], "iters": count,
+                    "gb_per_s": [], "p50_us": [], "handoff_ns": [], "errors": [], "iters": count,
                     "warmup": warmup_of(count), "window": window_of(size, window, max_inflight),
                     "seconds": 0.0})
+
+        seen: list[float] = []  # every handoff probed on this transport
+
+        def probe() -> float | None:
+            h = handoff_ns()
+            if h is not None:
+                seen.append(h)
+            return h
+
+        def settled() -> float | None:
+            """The handoff before a measurement, once it is within SLOW_HANDOFF of the fastest seen
+            or ``settle`` seconds have passed; idle in between (an idle vCPU is one the host may
+            place elsewhere)."""
+            h, end = probe(), time.monotonic() + settle
+            while h is not None and h >= SLOW_HANDOFF * min(seen) and time.monotonic() < end:
+                time.sleep(SETTLE_STEP)
+                h = probe()
+            return h
 
         def measure(name: str, size: int, tag: int) -> str | None:
             cell = results[(name, transport, size)]
             if len(cell["gb_per_s"]) >= MIN_REPEATS and cell["seconds"] >= cell_budget:
                 return None  # a slow cell (gRPC at 1G): MIN_REPEATS repeats are enough
             count = iterations(size, target_bytes, min_iters, max_iters)
+            before = settled()
             t0 = time.monotonic()
             m = objs[name].measure(size, count, warmup_of(count), window_of(size, window, max_inflight),
                                    measurement_timeout(size, count, timeout, MIN_RATE[device]), tag)
             cell["seconds"] += time.monotonic() - t0
+            # The host's state around the measurement: the slower of the probes before and after.
+            probes = [h for h in (before, probe()) if h is not None]
             cell["gb_per_s"].append(m["gb_per_s"])
+            cell["handoff_ns"].append(max(probes) if probes else None)
             if m["p50_us"] is not None:
                 cell["p50_us"].append(m["p50_us"])
-            return f"{m['gb_per_s']:.3f} GB/s" + ("" if m["p50_us"] is None else f", p50 {m['p50_us']:.1f} us")
+            return (f"{m['gb_per_s']:.3f} GB/s" + ("" if m["p50_us"] is None else f", p50 {m['p50_us']:.1f} us")
+                    + (f", cache line handoff {max(probes):.0f} ns" if probes else ""))
 
         def fail(name: str, size: int, msg: str) -> None:
             results[(name, transport, size)]["errors"].append(msg)
@@ -315,6 +348,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-iters", type=int, default=None,
                     help=f"most timed transfers per measurement (default {DEFAULT_MAX_ITERS}; "
                          f"--quick: {QUICK_MAX_ITERS})")
+    ap.add_argument("--settle", type=float, default=None,
+                    help=f"before each measurement, wait up to this many seconds for a cache line's "
+                         f"handoff between the cpus to come within {SLOW_HANDOFF:g}x of the fastest seen: "
+                         f"the host out of a slow phase (default {DEFAULT_SETTLE:g}; --quick: 0, no wait)")
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                     help=f"transfers in flight in every system (default {DEFAULT_WINDOW})")
     ap.add_argument("--max-inflight-bytes", default="1G",
@@ -350,7 +387,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The run's parameters from the command line, each default taken per ``--device`` and
     ``--quick``: device, transports, systems, sizes, repeats, target_bytes, min_iters,
-    max_iters, max_inflight, timeout, consume. ValueError names what is wrong."""
+    max_iters, max_inflight, timeout, consume, settle. ValueError names what is wrong."""
     cuda = args.device == "cuda"
     if cuda:
         if args.transport not in ("both", CUDA_TRANSPORT):
@@ -381,7 +418,10 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_inflight": parse_size(args.max_inflight_bytes),
         "timeout": args.timeout or (CUDA_TIMEOUT if cuda else DEFAULT_TIMEOUT),
         "window": args.window, "consume": consume,
+        "settle": args.settle if args.settle is not None else 0.0 if args.quick else DEFAULT_SETTLE,
     }
+    if not 0 <= out["settle"] <= 600:
+        raise ValueError(f"--settle must be between 0 and 600 seconds, got {out['settle']:g}")
     if out["repeats"] < 1 or args.window < 1 or out["min_iters"] < 1 or out["max_iters"] < out["min_iters"]:
         raise ValueError("--repeats, --window, --min-iters must be >= 1 and --max-iters >= --min-iters")
     return out
@@ -411,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
     header = (f"rdmaflow {rdmaflow.__version__} bench transfer --device {device}: UCX {rdmaflow.ucx_version()}, "
               f"{os.cpu_count()} CPUs{gpu}, sizes {','.join(format_size(s) for s in sizes)}, "
               f"{repeats} repeats, window {args.window}, torch threads {args.torch_threads}, "
-              f"consume: {cfg['consume']}")
+              f"consume: {cfg['consume']}, settle {cfg['settle']:g} s")
     print(header, flush=True)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
     results: dict[Key, dict[str, Any]] = {}
@@ -428,7 +468,8 @@ def run(args: argparse.Namespace) -> int:
                         max_inflight=cfg["max_inflight"], busy_poll=args.busy_poll,
                         timeout=cfg["timeout"], torch_threads=args.torch_threads,
                         results=results, log=log, consume=cfg["consume"], device=device,
-                        cell_budget=args.cell_budget if args.cell_budget > 0 else float("inf"))
+                        cell_budget=args.cell_budget if args.cell_budget > 0 else float("inf"),
+                        settle=cfg["settle"])
 
     def save(interrupted: bool = False) -> None:
         write_csv(csv_path, CSV_COLUMNS, csv_rows(results))

@@ -11,6 +11,7 @@ from typing import Any
 
 from rdmaflow.bench.harness import cell_status, format_size, median_ratio, summarize, text_table, verdict
 from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
+from rdmaflow.bench.processes import SLOW_HANDOFF
 from rdmaflow.bench.transfer_systems import transport_env
 
 Key = tuple[str, str, int]  # (system, transport, size)
@@ -54,7 +55,20 @@ CSV_COLUMNS = [
     "system", "transport", "size_bytes", "size", "gb_per_s", "p50_us",
     "gb_per_s_min", "gb_per_s_max", "gb_per_s_iqr", "p50_us_min", "p50_us_max",
     "repeats", "failures", "iters", "warmup", "window", "status", "values_gb_per_s",
+    "values_handoff_ns",
 ]
+
+
+def fastest_handoff(results: Mapping[Key, dict[str, Any]]) -> float | None:
+    """The run's fastest cache line handoff (ns) over every measurement; None if none was probed."""
+    probed = [h for cell in results.values() for h in cell.get("handoff_ns", []) if h is not None]
+    return min(probed) if probed else None
+
+
+def slow_handoff(cell: Mapping[str, Any], fastest: float | None) -> bool:
+    """Whether a repeat of ``cell`` ran while the host handed lines between the cpus slowly."""
+    return fastest is not None and any(
+        h is not None and h >= SLOW_HANDOFF * fastest for h in cell.get("handoff_ns", []))
 
 
 
@@ -91,7 +105,8 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
          f"interleaved repeats"),
     ]
     width = 17
-    short = False
+    short = slow = False
+    fastest = fastest_handoff(results)
     head = f"{'size':>6} " + " ".join(f"{s:>{width}}" for s in systems)
     lines += [head, "-" * len(head)]
     notes: dict[str, str] = {}
@@ -113,6 +128,9 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
                 elif len(cell["gb_per_s"]) < repeats:
                     txt += "^"
                     short = True
+                if slow_handoff(cell, fastest):
+                    txt += "~"
+                    slow = True
             row.append(f"{txt:>{width}}")
         lines.append(" ".join(row))
     lines += ["", ("p50 per-transfer time, us (median over repeats of the median receiver "
@@ -126,6 +144,9 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
         lines.append(" ".join(row))
     if short:
         lines.append(f"^ fewer repeats: the cell used up --cell-budget after {MIN_REPEATS}")
+    if slow:
+        lines.append(f"~ a repeat ran while a cache line took {SLOW_HANDOFF:g}x the run's fastest handoff "
+                     f"({fastest:.0f} ns) or more between the cpus: a slow phase of the host")
     for s, msg in notes.items():
         lines.append(f"* {s}: failed: {msg}")
     ratio_lines = format_ratios(results, transport, systems, sizes)
@@ -209,6 +230,7 @@ def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
             "iters": cell["iters"], "warmup": cell["warmup"], "window": cell["window"],
             "status": cell_status(cell, "gb_per_s"),
             "values_gb_per_s": " ".join(f"{v:.4f}" for v in cell["gb_per_s"]),
+            "values_handoff_ns": " ".join("-" if h is None else f"{h:.0f}" for h in cell.get("handoff_ns", [])),
         })
     return rows
 
