@@ -163,7 +163,7 @@ def test_a_measurement_waits_bounded_for_the_host_to_leave_a_slow_phase(monkeypa
     monkeypatch.setattr(transfer, "handoff_ns", lambda: calls.append(1) or next(probes, 170.0))
     results = {}
     kw = {"target_bytes": 1 << 20, "min_iters": 1, "max_iters": 4, "window": 2, "max_inflight": 1 << 30,
-              "busy_poll": False, "timeout": 5, "torch_threads": 1, "results": results, "log": lambda s: None}
+          "busy_poll": False, "timeout": 5, "torch_threads": 1, "results": results, "log": lambda s: None}
     transfer.bench_transport("tcp", ["gloo"], [1 << 20], repeats=2, settle=30, **kw)
     assert results[("gloo", "tcp", 1 << 20)]["handoff_ns"] == [30.0, 32.0]  # waited out 170 and 165
     assert len(calls) == 6

@@ -54,9 +54,10 @@ Method:
 * Around every measurement the harness times how long a cache line takes to move between the
   first two cpus (:func:`rdmaflow.bench.processes.handoff_ns`, 20 ms before and after; the
   slower counts). Under a hypervisor that figure moves several-fold with where the host runs
-  the vCPUs, and every system's copies with it. A cell with a repeat measured at twice the
-  run's fastest handoff or more is marked ``~`` in the tables; the CSV has each repeat's
-  figure (``values_handoff_ns``).
+  the vCPUs, and every system's copies with it. Before a measurement the harness waits up to
+  ``--settle`` seconds (5), idle, for the figure to come within twice the fastest seen on the
+  transport. A cell with a repeat measured at twice the run's fastest handoff or more is
+  marked ``~`` in the tables; the CSV has each repeat's figure (``values_handoff_ns``).
 * Each system (:mod:`rdmaflow.bench.transfer_systems`) is a sender and a receiver process
   (memcpy: one), started once per transport in
   their own process groups, with the transport's environment; every wait is bounded, and
