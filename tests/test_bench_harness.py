@@ -207,3 +207,30 @@ def test_background_meter_counts_tcp_segments_and_names_the_congestion_control()
     busy["rdmaflow_tcp_cc"] = "cubic"
     assert processes.format_background(busy).splitlines()[1].startswith(
         "tcp, machine-wide: congestion control bbr (rdmaflow's data sockets: cubic); 30 of 2000")
+
+
+def test_host_phases_wait_bounded_and_once_per_slow_phase():
+    """HostPhases.before() waits (probing) while the handoff is 2x the fastest seen or more, for
+    at most `settle` seconds; a wait that ran out is not repeated until the host is fast again."""
+    from rdmaflow.bench.processes import HostPhases
+
+    figures = iter([30.0, 170.0, 168.0, 31.0])
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return next(figures, 170.0)
+
+    phases = HostPhases(settle=0.3, probe=probe, step=0.05)
+    assert phases.before() == 30.0 and len(calls) == 1
+    assert phases.before() == 31.0 and len(calls) == 4  # waited out 170 and 168
+    assert phases.after(31.0) == 170.0  # the slower of before and after
+    n = len(calls)
+    assert phases.before() == 170.0 and len(calls) > n + 1  # slow for good: waits, then gives up
+    n = len(calls)
+    assert phases.before() == 170.0 and len(calls) == n + 1  # no second wait in the same phase
+    figures = iter([32.0, 175.0])
+    assert phases.before() == 32.0  # fast again ...
+    n = len(calls)
+    assert phases.before() == 170.0 and len(calls) > n + 1  # ... so the next slow phase is waited for
+    assert HostPhases(settle=5, probe=lambda: None).before() is None  # no probe here: no wait

@@ -24,7 +24,7 @@ def test_tcp_run_end_to_end_writes_csv_and_plot(tmp_path):
     marker = os.urandom(8).hex()
     p = subprocess.run(
         [sys.executable, "-m", "rdmaflow", "bench", "latency", "--transport", "tcp", "--sizes", "8,1K",
-         "--repeats", "2", "--iters", "20", "--out", str(tmp_path)],
+         "--repeats", "2", "--iters", "20", "--settle", "0", "--out", str(tmp_path)],
         cwd=ROOT, env=_env(marker), capture_output=True, text=True, timeout=230, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert processes_with_env(marker) == [], "the benchmark left processes behind"
@@ -41,6 +41,7 @@ def test_tcp_run_end_to_end_writes_csv_and_plot(tmp_path):
     for r in rows:
         assert r["transport"] == "tcp" and r["status"] == "ok", r
         assert int(r["repeats"]) == 2 and int(r["iters"]) == 20, r
+        assert len(r["values_handoff_ns"].split()) == 2, r  # the host probed around each repeat
         values = [float(r[c]) for c in ("one_way_us", "min_us", "max_us", "p10_us", "p90_us") if r[c] != ""]
         assert values and all(math.isfinite(v) and v > 0 for v in values), r
         assert float(r["min_us"]) <= float(r["one_way_us"]) <= float(r["max_us"])
@@ -83,10 +84,21 @@ def test_parse_perftest_latency():
         perftest._parse_latency("garbage\n")
 
 
+def test_a_cell_with_a_repeat_in_a_slow_phase_is_marked():
+    results = {}
+    for system, handoffs in (("rdmaflow", [30.0, 170.0]), ("gloo", [31.0, 30.0])):
+        cell = results[(system, "tcp", 8)] = latency.new_cell(10, 1)
+        cell["median_us"], cell["handoff_ns"] = [10.0, 11.0], handoffs
+    table = latency.format_table(results, "tcp", ["rdmaflow", "gloo"], [8], 2, {})
+    row = next(line for line in table.splitlines() if line.strip().startswith("8 "))
+    assert row.count("~") == 1 and "slow phase of the host" in table and "(30 ns)" in table
+    assert {r["system"]: r["values_handoff_ns"] for r in latency.csv_rows(results)}["rdmaflow"] == "30 170"
+
+
 def test_rejects_bad_arguments(capsys):
     ap = argparse.ArgumentParser()
     latency.add_arguments(ap)
-    for argv in (["--transport", "ib"], ["--systems", "mpi"], ["--sizes", "0"], ["--repeats", "0"]):
+    for argv in (["--transport", "ib"], ["--systems", "mpi"], ["--sizes", "0"], ["--repeats", "0"], ["--settle", "-1"]):
         assert latency.run(ap.parse_args(argv)) == 2, argv
         assert "error:" in capsys.readouterr().err
 

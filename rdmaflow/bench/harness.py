@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow.bench.processes import BackgroundMeter, BenchError, format_background
+from rdmaflow.bench.processes import BackgroundMeter, BenchError, HostPhases, format_background
 
 # ------------------------------------------------------------------------------------------
 # Sizes
@@ -229,7 +229,8 @@ MEASUREMENT_ERRORS = (BenchError, RuntimeError, OSError, ValueError)
 def run_interleaved(systems: Mapping[str, Any], points: Sequence[Any], repeats: int,
                     measure: Callable[[str, Any, int], str | None], fail: Callable[[str, Any, str], None],
                     log: Callable[[str], None] = lambda s: None, label: str = "",
-                    point_label: Callable[[Any], str] = str) -> None:
+                    point_label: Callable[[Any], str] = str, phases: HostPhases | None = None,
+                    record_phase: Callable[[str, Any, float | None], None] = lambda n, p, h: None) -> None:
     """Measures every system at every point, ``repeats`` times, interleaved: for each repeat,
     for each point, every system once, their order rotated by one each repeat, so that load
     that comes and goes hits them alike.
@@ -242,7 +243,10 @@ def run_interleaved(systems: Mapping[str, Any], points: Sequence[Any], repeats: 
     a cell it skipped). A measurement that raises one of :data:`MEASUREMENT_ERRORS` gets
     ``fail(name, point, message)``, its system is closed (restarted at its next measurement),
     and a system that failed 3 times in a row is skipped (``fail`` says so) for the rest.
-    Every system is closed at the end, however it ends."""
+    ``phases``: the host's phase is waited out before each measurement and probed after it
+    (:class:`HostPhases`), every system paused meanwhile (one that spins would slow the probe);
+    ``record_phase(name, point, handoff_ns)`` gets the figure of each measurement that
+    ``measure`` recorded. Every system is closed at the end, however it ends."""
     names = list(systems)
     failures_in_row = dict.fromkeys(names, 0)
     try:
@@ -265,6 +269,7 @@ def run_interleaved(systems: Mapping[str, Any], points: Sequence[Any], repeats: 
                         fail(name, point, "skipped after 3 failures in a row")
                         continue
                     tag += 1
+                    before = phases.before() if phases else None
                     t0 = time.monotonic()
                     systems[name].resume()
                     try:
@@ -279,8 +284,13 @@ def run_interleaved(systems: Mapping[str, Any], points: Sequence[Any], repeats: 
                     finally:
                         systems[name].pause()
                     failures_in_row[name] = 0
-                    if line is not None:
-                        log(f"[{label} {rep + 1}/{repeats}] {name} {point_label(point)}: {line} ({time.monotonic() - t0:.1f} s)")
+                    if line is None:
+                        continue
+                    if phases:
+                        handoff = phases.after(before)
+                        record_phase(name, point, handoff)
+                        line += "" if handoff is None else f", cache line handoff {handoff:.0f} ns"
+                    log(f"[{label} {rep + 1}/{repeats}] {name} {point_label(point)}: {line} ({time.monotonic() - t0:.1f} s)")
     finally:
         for obj in systems.values():
             with contextlib.suppress(Exception):

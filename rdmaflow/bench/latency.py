@@ -30,7 +30,9 @@ halves (ucx_perftest: its own typical latency, no percentiles). Systems are inte
 each repeat, for each size, every system once, the order rotating each repeat; idle systems
 are SIGSTOPped. A cell is the median over ``--repeats`` repeats of the measurement medians
 (p10/p90: medians of the measurements' p10/p90). Every byte of the last message each way is
-checked in every measurement.
+checked in every measurement. Around every measurement the host's phase is probed and waited
+out as in ``bench transfer`` (:class:`rdmaflow.bench.processes.HostPhases`, ``--settle``, 5 s);
+a cell with a repeat in a slow phase is marked ``~``.
 """
 from __future__ import annotations
 
@@ -57,7 +59,16 @@ from rdmaflow.bench.harness import (
 )
 from rdmaflow.bench.perftest import run_perftest_latency
 from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
-from rdmaflow.bench.processes import BenchError, new_secret, process_env
+from rdmaflow.bench.processes import (
+    SLOW_HANDOFF,
+    BenchError,
+    HostPhases,
+    fastest_handoff,
+    new_secret,
+    process_env,
+    slow_handoff,
+    slow_phase_note,
+)
 from rdmaflow.bench.transfer_systems import WorkerPair
 
 SYSTEMS = ("rdmaflow", "ucx_perftest", "nixl", "gloo", "tensorpipe")
@@ -68,6 +79,7 @@ RATIO_PEERS = ("ucx_perftest", "gloo", "nixl")
 DEFAULT_SIZES = "8,64,1K,4K,16K,64K,256K,1M"
 DEFAULT_ITERS = 1000
 DEFAULT_REPEATS = 5
+DEFAULT_SETTLE = 5.0  # --settle
 DEFAULT_MAX_BYTES = 64 << 20
 MIN_ITERS = 10
 DEFAULT_OUT = "bench-results"
@@ -87,7 +99,7 @@ BARS: tuple[tuple[str, int, str, float], ...] = (
 CSV_COLUMNS = [
     "system", "transport", "size_bytes", "size", "one_way_us", "p10_us", "p90_us", "min_us", "max_us",
     "iqr_us", "ratio_to_ucx_perftest", "ratio_to_gloo", "repeats", "failures", "iters", "warmup", "status",
-    "values_us",
+    "values_us", "values_handoff_ns",
 ]
 
 Key = tuple[str, str, int]  # (system, transport, size)
@@ -203,14 +215,16 @@ def make_system(name: str, transport: str, *, secret: str, sizes: Sequence[int],
 
 
 def new_cell(iters: int, warmup: int) -> dict[str, Any]:
-    return {"median_us": [], "p10_us": [], "p90_us": [], "errors": [], "iters": iters, "warmup": warmup}
+    return {"median_us": [], "p10_us": [], "p90_us": [], "handoff_ns": [], "errors": [], "iters": iters,
+            "warmup": warmup}
 
 
 def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int], *, repeats: int, iters: int,
                     max_bytes: int, busy_poll: bool, timeout: float, results: dict[Key, dict[str, Any]],
-                    log: Callable[[str], None], unavailable: dict[str, str]) -> None:
+                    log: Callable[[str], None], unavailable: dict[str, str], settle: float = 0.0) -> None:
     """Fills ``results`` for one transport; see the module doc for the method. A system that
-    cannot run on this machine gets no cells, and the reason in ``unavailable``."""
+    cannot run on this machine gets no cells, and the reason in ``unavailable``. ``settle``:
+    how long to wait before a measurement for the host to leave a slow phase (``--settle``)."""
     secret = new_secret()
     if "nixl" in systems and nixl_missing():
         unavailable["nixl"] = nixl_missing()
@@ -232,7 +246,11 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
     def fail(name: str, size: int, msg: str) -> None:
         results[(name, transport, size)]["errors"].append(msg)
 
-    run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size)
+    def record_phase(name: str, size: int, handoff: float | None) -> None:
+        results[(name, transport, size)]["handoff_ns"].append(handoff)
+
+    run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size,
+                    phases=HostPhases(settle), record_phase=record_phase)
 
 
 # ------------------------------------------------------------------------------------------
@@ -260,6 +278,7 @@ def format_table(results: Mapping[Key, dict[str, Any]], transport: str, systems:
     peers = [p for p in RATIO_PEERS if p in systems and p != REFERENCE]
     head = ["size", *systems, *(f"{REFERENCE}/{p}" for p in peers if REFERENCE in systems)]
     rows, notes = [], {}
+    fastest, slow = fastest_handoff(results.values()), False
     for size in sizes:
         row = [format_size(size)]
         for s in systems:
@@ -272,14 +291,17 @@ def format_table(results: Mapping[Key, dict[str, Any]], transport: str, systems:
                 continue
             lo, hi = median_of(results, (s, transport, size), "p10_us"), median_of(results, (s, transport, size),
                                                                                    "p90_us")
+            marked = slow_handoff(cell, fastest)
+            slow |= marked
             row.append(fmt_us(med) + (f" ({fmt_us(lo)}-{fmt_us(hi)})" if lo is not None else "")
-                       + ("*" if cell["errors"] else ""))
+                       + ("*" if cell["errors"] else "") + ("~" if marked else ""))
         if REFERENCE in systems:
             row += ["-" if (x := ratio(results, transport, size, REFERENCE, p)) is None else f"{x:.2f}" for p in peers]
         rows.append(row)
     title = (f"## transport {transport}: one-way latency, us: median (p10-p90) over round trips, median of "
              f"{repeats} interleaved repeats; ratios of the medians (below 1: rdmaflow is faster)")
     lines = [title, *text_table(head, rows)]
+    lines += [slow_phase_note(fastest)] if slow else []
     lines += [f"* {s}: failed: {msg}" for s, msg in notes.items()]
     lines += [f"{s}: not measured: {why}" for s, why in unavailable.items() if s in systems]
     return "\n".join(lines)
@@ -319,6 +341,7 @@ def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
             "repeats": len(cell["median_us"]), "failures": len(cell["errors"]), "iters": cell["iters"],
             "warmup": cell["warmup"], "status": cell_status(cell, "median_us"),
             "values_us": " ".join(f"{v:.4g}" for v in cell["median_us"]),
+            "values_handoff_ns": " ".join("-" if h is None else f"{h:.0f}" for h in cell["handoff_ns"]),
         })
     return rows
 
@@ -378,6 +401,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--busy-poll", action="store_true",
                     help="rdmaflow devices busy-poll instead of sleeping on the wakeup fd")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound on one measurement, seconds (default 60)")
+    ap.add_argument("--settle", type=float, default=DEFAULT_SETTLE,
+                    help=f"before each measurement, wait up to this many seconds for a cache line's handoff "
+                         f"between the cpus to come within {SLOW_HANDOFF:g}x of the fastest seen: the host out "
+                         f"of a slow phase (default {DEFAULT_SETTLE:g}; 0: no wait)")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"directory for {CSV_NAME} and {PNG_NAME} (default {DEFAULT_OUT}/)")
     ap.add_argument("--profile", action="store_true",
                     help="instead: where the time of one rdmaflow transfer goes (rdmaflow.bench.latency_profile)")
@@ -394,6 +421,8 @@ def run(args: argparse.Namespace) -> int:
         max_bytes = parse_size(args.max_bytes)
         if args.repeats < 1 or args.iters < 1:
             raise ValueError("--repeats and --iters must be >= 1")
+        if not 0 <= args.settle <= 600:
+            raise ValueError(f"--settle must be between 0 and 600 seconds, got {args.settle:g}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -406,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
 
     header = (f"rdmaflow {rdmaflow.__version__} bench latency: UCX {rdmaflow.ucx_version()}, {os.cpu_count()} CPUs, "
               f"sizes {','.join(format_size(s) for s in sizes)}, {args.repeats} repeats, up to {args.iters} round "
-              f"trips per measurement")
+              f"trips per measurement, settle {args.settle:g} s")
     print(header, flush=True)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
     results: dict[Key, dict[str, Any]] = {}
@@ -418,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
     def run_one(t: str) -> None:
         bench_transport(t, systems, sizes, repeats=args.repeats, iters=args.iters, max_bytes=max_bytes,
                         busy_poll=args.busy_poll, timeout=args.timeout, results=results, log=log,
-                        unavailable=unavailable)
+                        unavailable=unavailable, settle=args.settle)
 
     def table(t: str) -> str:
         return format_table(results, t, systems, sizes, args.repeats, unavailable)

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from rdmaflow._core import cache_line_handoff_ns
@@ -374,6 +374,67 @@ def handoff_ns(seconds: float = 0.02) -> float | None:
         return cache_line_handoff_ns(cpus[0], cpus[1], seconds)
     except RdmaflowError:
         return None
+
+
+class HostPhases:
+    """The host's phases around a benchmark's measurements, as :func:`handoff_ns` shows them.
+
+    ``before()``: probes until the handoff is within :data:`SLOW_HANDOFF` of the fastest this
+    object has seen, or ``settle`` seconds have passed, idle ``step`` seconds between probes
+    (an idle vCPU is one the host may place elsewhere); returns the last figure. A wait that
+    runs out is not repeated until a probe finds the host fast again, so that a phase longer
+    than ``settle`` costs one wait, not one per measurement.
+    ``after(before)``: probes again and returns the measurement's figure, the slower of the two
+    (None where the probe cannot run). Blocking; one thread."""
+
+    def __init__(self, settle: float, probe: Callable[[], float | None] = handoff_ns, step: float = 0.2) -> None:
+        self.settle, self.probe, self.step = settle, probe, step
+        self.fastest: float | None = None
+        self.waited_out = False  # the last wait ran out and no probe since found the host fast
+
+    def _probe(self) -> float | None:
+        h = self.probe()
+        if h is not None and (self.fastest is None or h < self.fastest):
+            self.fastest = h
+        return h
+
+    def _slow(self, h: float | None) -> bool:
+        return h is not None and self.fastest is not None and h >= SLOW_HANDOFF * self.fastest
+
+    def before(self) -> float | None:
+        h = self._probe()
+        if self.waited_out:
+            self.waited_out = self._slow(h)
+            return h
+        end = time.monotonic() + self.settle
+        while self._slow(h) and time.monotonic() < end:
+            time.sleep(self.step)
+            h = self._probe()
+        self.waited_out = self._slow(h)
+        return h
+
+    def after(self, before: float | None) -> float | None:
+        probes = [h for h in (before, self._probe()) if h is not None]
+        return max(probes) if probes else None
+
+
+def fastest_handoff(cells: Iterable[Mapping[str, Any]]) -> float | None:
+    """The fastest handoff (ns) recorded in ``cells`` (their ``handoff_ns`` lists); None if none."""
+    probed = [h for cell in cells for h in cell.get("handoff_ns", []) if h is not None]
+    return min(probed) if probed else None
+
+
+def slow_handoff(cell: Mapping[str, Any], fastest: float | None) -> bool:
+    """Whether a repeat of ``cell`` ran in a slow phase of the host: its handoff
+    :data:`SLOW_HANDOFF` times ``fastest`` or more."""
+    return fastest is not None and any(
+        h is not None and h >= SLOW_HANDOFF * fastest for h in cell.get("handoff_ns", []))
+
+
+def slow_phase_note(fastest: float | None) -> str:
+    """The footnote of a table whose cells :func:`slow_handoff` marked ``~``."""
+    return (f"~ a repeat ran while a cache line took {SLOW_HANDOFF:g}x the run's fastest handoff "
+            f"({fastest or 0:.0f} ns) or more between the cpus: a slow phase of the host")
 
 
 class BackgroundMeter:

@@ -128,7 +128,7 @@ from rdmaflow.bench.harness import (
     write_csv,
     write_json,
 )
-from rdmaflow.bench.processes import SLOW_HANDOFF, BenchError, handoff_ns, new_secret
+from rdmaflow.bench.processes import SLOW_HANDOFF, BenchError, HostPhases, handoff_ns, new_secret
 from rdmaflow.bench.transfer_report import (
     CSV_COLUMNS,
     CUDA_TRANSPORT,
@@ -243,47 +243,28 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                     "warmup": warmup_of(count), "window": window_of(size, window, max_inflight),
                     "seconds": 0.0})
 
-        seen: list[float] = []  # every handoff probed on this transport
-
-        def probe() -> float | None:
-            h = handoff_ns()
-            if h is not None:
-                seen.append(h)
-            return h
-
-        def settled() -> float | None:
-            """The handoff before a measurement, once it is within SLOW_HANDOFF of the fastest seen
-            or ``settle`` seconds have passed; idle in between (an idle vCPU is one the host may
-            place elsewhere)."""
-            h, end = probe(), time.monotonic() + settle
-            while h is not None and h >= SLOW_HANDOFF * min(seen) and time.monotonic() < end:
-                time.sleep(SETTLE_STEP)
-                h = probe()
-            return h
-
         def measure(name: str, size: int, tag: int) -> str | None:
             cell = results[(name, transport, size)]
             if len(cell["gb_per_s"]) >= MIN_REPEATS and cell["seconds"] >= cell_budget:
                 return None  # a slow cell (gRPC at 1G): MIN_REPEATS repeats are enough
             count = iterations(size, target_bytes, min_iters, max_iters)
-            before = settled()
             t0 = time.monotonic()
             m = objs[name].measure(size, count, warmup_of(count), window_of(size, window, max_inflight),
                                    measurement_timeout(size, count, timeout, MIN_RATE[device]), tag)
             cell["seconds"] += time.monotonic() - t0
-            # The host's state around the measurement: the slower of the probes before and after.
-            probes = [h for h in (before, probe()) if h is not None]
             cell["gb_per_s"].append(m["gb_per_s"])
-            cell["handoff_ns"].append(max(probes) if probes else None)
             if m["p50_us"] is not None:
                 cell["p50_us"].append(m["p50_us"])
-            return (f"{m['gb_per_s']:.3f} GB/s" + ("" if m["p50_us"] is None else f", p50 {m['p50_us']:.1f} us")
-                    + (f", cache line handoff {max(probes):.0f} ns" if probes else ""))
+            return f"{m['gb_per_s']:.3f} GB/s" + ("" if m["p50_us"] is None else f", p50 {m['p50_us']:.1f} us")
 
         def fail(name: str, size: int, msg: str) -> None:
             results[(name, transport, size)]["errors"].append(msg)
 
-        run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size)
+        def record_phase(name: str, size: int, handoff: float | None) -> None:
+            results[(name, transport, size)]["handoff_ns"].append(handoff)
+
+        run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size,
+                        phases=HostPhases(settle, probe=handoff_ns, step=SETTLE_STEP), record_phase=record_phase)
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from rdmaflow.bench.harness import cell_status, format_size, median_ratio, summarize, text_table, verdict
 from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
-from rdmaflow.bench.processes import SLOW_HANDOFF
+from rdmaflow.bench.processes import fastest_handoff, slow_handoff, slow_phase_note
 from rdmaflow.bench.transfer_systems import transport_env
 
 Key = tuple[str, str, int]  # (system, transport, size)
@@ -59,19 +59,6 @@ CSV_COLUMNS = [
 ]
 
 
-def fastest_handoff(results: Mapping[Key, dict[str, Any]]) -> float | None:
-    """The run's fastest cache line handoff (ns) over every measurement; None if none was probed."""
-    probed = [h for cell in results.values() for h in cell.get("handoff_ns", []) if h is not None]
-    return min(probed) if probed else None
-
-
-def slow_handoff(cell: Mapping[str, Any], fastest: float | None) -> bool:
-    """Whether a repeat of ``cell`` ran while the host handed lines between the cpus slowly."""
-    return fastest is not None and any(
-        h is not None and h >= SLOW_HANDOFF * fastest for h in cell.get("handoff_ns", []))
-
-
-
 def cell_summary(cell: dict[str, Any] | None) -> dict[str, Any] | None:
     if not cell or not cell["gb_per_s"]:
         return None
@@ -106,7 +93,7 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
     ]
     width = 17
     short = slow = False
-    fastest = fastest_handoff(results)
+    fastest = fastest_handoff(results.values())
     head = f"{'size':>6} " + " ".join(f"{s:>{width}}" for s in systems)
     lines += [head, "-" * len(head)]
     notes: dict[str, str] = {}
@@ -145,8 +132,7 @@ def format_tables(results: Mapping[Key, dict[str, Any]], transport: str, systems
     if short:
         lines.append(f"^ fewer repeats: the cell used up --cell-budget after {MIN_REPEATS}")
     if slow:
-        lines.append(f"~ a repeat ran while a cache line took {SLOW_HANDOFF:g}x the run's fastest handoff "
-                     f"({fastest:.0f} ns) or more between the cpus: a slow phase of the host")
+        lines.append(slow_phase_note(fastest))
     for s, msg in notes.items():
         lines.append(f"* {s}: failed: {msg}")
     ratio_lines = format_ratios(results, transport, systems, sizes)
