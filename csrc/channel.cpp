@@ -460,8 +460,8 @@ void Channel::post_ready_words(ProgressThread* t, bool now) {
       ucp_worker_fence(t->handle());  // behind its data and the words before it
       if (!path.same_host(t, word)) path.ucx(t, word);
     } else if (!path.same_host(t, word)) {
-      // seq_cst, before rkey_for reads revocations_: a test that takes a revocation in and
-      // then finds this count unmoved knows the word will fail (tests/test_device_errors.py).
+      // seq_cst, and before rkey_for reads revocations_: whoever has seen the revocation taken
+      // in and then finds this count unmoved knows that the word will not be put.
       if (d.data) t->device()->flushed_words_.fetch_add(1);
       path.ucx(t, word);  // its data and every earlier word are visible: no fence needed
     }
@@ -543,13 +543,13 @@ ucp_rkey_h Channel::rkey_for(const RemoteRegion& r) {
   // answer_revoke's drop_rkey, queued to this thread, would come later than the revocation
   // itself: the rkeys of regions revoked since the last look go as soon as it moves, so that
   // nothing is posted to a region once this device has taken its revocation in.
-  Device* owner = thread_->device();
-  const uint64_t revocations = owner->revocations_.load();
+  Device* device = thread_->device();
+  const uint64_t revocations = device->revocations_.load();
   if (revocations != seen_revocations_) {
     seen_revocations_ = revocations;
     std::vector<uint64_t> gone;
     for (auto& kv : rkeys_)
-      if (owner->revoked(peer_->uuid, kv.first)) gone.push_back(kv.first);
+      if (device->revoked(peer_->uuid, kv.first)) gone.push_back(kv.first);
     for (uint64_t id : gone) drop_rkey(id);
   }
   auto it = rkeys_.find(r.region_id);

@@ -1,8 +1,8 @@
-"""The processes a benchmark starts, and how busy the rest of the machine was meanwhile: job
-secrets, free ports, parent-death, a transport's environment, :class:`ChildProcess` (a peer
-speaking JSON lines, with bounded reads) and :class:`BackgroundMeter`.
-
-Standard library only, so the tools built on it run without the C++ extension.
+"""The processes a benchmark starts, and the state of the machine they run on: job secrets,
+free ports, parent-death, a transport's environment, :class:`ChildProcess` (a peer speaking
+JSON lines, with bounded reads), :class:`HostPhases` (the host's phases as a cache line's
+handoff between the cpus shows them) and :class:`BackgroundMeter` (how busy the rest of the
+machine was meanwhile).
 """
 from __future__ import annotations
 
