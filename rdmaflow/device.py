@@ -119,6 +119,14 @@ def tcp_congestion_of(tcp_congestion: str | None = None) -> str:
     return _core.tcp_congestion_of(_tcp_congestion(tcp_congestion))
 
 
+def cache_line_handoff_ns(cpu_a: int, cpu_b: int, seconds: float) -> float:
+    """Nanoseconds one cache line takes to move between two cpus, averaged over ``seconds`` of
+    two threads pinned to them handing it back and forth (the benchmarks' probe for the host's
+    phases, :class:`rdmaflow.bench.processes.HostPhases`). Blocks for about ``seconds``;
+    :class:`InvalidArgumentError` for a cpu this process may not run on."""
+    return _core.cache_line_handoff_ns(cpu_a, cpu_b, seconds)
+
+
 class Device(_core.Device):
     """An RDMA device listening on ``endpoint`` (``host:port``; port 0 picks one).
 

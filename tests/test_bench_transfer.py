@@ -181,10 +181,9 @@ def test_a_measurement_waits_bounded_for_the_host_to_leave_a_slow_phase(monkeypa
 
 
 def test_the_cache_line_probe_measures_and_refuses_bad_cpus():
-    from rdmaflow._core import cache_line_handoff_ns
-
     from rdmaflow import InvalidArgumentError
     from rdmaflow.bench.processes import handoff_ns
+    from rdmaflow.device import cache_line_handoff_ns
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:

@@ -20,9 +20,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow._core import cache_line_handoff_ns
 from rdmaflow._ucx import ucx_env
-from rdmaflow.device import tcp_congestion_of
+from rdmaflow.device import cache_line_handoff_ns, tcp_congestion_of
 from rdmaflow.errors import RdmaflowError
 
 # ------------------------------------------------------------------------------------------
@@ -362,7 +361,7 @@ SLOW_HANDOFF = 2.0
 
 def handoff_ns(seconds: float = 0.02) -> float | None:
     """Nanoseconds a cache line takes to move between the first two cpus this process may run
-    on (:func:`rdmaflow._core.cache_line_handoff_ns`, two threads spinning for ``seconds``);
+    on (:func:`rdmaflow.device.cache_line_handoff_ns`, two threads spinning for ``seconds``);
     None with fewer than two cpus or where the threads cannot be pinned. Under a hypervisor
     this moves with where the host runs the vCPUs: a few times higher while they sit on
     different dies, and so is the time of every copy that hands lines from one process to the
