@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import processes_with_env as _processes_with_env
 
-from rdmaflow.bench import transfer
+from rdmaflow.bench import processes, transfer
 from rdmaflow.bench.harness import write_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +137,7 @@ def test_a_cell_measured_while_the_host_handed_lines_slowly_is_marked(monkeypatc
     at twice the run's fastest handoff or more is marked, and the CSV keeps every repeat's."""
     monkeypatch.setattr(transfer, "make_system", lambda name, transport, **kw: _Fake(name, transport, 2.0))
     probes = iter([30.0, 31.0, 165.0, 29.0] + [30.0] * 100)  # before/after: gloo's first repeat is slow
-    monkeypatch.setattr(transfer, "handoff_ns", lambda: next(probes))
+    monkeypatch.setattr(processes, "handoff_ns", lambda: next(probes))
     results = {}
     sizes = [1 << 20]
     transfer.bench_transport("tcp", ["rdmaflow-zerocopy", "gloo"], sizes, repeats=2, target_bytes=1 << 20,
@@ -157,10 +157,10 @@ def test_a_measurement_waits_bounded_for_the_host_to_leave_a_slow_phase(monkeypa
     """--settle: before a measurement the probe repeats (idle in between) until the handoff is
     within 2x of the fastest seen, or the time is up; either way the measurement runs."""
     monkeypatch.setattr(transfer, "make_system", lambda name, transport, **kw: _Fake(name, transport, 2.0))
-    monkeypatch.setattr(transfer, "SETTLE_STEP", 0.0)
+    monkeypatch.setattr(processes, "SETTLE_STEP", 0.0)
     probes = iter([30.0, 30.0, 170.0, 165.0, 31.0, 32.0])
     calls = []
-    monkeypatch.setattr(transfer, "handoff_ns", lambda: calls.append(1) or next(probes, 170.0))
+    monkeypatch.setattr(processes, "handoff_ns", lambda: calls.append(1) or next(probes, 170.0))
     results = {}
     kw = {"target_bytes": 1 << 20, "min_iters": 1, "max_iters": 4, "window": 2, "max_inflight": 1 << 30,
           "busy_poll": False, "timeout": 5, "torch_threads": 1, "results": results, "log": lambda s: None}

@@ -38,7 +38,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from rdmaflow.bench.processes import BackgroundMeter, BenchError, HostPhases, format_background
+from rdmaflow.bench.processes import (
+    DEFAULT_SETTLE,
+    SLOW_HANDOFF,
+    BackgroundMeter,
+    BenchError,
+    HostPhases,
+    format_background,
+)
 
 # ------------------------------------------------------------------------------------------
 # Sizes
@@ -59,6 +66,15 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"invalid size {text!r}: expected an integer with an optional "
                          "K/M/G/T suffix (powers of 1024), e.g. 64K, 1M, 123")
     return int(m.group(1)) << (10 * _SIZE_UNITS[m.group(2).upper()])
+
+
+def add_settle_argument(ap: Any, default: float | None = DEFAULT_SETTLE, default_text: str = "") -> None:
+    """``--settle SECONDS`` (:class:`HostPhases`); ``default_text`` says the default where it is
+    not ``default`` alone (None: the benchmark picks it)."""
+    ap.add_argument("--settle", type=float, default=default,
+                    help=f"before each measurement, wait up to this many seconds for a cache line's handoff "
+                         f"between the cpus to come within {SLOW_HANDOFF:g}x of the fastest seen: the host "
+                         f"out of a slow phase (default {default_text or f'{DEFAULT_SETTLE:g}'}; 0: no wait)")
 
 
 def parse_sizes(text: str) -> list[int]:

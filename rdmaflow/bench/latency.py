@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rdmaflow.bench.harness import (
+    add_settle_argument,
     cell_status,
     for_each_transport,
     format_size,
@@ -60,10 +61,11 @@ from rdmaflow.bench.harness import (
 from rdmaflow.bench.perftest import run_perftest_latency
 from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
 from rdmaflow.bench.processes import (
-    SLOW_HANDOFF,
     BenchError,
     HostPhases,
+    check_settle,
     fastest_handoff,
+    handoff_values,
     new_secret,
     process_env,
     slow_handoff,
@@ -79,7 +81,6 @@ RATIO_PEERS = ("ucx_perftest", "gloo", "nixl")
 DEFAULT_SIZES = "8,64,1K,4K,16K,64K,256K,1M"
 DEFAULT_ITERS = 1000
 DEFAULT_REPEATS = 5
-DEFAULT_SETTLE = 5.0  # --settle
 DEFAULT_MAX_BYTES = 64 << 20
 MIN_ITERS = 10
 DEFAULT_OUT = "bench-results"
@@ -341,7 +342,7 @@ def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
             "repeats": len(cell["median_us"]), "failures": len(cell["errors"]), "iters": cell["iters"],
             "warmup": cell["warmup"], "status": cell_status(cell, "median_us"),
             "values_us": " ".join(f"{v:.4g}" for v in cell["median_us"]),
-            "values_handoff_ns": " ".join("-" if h is None else f"{h:.0f}" for h in cell["handoff_ns"]),
+            "values_handoff_ns": handoff_values(cell),
         })
     return rows
 
@@ -401,10 +402,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--busy-poll", action="store_true",
                     help="rdmaflow devices busy-poll instead of sleeping on the wakeup fd")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound on one measurement, seconds (default 60)")
-    ap.add_argument("--settle", type=float, default=DEFAULT_SETTLE,
-                    help=f"before each measurement, wait up to this many seconds for a cache line's handoff "
-                         f"between the cpus to come within {SLOW_HANDOFF:g}x of the fastest seen: the host out "
-                         f"of a slow phase (default {DEFAULT_SETTLE:g}; 0: no wait)")
+    add_settle_argument(ap)
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"directory for {CSV_NAME} and {PNG_NAME} (default {DEFAULT_OUT}/)")
     ap.add_argument("--profile", action="store_true",
                     help="instead: where the time of one rdmaflow transfer goes (rdmaflow.bench.latency_profile)")
@@ -421,8 +419,7 @@ def run(args: argparse.Namespace) -> int:
         max_bytes = parse_size(args.max_bytes)
         if args.repeats < 1 or args.iters < 1:
             raise ValueError("--repeats and --iters must be >= 1")
-        if not 0 <= args.settle <= 600:
-            raise ValueError(f"--settle must be between 0 and 600 seconds, got {args.settle:g}")
+        check_settle(args.settle)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

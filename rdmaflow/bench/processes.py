@@ -357,6 +357,11 @@ def rdmaflow_tcp_congestion() -> str:
 
 # A handoff this many times the fastest seen in a run, or more: the host is in a slow phase.
 SLOW_HANDOFF = 2.0
+# --settle: the default wait for a slow phase to pass, its bound, and the idle pause between probes
+# (seconds).
+DEFAULT_SETTLE = 5.0
+MAX_SETTLE = 600.0
+SETTLE_STEP = 0.2
 
 
 def handoff_ns(seconds: float = 0.02) -> float | None:
@@ -386,8 +391,11 @@ class HostPhases:
     ``after(before)``: probes again and returns the measurement's figure, the slower of the two
     (None where the probe cannot run). Blocking; one thread."""
 
-    def __init__(self, settle: float, probe: Callable[[], float | None] = handoff_ns, step: float = 0.2) -> None:
-        self.settle, self.probe, self.step = settle, probe, step
+    def __init__(self, settle: float, probe: Callable[[], float | None] | None = None,
+                 step: float | None = None) -> None:
+        self.settle = settle
+        self.probe = probe or handoff_ns
+        self.step = SETTLE_STEP if step is None else step
         self.fastest: float | None = None
         self.waited_out = False  # the last wait ran out and no probe since found the host fast
 
@@ -415,6 +423,18 @@ class HostPhases:
     def after(self, before: float | None) -> float | None:
         probes = [h for h in (before, self._probe()) if h is not None]
         return max(probes) if probes else None
+
+
+def check_settle(seconds: float) -> float:
+    """``--settle``'s value; ValueError unless it is between 0 and :data:`MAX_SETTLE`."""
+    if not 0 <= seconds <= MAX_SETTLE:
+        raise ValueError(f"--settle must be between 0 and {MAX_SETTLE:g} seconds, got {seconds:g}")
+    return seconds
+
+
+def handoff_values(cell: Mapping[str, Any]) -> str:
+    """A cell's handoff per repeat for a CSV (``values_handoff_ns``): "-" where none was probed."""
+    return " ".join("-" if h is None else f"{h:.0f}" for h in cell.get("handoff_ns", []))
 
 
 def fastest_handoff(cells: Iterable[Mapping[str, Any]]) -> float | None:

@@ -120,6 +120,7 @@ from typing import Any
 
 from rdmaflow.bench._transfer_worker import CONSUME_MODES
 from rdmaflow.bench.harness import (
+    add_settle_argument,
     for_each_transport,
     format_size,
     parse_size,
@@ -128,7 +129,7 @@ from rdmaflow.bench.harness import (
     write_csv,
     write_json,
 )
-from rdmaflow.bench.processes import SLOW_HANDOFF, BenchError, HostPhases, handoff_ns, new_secret
+from rdmaflow.bench.processes import DEFAULT_SETTLE, BenchError, HostPhases, check_settle, new_secret
 from rdmaflow.bench.transfer_report import (
     CSV_COLUMNS,
     CUDA_TRANSPORT,
@@ -187,9 +188,6 @@ DEFAULT_OUT = "bench-results"
 OUT_NAME = {"cpu": "transfer", "cuda": "transfer-cuda"}
 CSV_NAME = "transfer.csv"
 PNG_NAME = "transfer.png"
-#: --settle's default, and the idle pause between its probes (seconds).
-DEFAULT_SETTLE = 5.0
-SETTLE_STEP = 0.2
 #: A cell (system, transport, size) that has used --cell-budget seconds stops at this many repeats.
 DEFAULT_CELL_BUDGET = 60.0
 
@@ -264,7 +262,7 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
             results[(name, transport, size)]["handoff_ns"].append(handoff)
 
         run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size,
-                        phases=HostPhases(settle, probe=handoff_ns, step=SETTLE_STEP), record_phase=record_phase)
+                        phases=HostPhases(settle), record_phase=record_phase)
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
 
@@ -330,10 +328,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-iters", type=int, default=None,
                     help=f"most timed transfers per measurement (default {DEFAULT_MAX_ITERS}; "
                          f"--quick: {QUICK_MAX_ITERS})")
-    ap.add_argument("--settle", type=float, default=None,
-                    help=f"before each measurement, wait up to this many seconds for a cache line's "
-                         f"handoff between the cpus to come within {SLOW_HANDOFF:g}x of the fastest seen: "
-                         f"the host out of a slow phase (default {DEFAULT_SETTLE:g}; --quick: 0, no wait)")
+    add_settle_argument(ap, None, f"{DEFAULT_SETTLE:g}; --quick: 0")
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                     help=f"transfers in flight in every system (default {DEFAULT_WINDOW})")
     ap.add_argument("--max-inflight-bytes", default="1G",
@@ -400,10 +395,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_inflight": parse_size(args.max_inflight_bytes),
         "timeout": args.timeout or (CUDA_TIMEOUT if cuda else DEFAULT_TIMEOUT),
         "window": args.window, "consume": consume,
-        "settle": args.settle if args.settle is not None else 0.0 if args.quick else DEFAULT_SETTLE,
+        "settle": check_settle(args.settle if args.settle is not None else 0.0 if args.quick else DEFAULT_SETTLE),
     }
-    if not 0 <= out["settle"] <= 600:
-        raise ValueError(f"--settle must be between 0 and 600 seconds, got {out['settle']:g}")
     if out["repeats"] < 1 or args.window < 1 or out["min_iters"] < 1 or out["max_iters"] < out["min_iters"]:
         raise ValueError("--repeats, --window, --min-iters must be >= 1 and --max-iters >= --min-iters")
     return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from rdmaflow.bench.harness import cell_status, format_size, median_ratio, summarize, text_table, verdict
 from rdmaflow.bench.plots import pyplot, save_figure, size_axis, style
-from rdmaflow.bench.processes import fastest_handoff, slow_handoff, slow_phase_note
+from rdmaflow.bench.processes import fastest_handoff, handoff_values, slow_handoff, slow_phase_note
 from rdmaflow.bench.transfer_systems import transport_env
 
 Key = tuple[str, str, int]  # (system, transport, size)
@@ -216,7 +216,7 @@ def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
             "iters": cell["iters"], "warmup": cell["warmup"], "window": cell["window"],
             "status": cell_status(cell, "gb_per_s"),
             "values_gb_per_s": " ".join(f"{v:.4f}" for v in cell["gb_per_s"]),
-            "values_handoff_ns": " ".join("-" if h is None else f"{h:.0f}" for h in cell.get("handoff_ns", [])),
+            "values_handoff_ns": handoff_values(cell),
         })
     return rows
 
