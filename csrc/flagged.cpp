@@ -43,25 +43,20 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
       !ch->flagged_by_message_)
     return false;
   const RemoteRegion& r = *word->remote;
-  Op* lead = data ? data : word;  // the op whose buffer the sends read: the data's, or the word's
-  const size_t parts = std::max<size_t>(1, (n + kFlaggedPartBytes - 1) / kFlaggedPartBytes);
-  // The write's ops complete together when its last part has left: the handler applies data and
+  Op* lead = data ? data : word;  // the op whose buffer the send reads: the data's, or the word's
+  // The write's ops complete together when the message has left: the handler applies data and
   // word in order, so no flush is needed for the word's order, and waiting for one would cost a
   // request/reply through the peer's progress per message (docs/transfer.md, "Completion").
   struct Group {
     ProgressThread* t;
     Op* ops[3];
-    size_t left;
-    ucs_status_t st = UCS_OK;
-    void note(ucs_status_t s) {
-      if (s != UCS_OK && st == UCS_OK) st = s;
-      if (--left > 0) return;
+    void note(ucs_status_t st) {
       for (Op* op : ops)
         if (op) t->op_note(op, st);
       delete this;
     }
   };
-  auto* g = new Group{t, {data, word, rider ? rider->op : nullptr}, parts};
+  auto* g = new Group{t, {data, word, rider ? rider->op : nullptr}};
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -70,8 +65,9 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
     ucp_request_free(req);
   };
   p.user_data = g;
-  // Eager: each message fits one UCX tcp segment (kFlaggedSegSize); rendezvous would add a round
-  // trip of its own.
+  // Eager: the message fits one UCX tcp segment (kFlaggedSegSize); rendezvous would add a round
+  // trip of its own. One message, not several smaller ones: each costs the sender a sendmsg and
+  // the receiver a pass of its handler (docs/benchmarks.md).
   p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
   if (lead->local->memh_) {
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
@@ -82,24 +78,19 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
   ++ch->am_unflushed_;
   t->device()->message_writes_.fetch_add(1, std::memory_order_relaxed);
   const char* laddr = reinterpret_cast<const char*>(lead->local->addr_) + local_off;
-  FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, 0, word_remote_off, value, parts, 0, 0, 0, 0};
+  FlaggedHeader h{kFlaggedMagic, r.region_id, r.addr, remote_off, word_remote_off, value, 0, 0, 0, 0};
   if (rider) {
     h.rider_region_id = rider->rider.remote->region_id;
     h.rider_region_addr = rider->rider.remote->addr;
     h.rider_off = rider->rider.remote_off;
     h.rider_value = rider->rider.value;
   }
-  for (size_t i = 0; i < parts; ++i) {
-    const size_t off = i * kFlaggedPartBytes, len = std::min(kFlaggedPartBytes, n - off);
-    h.data_off = remote_off + off;
-    ucs_status_ptr_t sp = ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h,
-                                          const_cast<char*>(laddr + off), len, &p);
-    if (UCS_PTR_IS_ERR(sp)) {  // parts already sent complete on their own; these never will
-      for (size_t j = i; j < parts; ++j) g->note(UCS_PTR_STATUS(sp));
-      break;
-    }
-    if (sp == nullptr) g->note(UCS_OK);
-  }
+  ucs_status_ptr_t sp =
+      ucp_am_send_nbx(ch->ep_, kFlaggedAmId, &h, sizeof h, const_cast<char*>(laddr), n, &p);
+  if (UCS_PTR_IS_ERR(sp))
+    g->note(UCS_PTR_STATUS(sp));
+  else if (sp == nullptr)
+    g->note(UCS_OK);
   return true;
 }
 
@@ -133,21 +124,13 @@ ucs_status_t Device::flagged_cb(void* arg, const void* header, size_t header_len
     }
   }
   size_t len = r ? r->length_ : 0;
-  if (h.magic != kFlaggedMagic || h.parts == 0 || h.parts > kFlaggedMaxBytes / kFlaggedPartBytes ||
-      !r || r->freed() || r->addr_ != h.region_addr ||
+  if (h.magic != kFlaggedMagic || !r || r->freed() || r->addr_ != h.region_addr ||
       h.data_off > len || length > len - h.data_off || !word_inside(*r, h.word_off)) {
     d->dropped_writes_.fetch_add(1, std::memory_order_relaxed);
     return UCS_OK;
   }
   char* base = reinterpret_cast<char*>(r->addr_);
   if (length) std::memcpy(base + h.data_off, data, length);
-  if (h.parts > 1) {  // the word waits for the write's last part, whichever that is
-    std::lock_guard<std::mutex> lk(d->parts_m_);
-    auto key = std::make_tuple(h.region_id, h.word_off, h.value);
-    uint64_t seen = ++d->parts_seen_[key];
-    if (seen < h.parts) return UCS_OK;
-    d->parts_seen_.erase(key);
-  }
   // The rider first: a peer that sees the word sees the rider too (a reply's flag and the
   // credit it hands back arrive together).
   if (h.rider_region_id) {

@@ -602,10 +602,6 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<uint64_t> next_rpc_{1};
   std::atomic<uint64_t> mapped_ops_{0}, ucx_ops_{0}, message_writes_{0}, dropped_writes_{0};
   std::atomic<uint64_t> flushed_words_{0}, stream_words_{0}, carried_posts_{0}, striped_writes_{0};
-  // flagged.cpp: the parts applied so far of flagged writes sent as several messages, by
-  // (region id, word offset, value); an entry goes when its last part stores the word.
-  std::mutex parts_m_;
-  std::map<std::tuple<uint64_t, uint64_t, uint64_t>, uint64_t> parts_seen_;
   bool map_enabled_ = false;
   TcpCongestion tcp_cc_;
   std::unique_ptr<CopyPool> copier_;

@@ -34,14 +34,14 @@ constexpr uint16_t kDescCuda = 2;    // descriptor flag: GPU memory; the CUDA or
 constexpr size_t kMaxCtrlPayload = 1 << 20;
 
 constexpr uint16_t kFlaggedAmId = 0x5247;  // "RG"
-constexpr size_t kFlaggedPartBytes = size_t(64) << 10;  // the data one message carries at most
-constexpr size_t kFlaggedMaxBytes = size_t(256) << 10;  // larger flagged writes take the put path
-constexpr const char* kFlaggedSegSize = "72k";      // UCX tcp segment that holds one message
-constexpr uint64_t kFlaggedMagic = 0x33574752;  // "RGW3"
+// The data one flagged write's message carries at most; larger flagged writes take the put path.
+constexpr size_t kFlaggedMaxBytes = size_t(256) << 10;
+// UCX tcp segment, both ways, that holds one message and its headers: UCX sends an eager
+// message of more than a segment as fragments that its receiver puts together with a copy.
+constexpr const char* kFlaggedSegSize = "264k";
+constexpr uint64_t kFlaggedMagic = 0x34574752;  // "RGW4"
 // A flagged write's message header: the payload goes to [data_off, data_off + payload length) of
-// the target's region. A write of more than kFlaggedPartBytes goes as `parts` messages, each with
-// its part of the data and the same word_off and value; the target stores `value` to the 8-byte
-// word at word_off once it has applied all `parts` of them, in whatever order they came; just
+// the target's region; then the target stores `value` to the 8-byte word at word_off; just
 // before it, the rider (when rider_region_id is not 0): rider_value to the word at rider_off of
 // that region.
 struct FlaggedHeader {
@@ -51,7 +51,6 @@ struct FlaggedHeader {
   uint64_t data_off;
   uint64_t word_off;
   uint64_t value;
-  uint64_t parts;
   uint64_t rider_region_id;  // 0: no rider (region ids start at 1)
   uint64_t rider_region_addr;
   uint64_t rider_off;
