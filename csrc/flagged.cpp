@@ -34,7 +34,7 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
                                    uint64_t value, const RiderPost* rider) {
   Channel* ch = word->ch.get();
   // Puts still in flight on this endpoint are not ordered with a message (unless the endpoint is
-  // one tcp connection): they keep the put path. Beyond kFlaggedMaxBytes the messages' extra
+  // one tcp connection): they keep the put path. Beyond kFlaggedMaxBytes the message's extra
   // copy on the target costs more than the put.
   // The handler copies with the CPU into the word's region: not for GPU data, nor for data
   // bound for another region than the word's.

@@ -364,6 +364,12 @@ MAX_SETTLE = 600.0
 SETTLE_STEP = 0.2
 
 
+def is_slow_handoff(h: float | None, fastest: float | None) -> bool:
+    """Whether a handoff of ``h`` ns shows a slow phase of the host: :data:`SLOW_HANDOFF` times
+    ``fastest`` or more (False where either is unknown)."""
+    return h is not None and fastest is not None and h >= SLOW_HANDOFF * fastest
+
+
 def handoff_ns(seconds: float = 0.02) -> float | None:
     """Nanoseconds a cache line takes to move between the first two cpus this process may run
     on (:func:`rdmaflow.device.cache_line_handoff_ns`, two threads spinning for ``seconds``);
@@ -406,7 +412,7 @@ class HostPhases:
         return h
 
     def _slow(self, h: float | None) -> bool:
-        return h is not None and self.fastest is not None and h >= SLOW_HANDOFF * self.fastest
+        return is_slow_handoff(h, self.fastest)
 
     def before(self) -> float | None:
         h = self._probe()
@@ -446,8 +452,7 @@ def fastest_handoff(cells: Iterable[Mapping[str, Any]]) -> float | None:
 def slow_handoff(cell: Mapping[str, Any], fastest: float | None) -> bool:
     """Whether a repeat of ``cell`` ran in a slow phase of the host: its handoff
     :data:`SLOW_HANDOFF` times ``fastest`` or more."""
-    return fastest is not None and any(
-        h is not None and h >= SLOW_HANDOFF * fastest for h in cell.get("handoff_ns", []))
+    return any(is_slow_handoff(h, fastest) for h in cell.get("handoff_ns", []))
 
 
 def slow_phase_note(fastest: float | None) -> str:
