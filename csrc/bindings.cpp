@@ -416,6 +416,28 @@ PYBIND11_MODULE(_core, m) {
           "write_flagged (its rider as there). Returns (code, future): (0, the write's future), "
           "or before posting anything (1 timeout, 2 peer failed, 3 receiver closed; None).")
       .def(
+          "slot_sender",
+          [](Channel& ch, uintptr_t ack_address, uint64_t closed_value,
+             const std::shared_ptr<MemRegion>& local, const std::shared_ptr<RemoteRegion>& remote,
+             int64_t nbytes, const std::vector<int64_t>& slot_offsets,
+             const std::vector<int64_t>& word_offsets, const std::vector<int64_t>& word_remote_offsets) {
+            auto offsets = [](const std::vector<int64_t>& v, const char* what) {
+              std::vector<size_t> out;
+              for (int64_t o : v) out.push_back(check_offset(o, what));
+              return out;
+            };
+            return std::make_shared<SlotSender>(
+                ch.shared_from_this(), ack_address, closed_value, local, remote,
+                check_offset(nbytes, "nbytes"), offsets(slot_offsets, "slot_offsets"),
+                offsets(word_offsets, "word_offsets"), offsets(word_remote_offsets, "word_remote_offsets"));
+          },
+          py::arg("ack_address"), py::arg("closed_value"), py::arg("local_region"),
+          py::arg("remote_region"), py::arg("nbytes"), py::arg("slot_offsets"),
+          py::arg("word_offsets"), py::arg("word_remote_offsets"),
+          "send_slot with everything but the transfer's number and source fixed (SlotSender): "
+          "one slot offset (remote_region), word offset (local_region) and remote word offset "
+          "per slot; their count is the depth.")
+      .def(
           "ack_and_receive",
           [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t ack_offset,
              const std::shared_ptr<RemoteRegion>& remote, int64_t ack_remote_offset,
@@ -462,6 +484,26 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("error", &Channel::error,
                              "Why the channel failed, as UCX or the control link said ('' while "
                              "it has not).");
+
+  py::class_<SlotSender, std::shared_ptr<SlotSender>>(
+      m, "SlotSender",
+      "A static pair's sends over UCX into host slots with all but the transfer's number and "
+      "source fixed (Channel.slot_sender). Not thread-safe.")
+      .def(
+          "send",
+          [](SlotSender& s, uint64_t k, int64_t local_offset, double timeout) {
+            size_t lo = check_offset(local_offset, "local_offset");
+            std::pair<WaitStatus, Future> r;
+            {
+              py::gil_scoped_release nogil;
+              r = s.send(k, lo, timeout);
+            }
+            return py::make_tuple(int(r.first), r.second ? py::cast(r.second) : py::none());
+          },
+          py::arg("k"), py::arg("local_offset"), py::arg("timeout"),
+          "Transfer k (>= 1) from local_offset of the local region into slot (k - 1) % depth: "
+          "Channel.send_slot's wait for ack >= k - depth (bounded by timeout), its post and its "
+          "(code, future).");
 
   py::class_<DirectWindow, std::shared_ptr<DirectWindow>>(
       m, "DirectWindow",

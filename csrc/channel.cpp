@@ -391,6 +391,33 @@ std::pair<WaitStatus, Future> Channel::send_slot(uintptr_t ack_addr, int64_t nee
                                         word_remote_off, nullptr, rider, nullptr, nullptr, true)};
 }
 
+SlotSender::SlotSender(std::shared_ptr<Channel> ch, uintptr_t ack_addr, uint64_t closed_value,
+                       std::shared_ptr<MemRegion> local, std::shared_ptr<RemoteRegion> remote,
+                       size_t nbytes, std::vector<size_t> slot_offsets,
+                       std::vector<size_t> word_offsets, std::vector<size_t> word_remote_offsets)
+    : ch_(std::move(ch)),
+      ack_addr_(ack_addr),
+      closed_value_(closed_value),
+      local_(std::move(local)),
+      remote_(std::move(remote)),
+      nbytes_(nbytes),
+      slot_at_(std::move(slot_offsets)),
+      word_at_(std::move(word_offsets)),
+      word_remote_at_(std::move(word_remote_offsets)) {
+  if (!ch_ || !local_ || !remote_ || slot_at_.empty() || word_at_.size() != slot_at_.size() ||
+      word_remote_at_.size() != slot_at_.size())
+    throw Error(ErrorKind::Invalid,
+                "a slot sender needs a channel, both regions and one slot offset, word offset and "
+                "remote word offset per slot");
+}
+
+std::pair<WaitStatus, Future> SlotSender::send(uint64_t k, size_t local_off, double timeout_s) {
+  if (k == 0 || k > uint64_t(INT64_MAX)) throw Error(ErrorKind::Invalid, "transfer numbers start at 1");
+  const size_t depth = slot_at_.size(), j = (k - 1) % depth;
+  return ch_->send_slot(ack_addr_, int64_t(k) - int64_t(depth), closed_value_, timeout_s, local_,
+                        local_off, remote_, slot_at_[j], nbytes_, word_at_[j], k, word_remote_at_[j]);
+}
+
 std::pair<WaitStatus, Future> Channel::ack_and_receive(const std::shared_ptr<MemRegion>& local,
                                                        size_t ack_local_off,
                                                        const std::shared_ptr<RemoteRegion>& remote,

@@ -457,6 +457,33 @@ class Channel : public std::enable_shared_from_this<Channel> {
   bool opened_ = false;  // under open_m_
 };
 
+// A static pair's sends over UCX into host slots (Channel::send_slot) with all but the
+// transfer's number and source fixed when the pair is made: transfer k goes into slot
+// (k - 1) % depth once the ack word says the receiver has consumed k - depth. What a send takes
+// from the caller is two integers, so a small transfer's fixed cost is not spent converting
+// the same twelve arguments every time. Not thread-safe: a pair's sends are serialized by its
+// caller.
+class SlotSender {
+ public:
+  // slot_offsets, word_offsets, word_remote_offsets: one per slot (their count is the depth).
+  SlotSender(std::shared_ptr<Channel> ch, uintptr_t ack_addr, uint64_t closed_value,
+             std::shared_ptr<MemRegion> local, std::shared_ptr<RemoteRegion> remote, size_t nbytes,
+             std::vector<size_t> slot_offsets, std::vector<size_t> word_offsets,
+             std::vector<size_t> word_remote_offsets);
+  // Transfer k (>= 1) of nbytes from local[local_off]: Channel::send_slot's wait (bounded by
+  // timeout_s), its post and its results. Blocks; throws like it.
+  std::pair<WaitStatus, Future> send(uint64_t k, size_t local_off, double timeout_s);
+
+ private:
+  std::shared_ptr<Channel> ch_;
+  uintptr_t ack_addr_;
+  uint64_t closed_value_;
+  std::shared_ptr<MemRegion> local_;
+  std::shared_ptr<RemoteRegion> remote_;
+  size_t nbytes_;
+  std::vector<size_t> slot_at_, word_at_, word_remote_at_;
+};
+
 // The RDMA device (Xue et al. §3.1). Every method may be called from any thread.
 class Device : public std::enable_shared_from_this<Device> {
  public:

@@ -50,6 +50,42 @@ def test_out_of_bounds_offsets_and_lengths(pair):
     ch.memcpy(local, 0, remote, 0, MiB, rdmaflow.WRITE).result(30)
 
 
+def test_slot_sender(pair):
+    """Channel.slot_sender: bad arguments raise, a closed ack posts nothing, and transfer k lands
+    in slot (k - 1) % depth with its word behind it."""
+    _, _, local, remote, ch = pair
+    n, slots, words = 4096, [8192, 16384], [64, 72]
+    ack = local.tensor(torch.int64, 1)  # the ack word at local offset 0
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="per slot"):
+        ch.slot_sender(ack.data_ptr(), 1 << 62, local, remote, n, slots, words, [0])
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="per slot"):
+        ch.slot_sender(ack.data_ptr(), 1 << 62, local, remote, n, [], [], [])
+    with pytest.raises(rdmaflow.OutOfBoundsError, match="negative"):
+        ch.slot_sender(ack.data_ptr(), 1 << 62, local, remote, n, [8192, -1], words, [0, 8])
+    s = ch.slot_sender(ack.data_ptr(), 1 << 62, local, remote, n, slots, words, [0, 8])
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="start at 1"):
+        s.send(0, 0, 1.0)
+    with pytest.raises(rdmaflow.OutOfBoundsError, match="negative"):
+        s.send(1, -1, 1.0)
+    with pytest.raises(rdmaflow.OutOfBoundsError, match="outside"):
+        s.send(1, MiB - 100, 1.0)
+    ack[0] = 1 << 62  # the receiver closed: nothing is posted
+    assert s.send(1, 0, 1.0) == (3, None)
+    ack[0] = 0
+    assert s.send(3, 0, 0.05) == (1, None)  # no credit for transfer 3 (needs 1 consumed)
+    src = local.tensor(torch.uint8, MiB)
+    for k in (1, 2):
+        src[n : 2 * n] = k * 10  # the data, clear of the ack and the words
+        code, f = s.send(k, n, 30.0)
+        assert code == 0
+        f.result(30)
+    back = 512 << 10  # read slots and words back into the local region
+    ch.memcpy(local, back, remote, 0, 20480, rdmaflow.READ).result(30)
+    got = src[back : back + 20480]
+    assert bool((got[8192 : 8192 + n] == 10).all()) and bool((got[16384 : 16384 + n] == 20).all())
+    assert got[0:16].view(torch.int64).tolist() == [1, 2]
+
+
 def test_zero_length_memcpy_completes(pair):
     _, _, local, remote, ch = pair
     f = ch.memcpy(local, MiB, remote, MiB, 0, rdmaflow.WRITE)
