@@ -56,6 +56,7 @@ def test_slot_sender(pair):
     _, _, local, remote, ch = pair
     n, slots, words = 4096, [8192, 16384], [64, 72]
     ack = local.tensor(torch.int64, 1)  # the ack word at local offset 0
+    ack[0] = 0
     with pytest.raises(rdmaflow.InvalidArgumentError, match="per slot"):
         ch.slot_sender(ack.data_ptr(), 1 << 62, local, remote, n, slots, words, [0])
     with pytest.raises(rdmaflow.InvalidArgumentError, match="per slot"):

@@ -192,3 +192,40 @@ def test_a_size_used_by_a_later_stage_is_read_there_and_inputs_keep_their_bounds
     assert sizes and all(n.args[0].op == "placeholder" for n in sizes)
     assert plan.input_ranges == [[[2, 2], [16, 512], [8, 8]]]
     assert plan.to_json()["input_ranges"] == plan.input_ranges
+
+
+def test_a_send_that_found_no_credit_is_not_overtaken_by_the_next_of_its_sender():
+    """The executor's ready queue may hold a sender's microbatch-1 send ahead of its microbatch-0
+    send (which found no credit and went to the tail); once the credit comes, microbatch 0 must
+    still go first: the receiver takes the transfers as microbatches in arrival order."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from rdmaflow.graph.executor import ComputeOp, Executor, SendOp
+
+    class Sender:
+        depth, seq, acked = 1, 1, 0  # transfer 1 unacknowledged: no credit for the next yet
+
+        def __init__(self):
+            self.sent = []
+
+        def consumed(self):
+            return self.acked
+
+        def send(self, tensor, timeout=None):
+            self.seq += 1
+            self.sent.append(tensor)
+            return SimpleNamespace(result=lambda timeout=None: None)
+
+    sender, edge = Sender(), SimpleNamespace(name="e")
+    sends = [SendOp(edge, sender, f"mb{m}", m, lambda op, fut: None) for m in (0, 1)]
+    ex = Executor("stage 0", 5.0, lambda: None)
+    queue: deque = deque()
+    ex._run_one(ComputeOp("F", [], lambda inputs: sends), queue, [])  # posts mb0, then mb1
+    assert not ex._run_one(queue.popleft(), queue, [])  # mb0: no credit, to the tail
+    assert list(queue) == [sends[1], sends[0]]
+    sender.acked = 1  # the credit arrives
+    assert not ex._run_one(queue.popleft(), queue, [])  # mb1 waits behind mb0
+    assert ex._run_one(queue.popleft(), queue, []) and sender.sent == ["mb0"]
+    sender.acked = 2
+    assert ex._run_one(queue.popleft(), queue, []) and sender.sent == ["mb0", "mb1"]

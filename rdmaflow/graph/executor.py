@@ -8,7 +8,10 @@ One ready queue holds three kinds of operations:
 - a compute (a microbatch's forward or backward): enters the queue, in the schedule's order,
   once every receive it needs has landed; it posts its sends;
 - a send: goes out when the credit rule allows (the receiver acknowledged the transfer that
-  used the slot before), else back to the tail; it never waits inside the queue.
+  used the slot before) and every earlier send of its sender has gone out, else back to the
+  tail; it never waits inside the queue. A receiver takes its edge's transfers as microbatches
+  in the order they come, so a send that found no credit must not be overtaken by the next
+  microbatch's send of the same edge once the credit is there.
 
 When a full pass over the queue makes no progress and only receives (and credit-blocked sends)
 remain, the rank sleeps in ``wait_any`` over the pending receives: no core is burnt, and the
@@ -98,6 +101,7 @@ class Executor:
         self.check_abort = check_abort  # raises if the job was aborted
         self.trace = trace
         self.futures: list = []
+        self._due: dict[int, deque] = {}  # per sender (by id): its posted sends, oldest first
 
     def _event(self, kind: str, name: str, **extra) -> None:
         if self.trace is not None:
@@ -132,9 +136,11 @@ class Executor:
             queue.append(op)
             return False
         if op.kind == "send":
-            if not op.credit() and op.sender.consumed() < (1 << 62):
+            due = self._due[id(op.sender)]
+            if due[0] is not op or not op.credit() and op.sender.consumed() < (1 << 62):
                 queue.append(op)
                 return False
+            due.popleft()
             self.futures.append(op.run(self.timeout))
             self._event("send", op.name)
             return True
@@ -146,6 +152,7 @@ class Executor:
         pending = [r.name for r in recvs if r.mb < r.count and not r.landed]
         self._event("compute_start", op.name, pending=pending)
         for send in op.fn(inputs) or ():
+            self._due.setdefault(id(send.sender), deque()).append(send)
             queue.append(send)
         self._event("compute_end", op.name)
         return True
