@@ -136,6 +136,18 @@ struct FlaggedArgs {
   const Channel::Rider* rider_or_null() const { return rider.remote ? &rider : nullptr; }
 };
 
+// SlotSender::send with the GIL released: (code, future or None).
+py::tuple slot_send(SlotSender& s, uint64_t k, int64_t local_offset, double timeout,
+                    const Channel::Rider* rider) {
+  size_t lo = check_offset(local_offset, "local_offset");
+  std::pair<WaitStatus, Future> r;
+  {
+    py::gil_scoped_release nogil;
+    r = s.send(k, lo, timeout, rider);
+  }
+  return py::make_tuple(int(r.first), r.second ? py::cast(r.second) : py::none());
+}
+
 // Waits in short slices so that Ctrl-C reaches Python while a transfer is pending.
 bool wait_future(const Future& f, double timeout) {
   auto t0 = std::chrono::steady_clock::now();
@@ -389,33 +401,6 @@ PYBIND11_MODULE(_core, m) {
           "word_remote_region (default: the data's) hold the word and the rider's source: host "
           "memory, also for data in GPU memory.")
       .def(
-          "send_slot",
-          [](Channel& ch, uintptr_t ack_address, int64_t need, uint64_t closed_value, double timeout,
-             const std::shared_ptr<MemRegion>& local, int64_t local_offset,
-             const std::shared_ptr<RemoteRegion>& remote, int64_t remote_offset, int64_t nbytes,
-             int64_t word_offset, uint64_t value, int64_t word_remote_offset,
-             const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
-             uint64_t rider_value, int64_t rider_remote_offset) {
-            FlaggedArgs a(local_offset, remote_offset, nbytes, word_offset, word_remote_offset, rider_remote,
-                          rider_offset, rider_value, rider_remote_offset);
-            std::pair<WaitStatus, Future> r;
-            {
-              py::gil_scoped_release nogil;
-              r = ch.send_slot(ack_address, need, closed_value, timeout, local, a.lo, remote, a.ro, a.n, a.wo,
-                               value, a.wro, a.rider_or_null());
-            }
-            return py::make_tuple(int(r.first), r.second ? py::cast(r.second) : py::none());
-          },
-          py::arg("ack_address"), py::arg("need"), py::arg("closed_value"), py::arg("timeout"),
-          py::arg("local_region"), py::arg("local_offset"), py::arg("remote_region"),
-          py::arg("remote_offset"), py::arg("nbytes"), py::arg("word_offset"), py::arg("value"),
-          py::arg("word_remote_offset"), py::arg("rider_remote_region") = nullptr,
-          py::arg("rider_offset") = 0, py::arg("rider_value") = 0, py::arg("rider_remote_offset") = 0,
-          "A static pair's send over UCX in one call, with the GIL released: waits until the word "
-          "at ack_address is >= need and below closed_value (driving the worker), then posts "
-          "write_flagged (its rider as there). Returns (code, future): (0, the write's future), "
-          "or before posting anything (1 timeout, 2 peer failed, 3 receiver closed; None).")
-      .def(
           "slot_sender",
           [](Channel& ch, uintptr_t ack_address, uint64_t closed_value,
              const std::shared_ptr<MemRegion>& local, const std::shared_ptr<RemoteRegion>& remote,
@@ -434,9 +419,9 @@ PYBIND11_MODULE(_core, m) {
           py::arg("ack_address"), py::arg("closed_value"), py::arg("local_region"),
           py::arg("remote_region"), py::arg("nbytes"), py::arg("slot_offsets"),
           py::arg("word_offsets"), py::arg("word_remote_offsets"),
-          "send_slot with everything but the transfer's number and source fixed (SlotSender): "
-          "one slot offset (remote_region), word offset (local_region) and remote word offset "
-          "per slot; their count is the depth.")
+          "A static pair's sends over UCX into host slots (SlotSender), everything but the "
+          "transfer's number, source and rider fixed: one slot offset (remote_region), word "
+          "offset (local_region) and remote word offset per slot; their count is the depth.")
       .def(
           "ack_and_receive",
           [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t ack_offset,
@@ -492,18 +477,28 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "send",
           [](SlotSender& s, uint64_t k, int64_t local_offset, double timeout) {
-            size_t lo = check_offset(local_offset, "local_offset");
-            std::pair<WaitStatus, Future> r;
-            {
-              py::gil_scoped_release nogil;
-              r = s.send(k, lo, timeout);
-            }
-            return py::make_tuple(int(r.first), r.second ? py::cast(r.second) : py::none());
+            return slot_send(s, k, local_offset, timeout, nullptr);
           },
           py::arg("k"), py::arg("local_offset"), py::arg("timeout"),
-          "Transfer k (>= 1) from local_offset of the local region into slot (k - 1) % depth: "
-          "Channel.send_slot's wait for ack >= k - depth (bounded by timeout), its post and its "
-          "(code, future).");
+          "Transfer k (>= 1) from local_offset of the local region into slot (k - 1) % depth, in "
+          "one call with the GIL released: waits until the ack word is >= k - depth and below "
+          "closed_value (driving the worker; bounded by timeout), then posts write_flagged. "
+          "Returns (code, future): (0, the write's future), or before posting anything (1 "
+          "timeout, 2 peer failed, 3 receiver closed; None).")
+      .def(
+          "send_with_rider",
+          [](SlotSender& s, uint64_t k, int64_t local_offset, double timeout,
+             const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
+             uint64_t rider_value, int64_t rider_remote_offset) {
+            Channel::Rider rider{rider_remote, check_offset(rider_offset, "rider_offset"),
+                                 check_offset(rider_remote_offset, "rider_remote_offset"), rider_value};
+            return slot_send(s, k, local_offset, timeout, rider_remote ? &rider : nullptr);
+          },
+          py::arg("k"), py::arg("local_offset"), py::arg("timeout"), py::arg("rider_remote_region"),
+          py::arg("rider_offset"), py::arg("rider_value"), py::arg("rider_remote_offset"),
+          "send() with a rider (write_flagged's): a second word for the same peer. A separate "
+          "method, not optional arguments of send: pybind11's defaults cost a small send more "
+          "than the call itself.");
 
   py::class_<DirectWindow, std::shared_ptr<DirectWindow>>(
       m, "DirectWindow",

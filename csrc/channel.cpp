@@ -411,11 +411,13 @@ SlotSender::SlotSender(std::shared_ptr<Channel> ch, uintptr_t ack_addr, uint64_t
                 "remote word offset per slot");
 }
 
-std::pair<WaitStatus, Future> SlotSender::send(uint64_t k, size_t local_off, double timeout_s) {
+std::pair<WaitStatus, Future> SlotSender::send(uint64_t k, size_t local_off, double timeout_s,
+                                               const Channel::Rider* rider) {
   if (k == 0 || k > uint64_t(INT64_MAX)) throw Error(ErrorKind::Invalid, "transfer numbers start at 1");
   const size_t depth = slot_at_.size(), j = (k - 1) % depth;
   return ch_->send_slot(ack_addr_, int64_t(k) - int64_t(depth), closed_value_, timeout_s, local_,
-                        local_off, remote_, slot_at_[j], nbytes_, word_at_[j], k, word_remote_at_[j]);
+                        local_off, remote_, slot_at_[j], nbytes_, word_at_[j], k, word_remote_at_[j],
+                        rider);
 }
 
 std::pair<WaitStatus, Future> Channel::ack_and_receive(const std::shared_ptr<MemRegion>& local,

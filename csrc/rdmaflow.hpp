@@ -458,7 +458,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
 };
 
 // A static pair's sends over UCX into host slots (Channel::send_slot) with all but the
-// transfer's number and source fixed when the pair is made: transfer k goes into slot
+// transfer's number, source and rider fixed when the pair is made: transfer k goes into slot
 // (k - 1) % depth once the ack word says the receiver has consumed k - depth. What a send takes
 // from the caller is two integers, so a small transfer's fixed cost is not spent converting
 // the same twelve arguments every time. Not thread-safe: a pair's sends are serialized by its
@@ -470,9 +470,11 @@ class SlotSender {
              std::shared_ptr<MemRegion> local, std::shared_ptr<RemoteRegion> remote, size_t nbytes,
              std::vector<size_t> slot_offsets, std::vector<size_t> word_offsets,
              std::vector<size_t> word_remote_offsets);
-  // Transfer k (>= 1) of nbytes from local[local_off]: Channel::send_slot's wait (bounded by
-  // timeout_s), its post and its results. Blocks; throws like it.
-  std::pair<WaitStatus, Future> send(uint64_t k, size_t local_off, double timeout_s);
+  // Transfer k (>= 1) of nbytes from local[local_off], with rider if not null:
+  // Channel::send_slot's wait (bounded by timeout_s), its post and its results. Blocks; throws
+  // like it.
+  std::pair<WaitStatus, Future> send(uint64_t k, size_t local_off, double timeout_s,
+                                     const Channel::Rider* rider = nullptr);
 
  private:
   std::shared_ptr<Channel> ch_;

@@ -122,7 +122,7 @@ class StaticSender(Sender):
         # credit wait and the post in one call into the core (_send_slot).
         self._one_call = self._direct is None and self._gpu_map is None and not self.header_bytes and (
             self.data_remote is self.remote)
-        # Its arguments but the transfer's number and source, fixed once (a send without a rider).
+        # Its arguments but the transfer's number, source and rider, fixed once.
         self._slots = self.channel.slot_sender(self._ack_addr, CLOSED, self.arena.region, self.remote, self.nbytes,
                                                self._slot_at, self._flag_src, self._flag_at) if self._one_call else None
 
@@ -202,37 +202,28 @@ class StaticSender(Sender):
 
     def _send_slot(self, tensor: torch.Tensor, timeout: float | None, release: Receiver | None) -> Future:
         """Over UCX, a host tensor into host slots: the credit wait and the post of payload, fence
-        and flag in one call into the core with the GIL released (``SlotSender.send``, or
-        ``Channel.send_slot`` with a rider), one call per WAIT_SLICE while the credit does not
-        come. ``release`` as in ``send``."""
+        and flag in one call into the core with the GIL released (``SlotSender.send``), one call
+        per WAIT_SLICE while the credit does not come. ``release`` as in ``send``."""
         k = self.seq + 1
         slot, need = (k - 1) % self.depth, k - self.depth
         rider, release_after = (None, None) if release is None else self._hand_back(release, need, timeout)
         if self._pending[slot] is not None:
             self._slot_reusable(slot, timeout)
         keep, off = self._host_source(tensor, slot, self.nbytes)
-        args = None if rider is None else (self.arena.region, off, self.remote, self._slot_at[slot], self.nbytes,
-                                           self._flag_src[slot], k, self._flag_at[slot], *rider)
+        post, extra = (self._slots.send, ()) if rider is None else (self._slots.send_with_rider, rider)
         first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
-        code, f = self._post_slot(k, off, need, args, first)
+        code, f = post(k, off, first, *extra)
         if code != OK:
             posted = []
 
             def attempt(t: float) -> int:
-                code, f = self._post_slot(k, off, need, args, t)
+                code, f = post(k, off, t, *extra)
                 posted.append(f)
                 return code
 
             self._send_waiting(code, need, attempt, Deadline(None if timeout is None else timeout - first))
             f = posted[-1]
         return self._sent(k, slot, f, keep, release, rider, release_after)
-
-    def _post_slot(self, k: int, off: int, need: int, args: tuple | None, t: float) -> tuple:
-        """One call of _send_slot's: (code, future) of transfer ``k`` from arena offset ``off``,
-        waiting at most ``t`` for its credit; ``args``: Channel.send_slot's with a rider."""
-        if args is None:
-            return self._slots.send(k, off, t)
-        return self.channel.send_slot(self._ack_addr, need, CLOSED, t, *args)
 
     def _hand_back(self, release: Receiver | None, need: int, timeout) -> tuple:
         """How a send over UCX hands ``release``'s last transfer back: (the rider for the send's
