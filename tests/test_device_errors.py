@@ -1,7 +1,9 @@
 """Every error case of the device library: a clear Python exception within a bounded time."""
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import threading
 import time
 
@@ -173,9 +175,17 @@ def test_a_word_waiting_for_its_data_when_the_region_is_freed_is_not_written(spa
             ch = dev.channel(peer.endpoint)
             ch.memcpy(local, 0, remote, 0, 8, rdmaflow.WRITE).result(30)  # validated, rkey unpacked
             words = dev.transfer_counts()["word_after_flush"]
-            fut = ch.write_flagged(local, 0, remote, 0, n - 64, n - 8, 7, n - 8)
-            freeing = threading.Thread(target=peer.call, args=("free",), kwargs={"name": "r", "timeout": 60})
-            freeing.start()
+            # The owner stopped while the put is posted and its free is queued: resumed, it takes the
+            # free in at once while 255 MiB are still to come off its socket. (Racing a running
+            # owner, the put finished first three tries in a row on a loaded machine.)
+            os.kill(peer.proc.pid, signal.SIGSTOP)
+            try:
+                fut = ch.write_flagged(local, 0, remote, 0, n - 64, n - 8, 7, n - 8)
+                freeing = threading.Thread(target=peer.call, args=("free",), kwargs={"name": "r", "timeout": 60})
+                freeing.start()
+                time.sleep(0.05)  # the free's line in the owner's stdin
+            finally:
+                os.kill(peer.proc.pid, signal.SIGCONT)
             deadline = time.monotonic() + 30
             while True:  # until this device has taken the revocation in
                 try:
