@@ -219,7 +219,7 @@ def test_gpu_layout_emulated_on_host(tmp_path):
         j.check_ok(j.wait())
         assert all("emulated GPU arena" in p.output() for p in j.procs), j.logs()
         assert_matches_reference(j, 2, 2)
-    cfg = dict(async_cfg("async"), steps=20, overlap=True)
+    cfg = dict(async_cfg("async"), steps=30, overlap=True)
     cfg.pop("slow", None)
     with Job(tmp_path, cfg, "async") as j:
         j.start_local(2, 2, script=GPU_LAYOUT, extra={"RDMAFLOW_PS_SHARD_DEVICE": "cuda"})
@@ -227,4 +227,7 @@ def test_gpu_layout_emulated_on_host(tmp_path):
         assert all("emulated GPU arena" in p.output() for p in j.procs), j.logs()
         initial = eval_loss(cfg, dict(job.make_model(cfg["seed"]).named_parameters()))
         for w in range(2):
-            assert eval_loss(cfg, j.worker_result(w)["params"]) < initial / 4
+            # A worker's last pull holds however many of the other's updates had landed by then,
+            # so its loss varies from run to run (more on a loaded machine): 30 steps and a third
+            # of the initial loss leave room for that and still fail a path that does not train.
+            assert eval_loss(cfg, j.worker_result(w)["params"]) < initial / 3
