@@ -114,7 +114,16 @@ size_t check_offset(int64_t v, const char* what) {
   return size_t(v);
 }
 
-// write_flagged's and send_slot's offsets and rider, checked (OutOfBounds: a negative one).
+// A rider from Python's four arguments, its offsets checked; rider_remote null: none (remote
+// stays null and the offsets are not looked at).
+Channel::Rider checked_rider(const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
+                             uint64_t rider_value, int64_t rider_remote_offset) {
+  if (!rider_remote) return {};
+  return {rider_remote, check_offset(rider_offset, "rider_offset"),
+          check_offset(rider_remote_offset, "rider_remote_offset"), rider_value};
+}
+
+// write_flagged's offsets and rider, checked (OutOfBounds: a negative one).
 struct FlaggedArgs {
   size_t lo, ro, n, wo, wro;
   Channel::Rider rider;  // rider.remote null: none
@@ -125,14 +134,8 @@ struct FlaggedArgs {
         ro(check_offset(remote_offset, "remote_offset")),
         n(check_offset(nbytes, "nbytes")),
         wo(check_offset(word_offset, "word_offset")),
-        wro(check_offset(word_remote_offset, "word_remote_offset")) {
-    if (rider_remote) {
-      rider.remote = rider_remote;
-      rider.local_off = check_offset(rider_offset, "rider_offset");
-      rider.remote_off = check_offset(rider_remote_offset, "rider_remote_offset");
-      rider.value = rider_value;
-    }
-  }
+        wro(check_offset(word_remote_offset, "word_remote_offset")),
+        rider(checked_rider(rider_remote, rider_offset, rider_value, rider_remote_offset)) {}
   const Channel::Rider* rider_or_null() const { return rider.remote ? &rider : nullptr; }
 };
 
@@ -490,9 +493,8 @@ PYBIND11_MODULE(_core, m) {
           [](SlotSender& s, uint64_t k, int64_t local_offset, double timeout,
              const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
              uint64_t rider_value, int64_t rider_remote_offset) {
-            Channel::Rider rider{rider_remote, check_offset(rider_offset, "rider_offset"),
-                                 check_offset(rider_remote_offset, "rider_remote_offset"), rider_value};
-            return slot_send(s, k, local_offset, timeout, rider_remote ? &rider : nullptr);
+            Channel::Rider rider = checked_rider(rider_remote, rider_offset, rider_value, rider_remote_offset);
+            return slot_send(s, k, local_offset, timeout, rider.remote ? &rider : nullptr);
           },
           py::arg("k"), py::arg("local_offset"), py::arg("timeout"), py::arg("rider_remote_region"),
           py::arg("rider_offset"), py::arg("rider_value"), py::arg("rider_remote_offset"),

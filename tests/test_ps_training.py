@@ -228,6 +228,6 @@ def test_gpu_layout_emulated_on_host(tmp_path):
         initial = eval_loss(cfg, dict(job.make_model(cfg["seed"]).named_parameters()))
         for w in range(2):
             # A worker's last pull holds however many of the other's updates had landed by then,
-            # so its loss varies from run to run (more on a loaded machine): 30 steps and a third
-            # of the initial loss leave room for that and still fail a path that does not train.
-            assert eval_loss(cfg, j.worker_result(w)["params"]) < initial / 3
+            # so its loss varies from run to run (more on a loaded machine): 30 steps, not 20,
+            # leave room for that below the same bar.
+            assert eval_loss(cfg, j.worker_result(w)["params"]) < initial / 4
