@@ -52,7 +52,7 @@ void Device::init(const DeviceConfig& cfg) {
   ucp_config_t* ucfg = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &ucfg);
   if (st != UCS_OK) throw Error(ErrorKind::Generic, "ucp_config_read failed: " + ucs_error(st));
-  // A flagged write's message (at most 256 KiB and its headers) in one tcp segment, not in
+  // A flagged write's message (at most 512 KiB and its headers) in one tcp segment, not in
   // UCX's default 8 KiB (send) and 64 KiB (receive): each segment costs both sides a syscall
   // and a progress round (docs/benchmarks.md). An environment setting wins.
   for (const char* name : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})

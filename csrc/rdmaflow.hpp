@@ -74,7 +74,7 @@ enum class SameHost : int { Off = 0, On = 1, Auto = 2 };
 //            the message is delivered, before its handler runs. Fences and the flush rule
 //            as on several lanes (no stream shortcut).
 //   Auto     Message on endpoints whose every lane is tcp (whose puts the target's software
-//            applies anyway) up to 256 KiB; above it, on an endpoint of one tcp lane (one
+//            applies anyway) up to 512 KiB; above it, on an endpoint of one tcp lane (one
 //            connection, applied in stream order), the word put right behind the data put;
 //            Put elsewhere.
 enum class FlaggedWrites : int { Auto = 0, Put = 1, Message = 2 };
@@ -257,7 +257,7 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // operations posted later may land before it, unless a fence() stands between. Over UCX
   // puts the word is put once the data's endpoint flush has completed, or right behind the
   // data on an endpoint that is one tcp connection (FlaggedWrites). The future completes when
-  // both are visible at the peer, or on the message path (n of at most 256 KiB) when its
+  // both are visible at the peer, or on the message path (n of at most 512 KiB) when its
   // messages have left: the word itself tells the peer. It fails if either part failed.
   // Throws like memcpy for either range.
   //

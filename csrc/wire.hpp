@@ -35,10 +35,10 @@ constexpr size_t kMaxCtrlPayload = 1 << 20;
 
 constexpr uint16_t kFlaggedAmId = 0x5247;  // "RG"
 // The data one flagged write's message carries at most; larger flagged writes take the put path.
-constexpr size_t kFlaggedMaxBytes = size_t(256) << 10;
+constexpr size_t kFlaggedMaxBytes = size_t(512) << 10;
 // UCX tcp segment, both ways, that holds one message and its headers: UCX sends an eager
 // message of more than a segment as fragments that its receiver puts together with a copy.
-constexpr const char* kFlaggedSegSize = "264k";
+constexpr const char* kFlaggedSegSize = "520k";
 constexpr uint64_t kFlaggedMagic = 0x34574752;  // "RGW4"
 // A flagged write's message header: the payload goes to [data_off, data_off + payload length) of
 // the target's region; then the target stores `value` to the 8-byte word at word_off; just

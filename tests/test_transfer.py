@@ -1044,14 +1044,14 @@ def test_waiting_wait_any_sleeps(tpeer, dev):
     assert used < 0.25 * took, f"wait_any used {used:.2f} CPU seconds in {took:.2f} s of waiting"
 
 
-@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (256 * 1024, 1000), (MiB, 300),
-                                     (8 * MiB, 60)])
+@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 3000), (256 * 1024, 1000), (512 * 1024, 500),
+                                     (MiB, 300), (8 * MiB, 60)])
 def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev, transport, nbytes, n):
     """Both directions at once, each sender as fast as its credits allow (depth 2, so a slot is
     rewritten as soon as it is handed back): every tensor a receiver gets holds its own
     transfer number in every element, i.e. the flag of transfer k was never seen before k's
     data, on the same-host direct path (sm: copy + release store; 8 MiB is copied with
-    non-temporal stores) and over UCX: tcp up to 256 KiB as one active message, the flag stored
+    non-temporal stores) and over UCX: tcp up to 512 KiB as one active message, the flag stored
     by its handler once the data is in place (the default there); tcp at 1 MiB (posted on
     the sending thread, the rest carried by the progress thread) as WRITE and the flag's WRITE
     right behind it on the endpoint's one tcp connection (UCX_NET_DEVICES=lo: one lane); tcp at
@@ -1063,7 +1063,7 @@ def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev,
     theirs = race(tpeer(), dev, nbytes, n, direct)
     striped = transport == "tcp" and nbytes >= rdmaflow.Channel.striped_write_bytes
     if not direct:
-        by_message = transport == "tcp" and nbytes <= 256 * 1024
+        by_message = transport == "tcp" and nbytes <= rdmaflow.Channel.flagged_message_bytes
         words = None if by_message else ("stream" if transport == "tcp" and not striped else "flush")
         for counts in (dev.transfer_counts(), theirs["counts"]):
             assert_flagged_path(counts, n, by_message=by_message, words=words)
@@ -1119,7 +1119,7 @@ def test_racing_on_each_flagged_path(tpeer, job_secret, transport, flagged, busy
 def test_racing_with_each_send_handing_the_last_receive_back(tpeer, dev, transport, depth, nbytes, n):
     """The race above, both sides sending with ``release=`` their receiver: each side's credit
     then comes back with the other side's next transfer where it can (over tcp in the same
-    message, up to 256 KiB; at 8 MiB as a word-only write behind the put), and on its own where
+    message, up to 512 KiB; at 8 MiB as a word-only write behind the put), and on its own where
     the sender would wait for a credit first (depth 1: both sides send at once, and neither may
     hold its ack back until it has a credit). No deadlock, and every element checked."""
     theirs = race(tpeer(), dev, nbytes, n, transport == "sm", depth=depth, release=True)
@@ -1127,10 +1127,10 @@ def test_racing_with_each_send_handing_the_last_receive_back(tpeer, dev, transpo
         assert counts["dropped"] == 0, counts
 
 
-@pytest.mark.parametrize("nbytes,n", [(8, 1500), (64 * 1024, 1000), (256 * 1024, 300), (1 * MiB, 100)])
+@pytest.mark.parametrize("nbytes,n", [(8, 1500), (64 * 1024, 1000), (512 * 1024, 200), (1 * MiB, 100)])
 def test_a_reply_carries_the_ack_of_the_request_it_answers(tpeer, dev, transport, nbytes, n):
     """Ping-pong with ``send(reply, release=receiver)`` on both sides (depth 1): every element
-    of every ping and pong checked. Over tcp up to 256 KiB the ack rides the reply's message:
+    of every ping and pong checked. Over tcp up to 512 KiB the ack rides the reply's message:
     each side sends one message per transfer, not two (transfer_counts), and none is dropped."""
     numel = nbytes // 8
     r = StaticReceiver(dev, "pong_in", (numel,), torch.int64)
@@ -1156,7 +1156,7 @@ def test_a_reply_carries_the_ack_of_the_request_it_answers(tpeer, dev, transport
     mine = dev.transfer_counts()
     for counts in (mine, theirs["counts"]):
         assert counts["dropped"] == 0, counts
-    if transport == "tcp" and nbytes <= 256 * 1024:
+    if transport == "tcp" and nbytes <= rdmaflow.Channel.flagged_message_bytes:
         assert mine["message"] - before <= n + 2, mine
         assert theirs["counts"]["message"] <= n + 2, theirs["counts"]
 
