@@ -123,6 +123,9 @@ Channel::Rider checked_rider(const std::shared_ptr<RemoteRegion>& rider_remote, 
           check_offset(rider_remote_offset, "rider_remote_offset"), rider_value};
 }
 
+// What the core takes for a rider: null where there is none.
+const Channel::Rider* rider_or_null(const Channel::Rider& r) { return r.remote ? &r : nullptr; }
+
 // write_flagged's offsets and rider, checked (OutOfBounds: a negative one).
 struct FlaggedArgs {
   size_t lo, ro, n, wo, wro;
@@ -136,7 +139,6 @@ struct FlaggedArgs {
         wo(check_offset(word_offset, "word_offset")),
         wro(check_offset(word_remote_offset, "word_remote_offset")),
         rider(checked_rider(rider_remote, rider_offset, rider_value, rider_remote_offset)) {}
-  const Channel::Rider* rider_or_null() const { return rider.remote ? &rider : nullptr; }
 };
 
 // SlotSender::send with the GIL released: (code, future or None).
@@ -383,7 +385,7 @@ PYBIND11_MODULE(_core, m) {
             Callback cb = make_callback(callback);
             try {
               return ch.write_flagged(local, a.lo, remote, a.ro, a.n, a.wo, value, a.wro, std::move(cb),
-                                      a.rider_or_null(), word_local, word_remote);
+                                      rider_or_null(a.rider), word_local, word_remote);
             } catch (...) {
               if (!callback.is_none()) Py_DECREF(callback.ptr());
               throw;
@@ -494,7 +496,7 @@ PYBIND11_MODULE(_core, m) {
              const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
              uint64_t rider_value, int64_t rider_remote_offset) {
             Channel::Rider rider = checked_rider(rider_remote, rider_offset, rider_value, rider_remote_offset);
-            return slot_send(s, k, local_offset, timeout, rider.remote ? &rider : nullptr);
+            return slot_send(s, k, local_offset, timeout, rider_or_null(rider));
           },
           py::arg("k"), py::arg("local_offset"), py::arg("timeout"), py::arg("rider_remote_region"),
           py::arg("rider_offset"), py::arg("rider_value"), py::arg("rider_remote_offset"),

@@ -55,9 +55,10 @@ void Device::init(const DeviceConfig& cfg) {
   // A flagged write's message (at most 512 KiB and its headers) in one tcp segment, not in
   // UCX's default 8 KiB (send) and 64 KiB (receive): each segment costs both sides a syscall
   // and a progress round (docs/benchmarks.md). An environment setting wins.
+  const std::string seg = std::to_string(kFlaggedSegBytes);
   for (const char* name : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
     if (!std::getenv((std::string("UCX_") + name).c_str()))
-      ucp_config_modify(ucfg, name, kFlaggedSegSize);
+      ucp_config_modify(ucfg, name, seg.c_str());
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                  UCP_PARAM_FIELD_NAME;

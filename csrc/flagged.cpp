@@ -65,7 +65,7 @@ bool Channel::send_flagged_message(ProgressThread* t, Op* data, Op* word, size_t
     ucp_request_free(req);
   };
   p.user_data = g;
-  // Eager: the message fits one UCX tcp segment (kFlaggedSegSize); rendezvous would add a round
+  // Eager: the message fits one UCX tcp segment (kFlaggedSegBytes); rendezvous would add a round
   // trip of its own. One message, not several smaller ones: each costs the sender a sendmsg and
   // the receiver a pass of its handler (docs/benchmarks.md).
   p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;

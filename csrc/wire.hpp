@@ -36,9 +36,10 @@ constexpr size_t kMaxCtrlPayload = 1 << 20;
 constexpr uint16_t kFlaggedAmId = 0x5247;  // "RG"
 // The data one flagged write's message carries at most; larger flagged writes take the put path.
 constexpr size_t kFlaggedMaxBytes = size_t(512) << 10;
-// UCX tcp segment, both ways, that holds one message and its headers: UCX sends an eager
-// message of more than a segment as fragments that its receiver puts together with a copy.
-constexpr const char* kFlaggedSegSize = "520k";
+// UCX tcp segment, both ways, that holds one message and its headers (8 KiB to spare): UCX
+// sends an eager message of more than a segment as fragments that its receiver puts together
+// with a copy.
+constexpr size_t kFlaggedSegBytes = kFlaggedMaxBytes + (size_t(8) << 10);
 constexpr uint64_t kFlaggedMagic = 0x34574752;  // "RGW4"
 // A flagged write's message header: the payload goes to [data_off, data_off + payload length) of
 // the target's region; then the target stores `value` to the 8-byte word at word_off; just
@@ -56,6 +57,10 @@ struct FlaggedHeader {
   uint64_t rider_off;
   uint64_t rider_value;
 };
+// The segment's spare bytes hold this header and UCX's (its tcp and active-message headers,
+// well under 256 bytes).
+static_assert(kFlaggedSegBytes - kFlaggedMaxBytes >= sizeof(FlaggedHeader) + 256,
+              "a flagged message and its headers must fit one tcp segment");
 
 enum CtrlType : uint32_t {
   HELLO = 1,
