@@ -155,6 +155,7 @@ py::tuple slot_send(SlotSender& s, uint64_t k, int64_t local_offset, double time
 
 // Waits in short slices so that Ctrl-C reaches Python while a transfer is pending.
 bool wait_future(const Future& f, double timeout) {
+  if (f->done()) return true;  // the common case, a send's earlier transfer: no GIL hand-off
   auto t0 = std::chrono::steady_clock::now();
   for (;;) {
     double slice = 0.05;

@@ -177,17 +177,18 @@ class StaticSender(Sender):
         """
         if timeout == -1.0:
             timeout = self.timeout
-        if not (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
-                and tensor.is_cpu and tensor.is_contiguous()):
-            self._refuse(tensor)
+        host = (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
+                and tensor.is_cpu and tensor.is_contiguous())
+        if not host:
+            self._refuse(tensor)  # returns for a tensor that may be sent: a CUDA one
         if release is not None:
             self._check_release(release)
         with self._send_lock:
             if self._direct is not None:
-                if tensor.is_cuda:  # into host memory on this host: the copy to it is the transfer
+                if not host:  # into host memory on this host: the copy to it is the transfer
                     tensor = self._stage(tensor, 0)
                 return self._send_direct(tensor, timeout, release)
-            if self._one_call and not tensor.is_cuda:
+            if self._one_call and host:
                 return self._send_slot(tensor, timeout, release)
             return self._send(tensor, timeout, release)
 
@@ -205,11 +206,20 @@ class StaticSender(Sender):
         and flag in one call into the core with the GIL released (``SlotSender.send``), one call
         per WAIT_SLICE while the credit does not come. ``release`` as in ``send``."""
         k = self.seq + 1
-        slot, need = (k - 1) % self.depth, k - self.depth
-        rider, release_after = (None, None) if release is None else self._hand_back(release, need, timeout)
-        if self._pending[slot] is not None:
-            self._slot_reusable(slot, timeout)
-        keep, off = self._host_source(tensor, slot, self.nbytes)
+        slot = (k - 1) % self.depth
+        rider, release_after = (None, None) if release is None else self._hand_back(release, k - self.depth, timeout)
+        prev = self._pending[slot]
+        if prev is not None:
+            if prev[0].done():
+                prev[0].result()  # raises the earlier transfer's error, if any
+            else:
+                self._slot_reusable(slot, timeout)
+        # _host_source's common case inline: each Python call costs a send about 0.1 µs
+        ptr = tensor.data_ptr()
+        if self.mode != "copy" and self._arena_lo <= ptr and ptr + self.nbytes <= self._arena_hi:
+            keep, off = tensor, ptr - self._arena_lo
+        else:
+            keep, off = self._host_source(tensor, slot, self.nbytes)
         post, extra = (self._slots.send, ()) if rider is None else (self._slots.send_with_rider, rider)
         first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
         code, f = post(k, off, first, *extra)
@@ -221,7 +231,7 @@ class StaticSender(Sender):
                 posted.append(f)
                 return code
 
-            self._send_waiting(code, need, attempt, Deadline(None if timeout is None else timeout - first))
+            self._send_waiting(code, k - self.depth, attempt, Deadline(None if timeout is None else timeout - first))
             f = posted[-1]
         return self._sent(k, slot, f, keep, release, rider, release_after)
 
