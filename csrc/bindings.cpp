@@ -141,7 +141,12 @@ struct FlaggedArgs {
         rider(checked_rider(rider_remote, rider_offset, rider_value, rider_remote_offset)) {}
 };
 
-// SlotSender::send with the GIL released: (code, future or None).
+// (code, future or None) of a send or a receive.
+py::tuple status_and_future(const std::pair<WaitStatus, Future>& r) {
+  return py::make_tuple(int(r.first), r.second ? py::cast(r.second) : py::none());
+}
+
+// SlotSender::send with the GIL released.
 py::tuple slot_send(SlotSender& s, uint64_t k, int64_t local_offset, double timeout,
                     const Channel::Rider* rider) {
   size_t lo = check_offset(local_offset, "local_offset");
@@ -150,7 +155,7 @@ py::tuple slot_send(SlotSender& s, uint64_t k, int64_t local_offset, double time
     py::gil_scoped_release nogil;
     r = s.send(k, lo, timeout, rider);
   }
-  return py::make_tuple(int(r.first), r.second ? py::cast(r.second) : py::none());
+  return status_and_future(r);
 }
 
 // Waits in short slices so that Ctrl-C reaches Python while a transfer is pending.
@@ -429,28 +434,23 @@ PYBIND11_MODULE(_core, m) {
           "transfer's number, source and rider fixed: one slot offset (remote_region), word "
           "offset (local_region) and remote word offset per slot; their count is the depth.")
       .def(
-          "ack_and_receive",
-          [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t ack_offset,
-             const std::shared_ptr<RemoteRegion>& remote, int64_t ack_remote_offset,
-             uint64_t ack_value, uintptr_t flag_address, uint64_t seq, uintptr_t ctl_address,
-             uint64_t generation, double timeout, bool drive) {
-            size_t ao = check_offset(ack_offset, "ack_offset");
-            size_t aro = check_offset(ack_remote_offset, "ack_remote_offset");
-            std::pair<WaitStatus, Future> r;
-            {
-              py::gil_scoped_release nogil;
-              r = ch.ack_and_receive(local, ao, remote, aro, ack_value, flag_address, seq, ctl_address,
-                                     generation, timeout, drive);
-            }
-            return py::make_tuple(int(r.first), r.second);
+          "slot_receiver",
+          [](Channel& ch, const std::shared_ptr<DirectWindow>& window,
+             const std::shared_ptr<MemRegion>& local, const std::shared_ptr<RemoteRegion>& remote,
+             int64_t ack_remote_offset, const std::vector<uintptr_t>& flag_addresses,
+             uintptr_t ctl_address, uint64_t generation) {
+            return std::make_shared<SlotReceiver>(ch.shared_from_this(), window, local, remote,
+                                                  check_offset(ack_remote_offset, "ack_remote_offset"),
+                                                  flag_addresses, ctl_address, generation);
           },
-          py::arg("local_region"), py::arg("ack_offset"), py::arg("remote_region"),
-          py::arg("ack_remote_offset"), py::arg("ack_value"), py::arg("flag_address"), py::arg("seq"),
-          py::arg("ctl_address"), py::arg("generation"), py::arg("timeout"), py::arg("drive") = false,
-          "A receiver's recv over UCX in one call, with the GIL released: posts the ack of the "
-          "last transfer (ack_value from the local word at ack_offset to ack_remote_offset), "
-          "then waits as receive_slot does. Returns (code, the ack's future); codes as "
-          "receive_slot's.")
+          py::arg("window"), py::arg("local_region"), py::arg("remote_region"),
+          py::arg("ack_remote_offset"), py::arg("flag_addresses"), py::arg("ctl_address"),
+          py::arg("generation"),
+          "A pair's receives from the sender at the other end of this channel (SlotReceiver), "
+          "everything but the transfer's number and the ack it owes fixed: window (the sender's "
+          "region mapped here, or None over UCX), this receiver's region, the sender's, its ack "
+          "word's offset there, one flag address per slot (their count is the depth), the "
+          "control word's address and the sender's generation in it.")
       .def_property_readonly("flagged_by_message", &Channel::flagged_by_message,
                              "Whether write_flagged of at most flagged_message_bytes takes the "
                              "message path (data, word and rider in one message); known once "
@@ -504,6 +504,28 @@ PYBIND11_MODULE(_core, m) {
           "send() with a rider (write_flagged's): a second word for the same peer. A separate "
           "method, not optional arguments of send: pybind11's defaults cost a small send more "
           "than the call itself.");
+
+  py::class_<SlotReceiver, std::shared_ptr<SlotReceiver>>(
+      m, "SlotReceiver",
+      "A pair's receives with all but the transfer's number and the ack it owes fixed "
+      "(Channel.slot_receiver). Not thread-safe.")
+      .def(
+          "recv",
+          [](SlotReceiver& r, uint64_t k, uint64_t ack_value, int64_t ack_offset, double timeout) {
+            size_t ao = check_offset(ack_offset, "ack_offset");
+            std::pair<WaitStatus, Future> res;
+            {
+              py::gil_scoped_release nogil;
+              res = r.recv(k, ack_value, ao, timeout);
+            }
+            return status_and_future(res);
+          },
+          py::arg("k"), py::arg("ack_value"), py::arg("ack_offset"), py::arg("timeout"),
+          "Transfer k (>= 1), in one call with the GIL released: hands back transfer ack_value "
+          "first (0: none; over UCX a write from ack_offset of the local region), then waits "
+          "for k's flag (driving the worker over UCX; bounded by timeout) and checks it and "
+          "the sender's generation. Returns (code, the ack's future or None); codes as "
+          "receive_slot's.");
 
   py::class_<DirectWindow, std::shared_ptr<DirectWindow>>(
       m, "DirectWindow",

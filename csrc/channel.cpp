@@ -432,6 +432,40 @@ std::pair<WaitStatus, Future> Channel::ack_and_receive(const std::shared_ptr<Mem
   return {receive_slot(flag_addr, k, ctl_addr, generation, this, timeout_s, nullptr, 0, 0, drive), ack};
 }
 
+SlotReceiver::SlotReceiver(std::shared_ptr<Channel> ch, std::shared_ptr<DirectWindow> window,
+                           std::shared_ptr<MemRegion> local, std::shared_ptr<RemoteRegion> remote,
+                           size_t ack_remote_off, std::vector<uintptr_t> flag_addrs,
+                           uintptr_t ctl_addr, uint64_t generation)
+    : ch_(std::move(ch)),
+      window_(std::move(window)),
+      local_(std::move(local)),
+      remote_(std::move(remote)),
+      ack_remote_off_(ack_remote_off),
+      flag_at_(std::move(flag_addrs)),
+      ctl_addr_(ctl_addr),
+      generation_(generation) {
+  if (!ch_ || flag_at_.empty() || !ctl_addr_ || (!window_ && (!local_ || !remote_)))
+    throw Error(ErrorKind::Invalid,
+                "a slot receiver needs a channel, one flag address per slot, the control word "
+                "and, without a window, both regions");
+  for (uintptr_t a : flag_at_)
+    if (!a || a % 8) throw Error(ErrorKind::Invalid, "a flag address is null or not 8-byte aligned");
+}
+
+std::pair<WaitStatus, Future> SlotReceiver::recv(uint64_t k, uint64_t ack_value, size_t ack_local_off,
+                                                 double timeout_s) {
+  if (k == 0 || k > uint64_t(INT64_MAX)) throw Error(ErrorKind::Invalid, "transfer numbers start at 1");
+  const uintptr_t flag = flag_at_[(k - 1) % flag_at_.size()];
+  const bool drive = !window_;  // over UCX the sender's writes are applied by this side's progress
+  if (ack_value && !window_)
+    return ch_->ack_and_receive(local_, ack_local_off, remote_, ack_remote_off_, ack_value, flag, k,
+                                ctl_addr_, generation_, timeout_s, drive);
+  DirectWindow* ack = ack_value ? window_.get() : nullptr;  // a store of 0 would take credits back
+  return {receive_slot(flag, k, ctl_addr_, generation_, ch_.get(), timeout_s, ack, ack_remote_off_,
+                       ack_value, drive),
+          nullptr};
+}
+
 bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, Op* word,
                            const Path& data_path, const Path& word_path, uint64_t value,
                            const RiderPost* rider, bool striped) {

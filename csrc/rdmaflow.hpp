@@ -486,6 +486,39 @@ class SlotSender {
   std::vector<size_t> slot_at_, word_at_, word_remote_at_;
 };
 
+// A pair's receives from its sender with all but the transfer's number and the ack it owes
+// fixed once the sender has introduced itself: transfer k is awaited in slot (k - 1) % depth.
+// An owed ack goes first: over UCX posted as Channel::ack_and_receive does, on one host a store
+// through the sender's window (receive_slot). What a receive takes from the caller is three
+// integers, as SlotSender's send. Not thread-safe: a pair's receives are serialized by its
+// caller.
+class SlotReceiver {
+ public:
+  // window: the sender's region mapped here (same host), or null, when an ack is a write from
+  // local (this receiver's region) to the sender's ack word at remote[ack_remote_off]. One flag
+  // address per slot (their count is the depth); ctl_addr holds the sender's generation.
+  SlotReceiver(std::shared_ptr<Channel> ch, std::shared_ptr<DirectWindow> window,
+               std::shared_ptr<MemRegion> local, std::shared_ptr<RemoteRegion> remote,
+               size_t ack_remote_off, std::vector<uintptr_t> flag_addrs, uintptr_t ctl_addr,
+               uint64_t generation);
+  // Hands back transfer ack_value (0: none owed; over UCX its source word at
+  // local[ack_local_off]), then waits for transfer k (>= 1) as receive_slot does, bounded by
+  // timeout_s, driving the worker over UCX. Returns the wait's status and the ack's future
+  // (null without a posted ack). Blocks; throws like Channel::ack_and_receive.
+  std::pair<WaitStatus, Future> recv(uint64_t k, uint64_t ack_value, size_t ack_local_off,
+                                     double timeout_s);
+
+ private:
+  std::shared_ptr<Channel> ch_;
+  std::shared_ptr<DirectWindow> window_;
+  std::shared_ptr<MemRegion> local_;
+  std::shared_ptr<RemoteRegion> remote_;
+  size_t ack_remote_off_;
+  std::vector<uintptr_t> flag_at_;
+  uintptr_t ctl_addr_;
+  uint64_t generation_;
+};
+
 // The RDMA device (Xue et al. §3.1). Every method may be called from any thread.
 class Device : public std::enable_shared_from_this<Device> {
  public:

@@ -89,6 +89,46 @@ def test_slot_sender(pair):
     assert got[0:16].view(torch.int64).tolist() == [1, 2]
 
 
+def test_slot_receiver(pair):
+    """Channel.slot_receiver: bad arguments raise; recv(k) waits for slot (k - 1) % depth's flag
+    and reports a timeout, a later transfer in the flag and another sender's generation by their
+    codes; an owed ack is written to the sender's word before the wait, over UCX."""
+    _, _, local, remote, ch = pair
+    words = local.tensor(torch.int64, 64)  # flags at words 0 and 8, control word at 16, ack cell at 32
+    words.zero_()
+    base = words.data_ptr()
+    flags, ctl, cell, ack_at = [base, base + 64], base + 128, 256, 4096
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="per slot"):
+        ch.slot_receiver(None, local, remote, ack_at, [], ctl, 7)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="both regions"):
+        ch.slot_receiver(None, None, remote, ack_at, flags, ctl, 7)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="aligned"):
+        ch.slot_receiver(None, local, remote, ack_at, [base + 4, base + 64], ctl, 7)
+    with pytest.raises(rdmaflow.OutOfBoundsError, match="negative"):
+        ch.slot_receiver(None, local, remote, -8, flags, ctl, 7)
+    r = ch.slot_receiver(None, local, remote, ack_at, flags, ctl, 7)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="start at 1"):
+        r.recv(0, 0, 0, 1.0)
+    with pytest.raises(rdmaflow.OutOfBoundsError, match="negative"):
+        r.recv(1, 5, -1, 1.0)
+    words[16] = 7  # the sender's generation
+    words[8] = 2   # transfer 2 landed in slot 1
+    assert r.recv(2, 0, 0, 1.0) == (0, None)
+    assert r.recv(4, 0, 0, 0.05) == (1, None)  # slot 1 still holds transfer 2
+    words[0] = 5
+    assert r.recv(3, 0, 0, 1.0)[0] == 5  # slot 0 holds a later transfer than 3
+    words[16] = 8
+    assert r.recv(2, 0, 0, 1.0)[0] == 4  # another sender introduced itself
+    words[16] = 7
+    code, f = r.recv(2, 9, cell, 1.0)  # hands transfer 9 back, then finds transfer 2
+    assert code == 0
+    f.result(30)
+    assert int(words[cell // 8]) == 9  # the ack's source word
+    back = 512 << 10
+    ch.memcpy(local, back, remote, ack_at, 8, rdmaflow.READ).result(30)
+    assert local.tensor(torch.int64, 1, back)[0].item() == 9  # the sender's ack word
+
+
 def test_zero_length_memcpy_completes(pair):
     _, _, local, remote, ch = pair
     f = ch.memcpy(local, MiB, remote, MiB, 0, rdmaflow.WRITE)

@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError, receive_slot
+from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.arena import arena_of, gpu_ipc_info, map_gpu_ipc
 from rdmaflow.deadline import Deadline
 from rdmaflow.transfer.common import (
@@ -113,6 +113,9 @@ class Receiver(Endpoint):
             raise InvalidArgumentError(f"sender introduction names an ack word outside its arena ({ack_off})")
         channel = self.device.channel(endpoint)
         self._ack_window = channel.direct_window(remote)
+        # Everything a receive passes to the core but the transfer's number and its ack, fixed now.
+        self._slots_rx = channel.slot_receiver(self._ack_window, self.arena.region, remote, ack_off,
+                                               self._flag_addrs, self._ctl_addr, self._generation)
         self._sender = (channel, remote, ack_off)
         return self._sender
 
@@ -132,12 +135,13 @@ class Receiver(Endpoint):
         # each, applied in order).
         self._acked(k, channel.write_flagged(self.arena.region, off, remote, ack_off, 0, off, k, ack_off))
 
-    def _ack_cell(self, deadline: Deadline) -> int:
+    def _ack_cell(self, timeout: float | Deadline | None) -> int:
         """The arena offset of the next ack's source word, once the write that last used it
-        completed (over UCX an ack is a write_flagged, or a rider of one, from its own cell)."""
+        completed, waiting at most ``timeout`` (over UCX an ack is a write_flagged, or a rider of
+        one, from its own cell)."""
         prev = self._ack_futures[self._ack_next]
         if prev is not None:
-            prev.result(deadline.left())
+            prev.result(timeout.left() if isinstance(timeout, Deadline) else timeout)
         return self._ack_block.offset + 8 * self._ack_next
 
     def _acked(self, k: int, future) -> None:
@@ -185,24 +189,18 @@ class Receiver(Endpoint):
         """Waits for transfer ``k`` from the connected sender, first handing back transfer
         ``ack`` (0: none) when that is owed; one call into the core per WAIT_SLICE. Returns
         the slot."""
-        channel, remote, ack_off = self._sender
-        window = self._ack_window if ack else None
         slot = (k - 1) % self.depth
         if isinstance(timeout, Deadline):
             deadline, first = timeout, timeout.slice(WAIT_SLICE)
         else:
             first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
             deadline = None
-        drive = self._ack_window is None  # the sender's puts are applied by this side's progress
-        if ack and window is None:  # over UCX: the ack's post and the wait in one call
-            cell = self._ack_cell(deadline or Deadline(timeout))
-            code, f = channel.ack_and_receive(self.arena.region, cell, remote, ack_off, ack, self._flag_addrs[slot], k,
-                                              self._ctl_addr, self._generation, first, drive)
+        if ack and self._ack_window is None:  # over UCX: the ack's post and the wait in one call
+            code, f = self._slots_rx.recv(k, ack, self._ack_cell(timeout), first)
             self._acked(ack, f)
         else:  # the ack, if any, a store through the window (same host)
-            code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel, first, window,
-                                ack_off, ack, drive)
-            if window is not None:
+            code = self._slots_rx.recv(k, ack, 0, first)[0]
+            if ack:
                 self.acked = ack
         if code == OK:
             return slot
@@ -210,7 +208,7 @@ class Receiver(Endpoint):
             deadline = Deadline(None if timeout is None else timeout - first)
         while True:
             if code == PEER_FAILED:
-                raise peer_failed(f"waiting for transfer {k} on '{self.name}'", channel)
+                raise peer_failed(f"waiting for transfer {k} on '{self.name}'", self._sender[0])
             if code == OTHER_SENDER or self.ctl_ready.get() != self._generation:
                 raise RdmaflowError(
                     f"a second sender introduced itself to '{self.name}': a receiver pairs with one sender"
@@ -220,8 +218,7 @@ class Receiver(Endpoint):
                 raise RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
             if deadline.passed():
                 raise TimeoutError(f"timed out waiting for transfer {k} on '{self.name}'")
-            code = receive_slot(self._flag_addrs[slot], k, self._ctl_addr, self._generation, channel,
-                                deadline.slice(WAIT_SLICE), drive=drive)
+            code = self._slots_rx.recv(k, 0, 0, deadline.slice(WAIT_SLICE))[0]
             if code == OK:
                 return slot
 
