@@ -206,20 +206,11 @@ class StaticSender(Sender):
         and flag in one call into the core with the GIL released (``SlotSender.send``), one call
         per WAIT_SLICE while the credit does not come. ``release`` as in ``send``."""
         k = self.seq + 1
-        slot = (k - 1) % self.depth
-        rider, release_after = (None, None) if release is None else self._hand_back(release, k - self.depth, timeout)
-        prev = self._pending[slot]
-        if prev is not None:
-            if prev[0].done():
-                prev[0].result()  # raises the earlier transfer's error, if any
-            else:
-                self._slot_reusable(slot, timeout)
-        # _host_source's common case inline: each Python call costs a send about 0.1 µs
-        ptr = tensor.data_ptr()
-        if self.mode != "copy" and self._arena_lo <= ptr and ptr + self.nbytes <= self._arena_hi:
-            keep, off = tensor, ptr - self._arena_lo
-        else:
-            keep, off = self._host_source(tensor, slot, self.nbytes)
+        slot, need = (k - 1) % self.depth, k - self.depth
+        rider, release_after = (None, None) if release is None else self._hand_back(release, need, timeout)
+        if self._pending[slot] is not None:
+            self._slot_reusable(slot, timeout)
+        keep, off = self._host_source(tensor, slot, self.nbytes)
         post, extra = (self._slots.send, ()) if rider is None else (self._slots.send_with_rider, rider)
         first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
         code, f = post(k, off, first, *extra)
@@ -231,7 +222,7 @@ class StaticSender(Sender):
                 posted.append(f)
                 return code
 
-            self._send_waiting(code, k - self.depth, attempt, Deadline(None if timeout is None else timeout - first))
+            self._send_waiting(code, need, attempt, Deadline(None if timeout is None else timeout - first))
             f = posted[-1]
         return self._sent(k, slot, f, keep, release, rider, release_after)
 
