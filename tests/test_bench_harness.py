@@ -131,6 +131,19 @@ def test_parse_sizes_and_ratios():
     assert [h.verdict(x, 1.5) for x in (1.5, 1.49, None)] == ["PASS", "MISS", "n/a"]
 
 
+def test_cell_recorders_append_to_the_transports_cells():
+    results = {(n, t, 1024): {"errors": [], "handoff_ns": []} for n in ("a", "b") for t in ("tcp", "sm")}
+    fail, record_phase = h.cell_recorders(results, "sm")
+    fail("a", 1024, "boom")
+    record_phase("b", 1024, 31.0)
+    record_phase("b", 1024, None)
+    assert results[("a", "sm", 1024)] == {"errors": ["boom"], "handoff_ns": []}
+    assert results[("b", "sm", 1024)] == {"errors": [], "handoff_ns": [31.0, None]}
+    assert all(c == {"errors": [], "handoff_ns": []} for (n, t, _), c in results.items() if t == "tcp")
+    with pytest.raises(KeyError):
+        fail("c", 1024, "no such cell")
+
+
 def test_measurements_table_csv_and_plot(tmp_path):
     m = h.Measurements("GB/s")
     for rdma, grpc in ((4.0, 1.0), (6.0, 2.0), (5.0, 1.5)):

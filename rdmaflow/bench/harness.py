@@ -313,6 +313,20 @@ def run_interleaved(systems: Mapping[str, Any], points: Sequence[Any], repeats: 
                 obj.close()
 
 
+def cell_recorders(results: Mapping[tuple[str, str, Any], dict[str, Any]], transport: str
+                   ) -> tuple[Callable[[str, Any, str], None], Callable[[str, Any, float | None], None]]:
+    """:func:`run_interleaved`'s ``fail`` and ``record_phase`` for cells keyed (system,
+    transport, point) that hold an ``errors`` and a ``handoff_ns`` list."""
+
+    def fail(name: str, point: Any, msg: str) -> None:
+        results[(name, transport, point)]["errors"].append(msg)
+
+    def record_phase(name: str, point: Any, handoff: float | None) -> None:
+        results[(name, transport, point)]["handoff_ns"].append(handoff)
+
+    return fail, record_phase
+
+
 def for_each_transport(transports: Sequence[str], run_one: Callable[[str], None], table: Callable[[str], str],
                        save: Callable[[], None]) -> bool:
     """Runs ``run_one(transport)`` for each, then prints ``table(transport)`` and how busy the

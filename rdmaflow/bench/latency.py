@@ -47,6 +47,7 @@ from typing import Any
 
 from rdmaflow.bench.harness import (
     add_settle_argument,
+    cell_recorders,
     cell_status,
     for_each_transport,
     format_size,
@@ -244,12 +245,7 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                 cell[k].append(m[k])
         return f"{m['median_us']:.2f} us one way"
 
-    def fail(name: str, size: int, msg: str) -> None:
-        results[(name, transport, size)]["errors"].append(msg)
-
-    def record_phase(name: str, size: int, handoff: float | None) -> None:
-        results[(name, transport, size)]["handoff_ns"].append(handoff)
-
+    fail, record_phase = cell_recorders(results, transport)
     run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size,
                     phases=HostPhases(settle), record_phase=record_phase)
 

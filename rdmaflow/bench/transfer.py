@@ -121,6 +121,7 @@ from typing import Any
 from rdmaflow.bench._transfer_worker import CONSUME_MODES
 from rdmaflow.bench.harness import (
     add_settle_argument,
+    cell_recorders,
     for_each_transport,
     format_size,
     parse_size,
@@ -255,12 +256,7 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
                 cell["p50_us"].append(m["p50_us"])
             return f"{m['gb_per_s']:.3f} GB/s" + ("" if m["p50_us"] is None else f", p50 {m['p50_us']:.1f} us")
 
-        def fail(name: str, size: int, msg: str) -> None:
-            results[(name, transport, size)]["errors"].append(msg)
-
-        def record_phase(name: str, size: int, handoff: float | None) -> None:
-            results[(name, transport, size)]["handoff_ns"].append(handoff)
-
+        fail, record_phase = cell_recorders(results, transport)
         run_interleaved(objs, sizes, repeats, measure, fail, log, transport, format_size,
                         phases=HostPhases(settle), record_phase=record_phase)
     finally:
