@@ -31,3 +31,9 @@ class Deadline:
     def __repr__(self) -> str:
         left = self.left()
         return "<Deadline never>" if left is None else f"<Deadline in {left:.3f} s>"
+
+
+def time_left(timeout: float | Deadline | None) -> float | None:
+    """Seconds a wait may take: ``timeout`` itself, or what is left of a :class:`Deadline`
+    (None: no limit). For steps that take either form without making a Deadline per call."""
+    return timeout.left() if isinstance(timeout, Deadline) else timeout

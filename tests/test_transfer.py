@@ -32,6 +32,7 @@ from transfer_peer import (
 
 import rdmaflow
 from rdmaflow.arena import ALIGNMENT
+from rdmaflow.deadline import Deadline, time_left
 from rdmaflow.transfer import Arena, DynamicReceiver, DynamicSender, StaticReceiver, StaticSender, wait_any
 from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
 
@@ -143,6 +144,13 @@ def raises_within(exc, seconds: float, fn, *a, **kw):
     took = time.monotonic() - t0
     assert took < seconds, f"{exc.__name__} took {took:.1f} s"
     return ei.value
+
+
+def test_time_left_takes_seconds_or_a_deadline():
+    assert time_left(None) is None and time_left(2.5) == 2.5
+    assert time_left(Deadline(None)) is None
+    assert 9.0 < time_left(Deadline(10.0)) <= 10.0
+    assert time_left(Deadline(-1.0)) == 0.0  # a deadline that passed leaves nothing, never less
 
 
 # ==============================================================================================

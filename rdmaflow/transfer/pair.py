@@ -21,7 +21,7 @@ import torch
 
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.arena import arena_of, gpu_ipc_info, map_gpu_ipc
-from rdmaflow.deadline import Deadline
+from rdmaflow.deadline import Deadline, time_left
 from rdmaflow.transfer.common import (
     CTL_BYTES,
     FLAG_STRIDE,
@@ -141,7 +141,7 @@ class Receiver(Endpoint):
         one, from its own cell)."""
         prev = self._ack_futures[self._ack_next]
         if prev is not None:
-            prev.result(timeout.left() if isinstance(timeout, Deadline) else timeout)
+            prev.result(time_left(timeout))
         return self._ack_block.offset + 8 * self._ack_next
 
     def _acked(self, k: int, future) -> None:

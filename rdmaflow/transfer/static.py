@@ -20,7 +20,7 @@ import torch
 
 from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
 from rdmaflow.arena import arena_of
-from rdmaflow.deadline import Deadline
+from rdmaflow.deadline import Deadline, time_left
 from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
 from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE, peer_failed
@@ -251,7 +251,7 @@ class StaticSender(Sender):
         if prev is not None:
             if not prev[0].done():
                 self.channel.progress_now()
-            prev[0].result(timeout.left() if isinstance(timeout, Deadline) else timeout)
+            prev[0].result(time_left(timeout))
 
     def _host_source(self, tensor: torch.Tensor, slot: int, nbytes: int) -> tuple:
         """(what must stay alive, its arena offset) of a host tensor's ``nbytes``: the tensor
