@@ -6,6 +6,7 @@ whichever process receives checks every tensor it gets, element by element, dtyp
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -1077,6 +1078,46 @@ def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev,
             assert_flagged_path(counts, n, by_message=by_message, words=words)
     assert dev.transfer_counts()["striped"] - before == (n if striped else 0)
     assert theirs["counts"]["striped"] == (n if striped else 0)
+
+
+@pytest.mark.parametrize("nbytes,n", [(8, 2000), (64 * 1024, 1000)])
+def test_racing_sender_and_receiver_sharing_one_core(tpeer, dev, transport, nbytes, n):
+    """The race above with every thread of both processes pinned to one core, as where processes
+    outnumber the cores: a wait must hand that core to the partner whose answer it waits for
+    (wait_word yields between rounds of loads after its first 10 us), else both sides stall
+    until their timeouts. Every element of every tensor is checked, both ways."""
+    peer = tpeer()
+    with sharing_one_core(os.getpid(), peer.proc.pid):
+        race(peer, dev, nbytes, n, direct=transport == "sm")
+
+
+@contextlib.contextmanager
+def sharing_one_core(*pids: int):
+    """Pins every thread of each process in ``pids`` to this process's first allowed core, and
+    gives each thread its former cores back afterwards (a thread started meanwhile, its
+    process's main thread's)."""
+    def threads(pid: int) -> list[int]:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+
+    def cores_of(tid: int) -> set[int] | None:
+        try:
+            return os.sched_getaffinity(tid)
+        except ProcessLookupError:  # a thread that ended since the listing
+            return None
+
+    core = min(os.sched_getaffinity(0))
+    before = {tid: cores for pid in pids for tid in threads(pid) if (cores := cores_of(tid)) is not None}
+    try:
+        for tid in before:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, {core})
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError):
+                for tid in threads(pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.sched_setaffinity(tid, before.get(tid, before[pid]))
 
 
 def test_a_flush_right_after_a_striped_send_covers_both_halves_and_the_flag(tpeer, dev, transport):
