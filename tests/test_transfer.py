@@ -1083,9 +1083,9 @@ def test_racing_sender_and_receiver_never_see_a_flag_before_its_data(tpeer, dev,
 @pytest.mark.parametrize("nbytes,n", [(8, 2000), (64 * 1024, 1000)])
 def test_racing_sender_and_receiver_sharing_one_core(tpeer, dev, transport, nbytes, n):
     """The race above with every thread of both processes pinned to one core, as where processes
-    outnumber the cores: a wait must hand that core to the partner whose answer it waits for
-    (wait_word yields between rounds of loads after its first 10 us), else both sides stall
-    until their timeouts. Every element of every tensor is checked, both ways."""
+    outnumber the cores: the waits, the progress threads and the peer's answers all take turns
+    on that core. Every element of every tensor is checked, both ways, and every wait is the
+    race's bounded one."""
     peer = tpeer()
     with sharing_one_core(os.getpid(), peer.proc.pid):
         race(peer, dev, nbytes, n, direct=transport == "sm")
