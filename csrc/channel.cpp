@@ -495,10 +495,34 @@ bool Channel::post_flagged(ProgressThread* t, Op* data, const Future& data_fut, 
     return false;
   }
   // The word never lands before the data, nor before what the channel posted earlier (mapped
-  // copies are ordered by running in order; one tcp connection by its stream).
-  if (!ch->one_stream_) ucp_worker_fence(t->handle());
+  // copies are ordered by running in order; one tcp connection by its stream). A word alone
+  // behind UCX operations still in flight waits in the deferred queue for a flush requested
+  // now, which covers them, instead of behind UCX's strong fence: that fence spins in
+  // ucp_worker_progress until they complete, which on a core shared with the peer is until the
+  // scheduler preempts it (docs/benchmarks.md).
+  if (!ch->one_stream_ && (ch->rma_pending_ != 0 || ch->am_pending_ != 0)) {
+    ch->deferred_.push_back({word, word_path.local_off, word_path.remote_off, ch->flush_barrier(t)});
+    t->note_deferred(ch);
+    return false;
+  }
   if (!word_path.same_host(t, word)) word_path.ucx(t, word);
   return false;
+}
+
+Future Channel::flush_barrier(ProgressThread* t, Future fut) {
+  if (!fut) fut = std::make_shared<FutureState>();
+  Op* op = new Op;
+  op->fut = fut;
+  op->ch = shared_from_this();
+  t->track(op);
+  op->pending = 1;
+  if (!ensure_ep()) {
+    t->op_note(op, UCS_ERR_CONNECTION_RESET);
+    return fut;
+  }
+  unflushed_.push_back(op);  // completed by the next flush of this endpoint (flush_dirty)
+  t->mark_dirty(this);
+  return fut;
 }
 
 void Channel::pop_deferred() {
@@ -549,25 +573,12 @@ Future Channel::flush(Callback cb) {
   if (failed_.load()) throw Error(ErrorKind::Peer, error());
   auto fut = std::make_shared<FutureState>();
   fut->on_complete = std::move(cb);
-  Op* op = new Op;
-  op->fut = fut;
-  op->ch = shared_from_this();
   ProgressThread* t = thread_;
-  if (!t->post_inline([op, t] {
-        Channel* ch = op->ch.get();
-        t->track(op);
-        op->pending = 1;
+  if (!t->post_inline([fut, t, ch = shared_from_this()] {
         ch->post_ready_words(t, true);  // the flush covers the words still waiting for their data
-        if (!ch->ensure_ep()) {
-          t->op_note(op, UCS_ERR_CONNECTION_RESET);
-          return;
-        }
-        ch->unflushed_.push_back(op);
-        t->mark_dirty(ch);
-      })) {
-    delete op;
+        ch->flush_barrier(t, fut);
+      }))
     throw Error(ErrorKind::Closed, "device is closed");
-  }
   return fut;
 }
 

@@ -256,9 +256,12 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // posted before the call, and after the word of every earlier write_flagged on the channel;
   // operations posted later may land before it, unless a fence() stands between. Over UCX
   // puts the word is put once the data's endpoint flush has completed, or right behind the
-  // data on an endpoint that is one tcp connection (FlaggedWrites). The future completes when
-  // both are visible at the peer, or on the message path (n of at most 512 KiB) when its
-  // messages have left: the word itself tells the peer. It fails if either part failed.
+  // data on an endpoint that is one tcp connection (FlaggedWrites); a word alone (n == 0) on
+  // another endpoint, while UCX operations of the channel are in flight, once a flush requested
+  // at its post has completed (never behind UCX's strong fence, which would spin the posting
+  // thread). The future completes when both are visible at the peer, or on the message path
+  // (n of at most 512 KiB) when its messages have left: the word itself tells the peer. It
+  // fails if either part failed.
   // Throws like memcpy for either range.
   //
   // The word may live in other regions than the data (word_local, word_remote; null: the data's):
@@ -445,6 +448,11 @@ class Channel : public std::enable_shared_from_this<Channel> {
   // whose data failed. now: puts every deferred word at once, each behind a fence (for fence()
   // and flush(), which cover them). Progress thread.
   void post_ready_words(ProgressThread* t, bool now = false);
+  // Completes fut (null: a new one, returned) once a flush of this endpoint requested now has
+  // completed, i.e. once every UCX operation posted on it before the call has; fails it when
+  // the endpoint cannot be made. flush()'s, and a word alone's wait (post_flagged). Progress
+  // thread.
+  Future flush_barrier(ProgressThread* t, Future fut = nullptr);
   // Shared state.
   // Striped writes posted, and those whose word has left the deferred queue (drain_striped).
   std::atomic<uint64_t> striped_posted_{0}, striped_flagged_{0};

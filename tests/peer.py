@@ -74,9 +74,11 @@ def main() -> None:
                 # Polls an 8-byte marker until it reaches `until`: each time it has moved, the
                 # 8-byte flag must be at least as far (a WRITE posted after a fence lands after
                 # everything before the fence). Answers how often it was not, and how many
-                # marker values were seen. flag_name: the flag is word 0 of that region instead.
+                # marker values were seen. flag_name: the flag is in that region instead;
+                # flag_at: the flag's byte offset there (default 0).
                 words = regions[cmd["name"]].tensor(torch.int64, 2)
-                flags = regions[cmd.get("flag_name", cmd["name"])].tensor(torch.int64, 1)
+                flag_region = regions[cmd.get("flag_name", cmd["name"])]
+                flags = flag_region.tensor(torch.int64, flag_region.nbytes // 8)[cmd.get("flag_at", 0) // 8:]
                 marker, seen, behind = 0, 0, 0
                 end = time.monotonic() + cmd["seconds"]
                 while marker < cmd["until"] and time.monotonic() < end:

@@ -372,6 +372,51 @@ def test_fence_covers_flags_waiting_for_their_data(spawn_peer):
         assert box[0]["behind"] == 0, f"a WRITE posted after fence() landed before the flag: {box[0]}"
 
 
+@pytest.mark.parametrize("transport,lanes", [("tcp", 1), ("tcp", 2), ("sm-cma", 1)], indirect=["transport"])
+def test_a_word_alone_lands_after_the_writes_before_it(spawn_peer, transport, lanes, monkeypatch):
+    """A plain WRITE of 4 MiB whose last word is a counter, then at once a word alone
+    (write_flagged of 0 bytes, as a receiver's ack) into another region, with no fence or flush
+    between them: the peer, polling the word, never sees it ahead of the counter. With the put
+    path forced (flagged_writes="put"; no endpoint counts as one stream), over one tcp lane, two
+    tcp lanes and sm-cma, a word whose WRITE is still in flight waits in the deferred queue for
+    a flush that covers it; UCX's strong fence used to stand there, spinning the caller's
+    thread."""
+    if lanes == 2:  # a tcp lane on loopback and one on another interface: no one stream
+        other = next((n for n in sorted(os.listdir("/sys/class/net")) if n != "lo"), None)
+        if other is None:
+            pytest.skip("no network interface besides loopback")
+        monkeypatch.setenv("UCX_NET_DEVICES", f"lo,{other}")
+    peer = spawn_peer()
+    size, rounds = 4 * MiB, 24
+    peer.call("alloc", name="d", nbytes=size)
+    peer.call("alloc", name="mark", nbytes=4096)
+    with local_device(flagged_writes="put") as dev:
+        local = dev.alloc_region(size + 4096)
+        counter = local.tensor(torch.int64, size // 8)  # its last word is the counter's source;
+        # the word's source is at size + 8 (write_flagged stores it)
+        remote, mark = dev.lookup_region(peer.endpoint, "d"), dev.lookup_region(peer.endpoint, "mark")
+        ch = dev.channel(peer.endpoint)
+        box: list = []
+        watcher = threading.Thread(target=lambda: box.append(peer.call(
+            "watch", 90, name="mark", flag_name="d", flag_at=size - 8, until=rounds, seconds=60)))
+        watcher.start()
+        before = dev.transfer_counts()
+        for k in range(1, rounds + 1):
+            counter[-1] = k
+            w = ch.memcpy(local, 0, remote, 0, size, rdmaflow.WRITE)
+            f = ch.write_flagged(local, 0, mark, 0, 0, size + 8, k, 8)
+            w.result(30)
+            f.result(30)
+        watcher.join(100)
+        assert box, "the peer did not answer"
+        assert box[0]["marker"] == rounds, box[0]
+        assert box[0]["behind"] == 0, f"a word alone landed before the WRITE posted ahead of it: {box[0]}"
+        waited = dev.transfer_counts()["word_after_flush"] - before["word_after_flush"]
+        # Words that found their WRITE still in flight waited for a flush (the others found it
+        # complete); with the strong fence instead, none counted here.
+        assert waited > 0, waited
+
+
 def test_region_tensor_views_share_memory(job_secret):
     with local_device() as dev:
         r = dev.alloc_region(1024)
