@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 
 #include "internal.hpp"
@@ -78,6 +79,12 @@ std::shared_ptr<MemRegion> Device::alloc_region(size_t nbytes) {
   check_open();
   if (nbytes == 0) throw Error(ErrorKind::Invalid, "cannot allocate a region of 0 bytes");
   long page = sysconf(_SC_PAGESIZE);
+  // Faulting in more than the host has would fill its memory, then swap, for as long as it takes.
+  const uint64_t host_bytes = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(page);
+  if (host_bytes && nbytes > host_bytes)
+    throw Error(ErrorKind::Full, "cannot allocate a region of " + std::to_string(nbytes) +
+                                     " bytes: this host has " + std::to_string(host_bytes) +
+                                     " bytes of memory");
   size_t len = (nbytes + page - 1) / page * page;
   auto mem = std::make_shared<RegionMemory>();  // unmaps (and closes the memfd) on any throw
   mem->length = nbytes;
@@ -125,8 +132,12 @@ std::shared_ptr<MemRegion> Device::alloc_region(size_t nbytes) {
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
-  if (madvise(p, len, MADV_POPULATE_WRITE) != 0)
-    for (size_t off = 0; off < len; off += size_t(page)) p[off] = 0;
+  if (madvise(p, len, MADV_POPULATE_WRITE) != 0) {
+    if (errno == ENOMEM)
+      throw Error(ErrorKind::Full, "cannot allocate a region of " + std::to_string(nbytes) +
+                                       " bytes: the host ran out of memory faulting it in");
+    for (size_t off = 0; off < len; off += size_t(page)) p[off] = 0;  // a kernel without populate
+  }
   return register_region(reinterpret_cast<uintptr_t>(p), nbytes, mem);
 }
 

@@ -1,19 +1,42 @@
 """Deadlines: every wait in the library is bounded by one of these."""
 from __future__ import annotations
 
+import math
 import time
+
+from rdmaflow._core import InvalidArgumentError
+
+
+def checked_timeout(timeout, what: str = "timeout") -> float | None:
+    """``timeout`` as seconds (a float), or None for no limit: None and infinity. Raises
+    InvalidArgumentError for what is not a number of seconds (NaN, a bool, a string), where
+    a wait would otherwise never end or end at once by accident."""
+    if timeout is None:
+        return None
+    if type(timeout) is not float:
+        if isinstance(timeout, (bool, str, bytes)):
+            raise InvalidArgumentError(f"{what} must be a number of seconds or None, got {timeout!r}")
+        try:
+            timeout = float(timeout)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"{what} must be a number of seconds or None, got {timeout!r}") from None
+    if math.isnan(timeout):
+        raise InvalidArgumentError(f"{what} must be a number of seconds or None, got nan")
+    return None if timeout == math.inf else timeout
 
 
 class Deadline:
     """The moment a bounded wait gives up; ``Deadline(None)`` never comes.
 
     Made once per operation and handed down, so that the steps of one operation share its
-    timeout instead of each getting the whole of it.
+    timeout instead of each getting the whole of it. ``timeout``: what it was made with, for
+    messages. Raises InvalidArgumentError for a timeout that is not a number of seconds.
     """
 
-    __slots__ = ("at",)
+    __slots__ = ("at", "timeout")
 
     def __init__(self, timeout: float | None):
+        self.timeout = timeout = checked_timeout(timeout)
         self.at = None if timeout is None else time.monotonic() + timeout
 
     def left(self) -> float | None:

@@ -404,3 +404,27 @@ def test_bad_device_arguments(monkeypatch):
             r.tensor(torch.float32, 2, offset=2)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="callable"):
             d.channel(d.endpoint).memcpy(r, 0, rdmaflow.RemoteRegion.from_descriptor(r.descriptor()), 0, 4, rdmaflow.WRITE, callback=3)
+
+
+def test_timeouts_that_are_not_seconds_are_refused():
+    """A deadline made from NaN would never pass and one from a word would pass by accident:
+    both are refused. Infinity is no limit, as None is."""
+    from rdmaflow.deadline import Deadline, checked_timeout
+
+    for bad in (float("nan"), "3", b"3", True, object()):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="timeout must be a number of seconds or None"):
+            Deadline(bad)
+    assert checked_timeout(float("inf")) is None and Deadline(float("inf")).left() is None
+    assert checked_timeout(2) == 2.0 and Deadline(None).timeout is None
+    d = Deadline(-1)
+    assert d.passed() and d.left() == 0.0 and d.timeout == -1.0
+
+
+def test_a_region_larger_than_the_host_is_refused_at_once(job_secret):
+    """Faulting in more memory than the host has would fill it, then swap, without end."""
+    with local_device() as dev:
+        with pytest.raises(rdmaflow.ArenaFullError, match="this host has .* bytes of memory"):
+            dev.alloc_region(1 << 50)
+        with pytest.raises(rdmaflow.ArenaFullError, match="this host has"):
+            dev.create_arena(1 << 50)
+        assert dev.alloc_region(4096).nbytes == 4096

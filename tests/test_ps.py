@@ -662,3 +662,47 @@ def test_root_cause_worker_reports_abort_reason():
     with pytest.raises(Exception) as e:
         w._wait_word(0, 1, "the initial weights")
     assert reason in str(e.value)
+
+
+def test_worker_arguments_are_checked_before_joining():
+    """A DistributedOptimizer's counts must be integers: InvalidArgumentError naming the
+    argument, before the worker touches the job."""
+    from types import SimpleNamespace
+
+    import rdmaflow
+    from rdmaflow.ps.worker import Worker
+
+    ctx = SimpleNamespace(role=SimpleNamespace(num_workers=2))
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kw, name in [({"mode": "bounded", "staleness": "2"}, "staleness"), ({"mode": "bounded", "staleness": None},
+                     "staleness"), ({"min_workers": "1"}, "min_workers"), ({"min_workers": 1.5}, "min_workers"),
+                     ({"checkpoint_every": None}, "checkpoint_every"), ({"block_bytes": 2.0}, "block_bytes"),
+                     ({"log_every": True}, "log_every")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer"):
+            Worker(ctx, model, opt, **kw)
+    closed = Worker.__new__(Worker)
+    closed._closed = True
+    for call, op in [(lambda: closed.push_range(0, 4), "push_range"), (lambda: closed.wait_range(0, 4), "wait_range"),
+                     (closed.zero_grad, "zero_grad"), (closed.step, "step")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{op}: this parameter-server worker is closed"):
+            call()
+
+
+def test_init_refuses_timeouts_that_are_not_seconds(monkeypatch):
+    """ps.init's timeouts bound every wait of the job: NaN, zero, a negative, infinity or a word
+    is refused before the job is joined, naming the argument or the variable."""
+    import rdmaflow
+    from rdmaflow import ps
+
+    for kw, name in [({"timeout": float("nan")}, "timeout"), ({"timeout": -1}, "timeout"),
+                     ({"step_timeout": 0}, "step_timeout"), ({"step_timeout": float("inf")}, "step_timeout"),
+                     ({"timeout": "60"}, "timeout")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=f"^{name} must be a positive, finite number"):
+            ps.init(**kw)
+    monkeypatch.setenv("RDMAFLOW_PS_TIMEOUT", "abc")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$RDMAFLOW_PS_TIMEOUT must be a number"):
+        ps.init()
+    monkeypatch.setenv("RDMAFLOW_PS_TIMEOUT", "nan")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$RDMAFLOW_PS_TIMEOUT must be a positive"):
+        ps.init()

@@ -63,6 +63,11 @@ bad = {
     "key_not_int": lambda: kv.pull(["a"]),
     "negative_key": lambda: kv.pull([-1]),
     "bad_handle": lambda: kv.wait("nope"),
+    "push_without_values": lambda: kv.push([0, 1], None),
+    "batched_push_without_values": lambda: kv.push(torch.tensor([0]), None),
+    "push_a_number": lambda: kv.push([0, 1], 5),
+    "nan_timeout": lambda: kv.barrier(timeout=float("nan")),
+    "string_timeout": lambda: kv.barrier(timeout="3"),
 }
 errors = {}
 for name, fn in bad.items():
@@ -74,12 +79,21 @@ for name, fn in bad.items():
     except Exception as e:  # noqa: BLE001
         errors[name] = f"{type(e).__name__}: {e}"
 
-# Read-your-writes: a pull right after a push (no wait in between) sees it.
+# Requests of no keys, cut over both shards: nothing to move.
+empty = [kv.wait(kv.push([], [])), kv.wait(kv.pull([])), kv.wait(kv.pull(torch.tensor([], dtype=torch.int64))).tolist()]
+
+# Read-your-writes: a pull right after a push (no wait in between) sees it. Every third push is
+# of a tensor that requires grad, and pulls go into such tensors too (a model's parameters).
 mine, acc, ryw = 100 + w, float(100 + w), []
 for i in range(15):
-    kv.push(mine, torch.full((5,), float(i + 1)))
+    kv.push(mine, torch.full((5,), float(i + 1), requires_grad=i % 3 == 0))
     acc += i + 1
-    got = kv.wait(kv.pull(mine))
+    if i % 3 == 1:
+        got = kv.wait(kv.pull(mine, torch.zeros(5, requires_grad=True)))
+    elif i % 3 == 2:
+        got = kv.wait(kv.pull(torch.tensor([mine]), torch.zeros(5, requires_grad=True)))
+    else:
+        got = kv.wait(kv.pull(mine))
     ryw.append([acc, got.tolist()])
 
 # Concurrent pushes to overlapping keys; meanwhile pulls must never see a half-applied value.
@@ -110,8 +124,13 @@ sums = {k: sorted(set(t.flatten().tolist())) for k, t in zip(KEYS, got)}
 private = {k: sorted(set(kv.wait(kv.pull(k)).tolist())) for k in PRIVATE}
 kv.barrier()
 kv.close()
+try:
+    ps.KVStore(keys, shapes, torch.float32)
+    errors["kvstore_after_close"] = "no error"
+except _core.InvalidArgumentError:
+    errors["kvstore_after_close"] = "ok"
 report(worker=w, errors=errors, ryw=ryw, torn=torn, sums=sums, expect=expect, private=private,
-       outs_returned=same, zero_copy=kv.stats["zero_copy"])
+       outs_returned=same, zero_copy=kv.stats["zero_copy"], empty=empty)
 """
 
 # 2 workers x 1 shard with a user-defined handler.
@@ -470,6 +489,22 @@ def test_read_your_writes(jobs):
 def test_bad_input_raises_at_the_call(jobs):
     for r in finished_ok(jobs("sums")):
         assert r["errors"] == {k: "ok" for k in r["errors"]}, r["errors"]
+        assert "kvstore_after_close" in r["errors"] and "nan_timeout" in r["errors"]
+        assert r["empty"] == [None, [], []], "requests of no keys move nothing and return nothing"
+
+
+def test_a_handlers_value_of_another_shape_is_refused():
+    """copy_ would broadcast a smaller tensor over a key's values: the shard refuses it instead."""
+    import torch
+
+    from rdmaflow.ps.kv_server import KVShard
+    from rdmaflow.ps.shard import ShardFailure
+
+    stored = torch.zeros(3)
+    with pytest.raises(ShardFailure, match=r"shape \[\] for key 0, whose values are of shape \[3\]"):
+        KVShard._store_returned(torch.tensor(6.0), stored, "key 0")
+    KVShard._store_returned(torch.full((3,), 2.0), stored, "key 0")
+    assert stored.tolist() == [2.0, 2.0, 2.0]
 
 
 def test_custom_handler(jobs):

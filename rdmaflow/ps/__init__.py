@@ -19,6 +19,8 @@ way (``model.cuda()`` before wrapping it); ``shard_device="cuda"`` puts the shar
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import sys
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ class PSContext:
     device: Device
     timeout: float
     step_timeout: float
+    kv_state: str | None = None  # this job's KVStore: None (none made yet), "open" or "closed"
 
     @property
     def is_shard(self) -> bool:
@@ -59,6 +62,22 @@ class PSContext:
 _CTX: PSContext | None = None
 
 
+def _seconds(value, name: str, env: str, default: float) -> float:
+    """A timeout of ``init``: ``value``, else ``$env``, else ``default``; a positive, finite
+    number of seconds (every wait of the job is bounded by one), else InvalidArgumentError."""
+    if value is None and os.environ.get(env):
+        value, name = os.environ[env], f"${env}"
+        try:
+            value = float(value)
+        except ValueError:
+            raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}") from None
+    elif value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise InvalidArgumentError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
+
+
 def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,
          kv_handler=None, kv_batch_handler=None) -> PSContext:
     """Joins the job. On a shard this serves until every worker is done, then exits the process
@@ -69,8 +88,8 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py)."""
     global _CTX
     check_handlers(kv_handler, kv_batch_handler)
-    timeout = float(os.environ.get("RDMAFLOW_PS_TIMEOUT", "60")) if timeout is None else timeout
-    step_timeout = float(os.environ.get("RDMAFLOW_PS_STEP_TIMEOUT", "300")) if step_timeout is None else step_timeout
+    timeout = _seconds(timeout, "timeout", "RDMAFLOW_PS_TIMEOUT", 60.0)
+    step_timeout = _seconds(step_timeout, "step_timeout", "RDMAFLOW_PS_STEP_TIMEOUT", 300.0)
     role = resolve_role()
     secret = job_secret()
     store = Store(role, timeout)

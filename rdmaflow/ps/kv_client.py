@@ -7,7 +7,7 @@ import json
 import torch
 
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
-from rdmaflow.deadline import Deadline
+from rdmaflow.deadline import Deadline, checked_timeout
 from rdmaflow.ps.context import dumps
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
 from rdmaflow.ps.kv_request import Request, short
@@ -53,9 +53,6 @@ class _PullPart:
         self.done = False
 
 
-_ACTIVE: set[int] = set()  # ids of contexts that already hold a KVStore
-
-
 class KVStore:
     """The worker's end of the key-value API. Construct it on every worker with the same
     declaration (``keys``, ``shapes``, ``dtype``); ``init`` (worker 0 only, others ignore it)
@@ -71,14 +68,17 @@ class KVStore:
             raise InvalidArgumentError("call rdmaflow.ps.init() first")
         if not ctx.is_worker:
             raise InvalidArgumentError("KVStore runs on workers; this process is a shard")
-        if id(ctx) in _ACTIVE:
+        if ctx.kv_state == "open":
             raise InvalidArgumentError("this job already has a KVStore: declare every key in one KVStore")
+        if ctx.kv_state == "closed":
+            raise InvalidArgumentError("this job's KVStore was closed, and its shards finished with it: "
+                                       "a job has one KVStore")
         self.ctx, self.role, self.id = ctx, ctx.role, ctx.role.index
         self.store, self.dev = ctx.store, ctx.device
-        self.timeout = ctx.step_timeout if timeout is None else float(timeout)
+        self.timeout = ctx.step_timeout if timeout is None else checked_timeout(timeout)
         self._closed = False
         self.stats = {"pushes": 0, "pulls": 0, "barriers": 0, "zero_copy": 0}
-        _ACTIVE.add(id(ctx))
+        ctx.kv_state = "open"
         try:  # a bad declaration aborts the job too: the other processes would wait for this one
             try:
                 keys = list(keys.tolist() if isinstance(keys, torch.Tensor) else keys)
@@ -93,7 +93,7 @@ class KVStore:
             # consequence of the job's abort: then that is what to report.
             reason = self.store.fail_with(f"worker {self.id}: {e}")
             self.store.count_out()
-            _ACTIVE.discard(id(ctx))
+            ctx.kv_state = None
             if reason and isinstance(e, PeerError):
                 raise WorkerFailure(f"the job was aborted: {reason}") from e
             raise
@@ -154,7 +154,8 @@ class KVStore:
             for s, js in enumerate(spec.shard_keys):
                 if js:
                     staged = self._stage_values(s, len(js), spec.shards[s].elements)
-                    torch.cat([init[j].reshape(-1) for j in js], out=staged)
+                    with torch.no_grad():  # init may be the model's parameters
+                        torch.cat([init[j].reshape(-1) for j in js], out=staged)
         self.push_seq = [0] * ns
         self.pull_seq = [0] * ns
         self.barrier_seq = 0
@@ -221,7 +222,7 @@ class KVStore:
 
     def _wait_word(self, words: torch.Tensor, j: int, value: int, s: int, what: str, deadline: Deadline) -> None:
         def timed_out():
-            raise TimeoutError(f"shard {s} did not answer {what} within {self.timeout:g} s")
+            raise TimeoutError(f"worker {self.id} waited {deadline.timeout:g} s for {what} (shard {s}) in vain")
 
         wait_flag(Word(words[j : j + 1]), value, deadline, what, give_up=lambda: self._shard_gave_up(s, what),
                   abort_reason=self._abort_reason, aborted=WorkerFailure, on_timeout=timed_out)
@@ -232,7 +233,7 @@ class KVStore:
             try:
                 f.result(deadline.left())
             except TimeoutError:
-                raise TimeoutError(f"{what} did not reach shard {s} within {self.timeout:g} s") from None
+                raise TimeoutError(f"{what} did not reach shard {s} within {deadline.timeout:g} s") from None
             except PeerError as e:
                 raise self._fail(f"shard {s} at {self.shards[s]['ep']} died while worker {self.id} waited "
                                  f"for {what}: {e}", dead_shard=s) from None
@@ -305,10 +306,11 @@ class KVStore:
         stage = L.push_stage[s]
         head = self._stage_indices(stage, rows)
         out = self._stage_values(s, len(rows), copied_elements)
-        if values is not None:
-            out.copy_(values)
-        elif n_copied:
-            torch.cat([req.tensors[p].reshape(-1) for p in order[:n_copied].tolist()], out=out)
+        with torch.no_grad():  # the values, whether or not the tensors require grad
+            if values is not None:
+                out.copy_(values)
+            elif n_copied:
+                torch.cat([req.tensors[p].reshape(-1) for p in order[:n_copied].tolist()], out=out)
         remote = spec.shards[s].push(self.id)
         nbytes = head + copied_elements * spec.itemsize
         h._futs.append(self._write(s, self.base + stage, remote, nbytes, "push"))
@@ -362,13 +364,14 @@ class KVStore:
         landing = self.layout.landing[s]
         n = part.values.numel() if part.positions is None else len(part.positions)
         got = self.raw[landing : landing + n * self.spec.itemsize].view(self.dtype)
-        if part.positions is None:
-            part.values.copy_(got)
-        else:
-            part.values.index_copy_(0, part.positions, got)
         part.done = True
         if self._pending[s] is part:
             self._pending[s] = None
+        with torch.no_grad():  # into tensors that may require grad (parameters): values, not autograd ops
+            if part.positions is None:
+                part.values.copy_(got)
+            else:
+                part.values.index_copy_(0, part.positions, got)
 
     def wait(self, handle: KVHandle, timeout: float | None = None):
         """Waits until ``handle`` completed. A push: its values are at the shards (visible to
@@ -380,7 +383,7 @@ class KVStore:
                 f"wait() takes a handle from push() or pull(), got {type(handle).__name__}")
         if handle.done:
             return handle._result
-        deadline = Deadline(self.timeout if timeout is None else float(timeout))
+        deadline = Deadline(self.timeout if timeout is None else timeout)
         what = f"{handle.kind} of keys {short(handle.keys)}"
         self._wait_futures(handle._futs, deadline, what)
         if handle.kind == "pull":
@@ -397,9 +400,10 @@ class KVStore:
         if req.batched:
             return flat
         spec, out = self.spec, []
-        for j, off, numel, given in zip(req.j.tolist(), req.offsets.tolist(), req.numels.tolist(), req.tensors):
-            value = flat[off : off + numel].view(spec.shapes[j])
-            out.append(value if given is None else given.copy_(value))
+        with torch.no_grad():
+            for j, off, numel, given in zip(req.j.tolist(), req.offsets.tolist(), req.numels.tolist(), req.tensors):
+                value = flat[off : off + numel].view(spec.shapes[j])
+                out.append(value if given is None else given.copy_(value))
         return out[0] if req.single else out
 
     def push_pull(self, keys, tensors, outs=None):
@@ -412,7 +416,7 @@ class KVStore:
         it are visible to pulls made after it. One-sided, through shard 0."""
         if self._closed:
             raise InvalidArgumentError("barrier: this KVStore is closed")
-        deadline = Deadline(self.timeout if timeout is None else float(timeout))
+        deadline = Deadline(self.timeout if timeout is None else timeout)
         self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
         self._unflushed = []
         self.barrier_seq += 1
@@ -436,8 +440,8 @@ class KVStore:
         if self._closed:
             return
         self._closed = True
-        _ACTIVE.discard(id(self.ctx))
-        deadline = Deadline(min(self.timeout, 30.0))
+        self.ctx.kv_state = "closed"
+        deadline = Deadline(30.0 if self.timeout is None else min(self.timeout, 30.0))
         try:
             for part in self._pending:
                 if part is not None:

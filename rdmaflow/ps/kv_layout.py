@@ -65,6 +65,9 @@ def declaration(keys, shapes, dtype) -> dict:
         if k in seen:
             raise InvalidArgumentError(f"key {k} is declared twice")
         seen[k] = _shape(s, k)
+    nbytes = sum(math.prod(s) for s in seen.values()) * dtype.itemsize
+    if nbytes >= 1 << 62:  # past what the layout's 64-bit offsets hold
+        raise InvalidArgumentError(f"the declared keys hold {nbytes} bytes of {dtype_name(dtype)} values: too many")
     return {"dtype": dtype_name(dtype), "keys": [[k, list(seen[k])] for k in sorted(seen)]}
 
 

@@ -83,6 +83,9 @@ class Request:
         if flat is None and optional:
             return
         want = (self.elements,)
+        if not isinstance(flat, torch.Tensor):
+            raise InvalidArgumentError(f"{self.op}: the values of {len(self)} keys are one "
+                                       f"{describe(want, self.spec.dtype)} tensor, got {type(flat).__name__}")
         if flat.dtype != self.spec.dtype or tuple(flat.shape) != want:
             expected = describe(want, self.spec.dtype)
             raise InvalidArgumentError(f"{self.op}: the values of {len(self)} keys are one {expected} tensor, "
@@ -94,6 +97,9 @@ class Request:
         if tensors is None and optional:
             self.tensors = [None] * len(self.j)
             return
+        if tensors is None or not (self.single or isinstance(tensors, (torch.Tensor, list, tuple))):
+            raise InvalidArgumentError(f"{self.op}: the values of keys {short(self.keys)} are one tensor per key "
+                                       f"(a list), got {type(tensors).__name__}")
         tensors = [tensors] if self.single or isinstance(tensors, torch.Tensor) else list(tensors)
         if len(tensors) != len(self.j):
             raise InvalidArgumentError(f"{self.op}: {len(self.j)} keys but {len(tensors)} tensors")
@@ -118,9 +124,11 @@ class Request:
     def by_shard(self) -> list[tuple[int, torch.Tensor | None]]:
         """(shard, the request positions of its keys) for every shard the request names; None
         for positions when the request's keys all go to that one shard."""
+        if not len(self.j):
+            return []
         shards = self.spec.shard_tensor.index_select(0, self.j)
         if self.spec.ns == 1 or bool((shards == shards[0]).all()):
-            return [(int(shards[0]), None)] if len(self.j) else []
+            return [(int(shards[0]), None)]
         return [(s, torch.nonzero(shards == s).flatten()) for s in range(self.spec.ns) if bool((shards == s).any())]
 
     def element_positions(self, positions: torch.Tensor) -> torch.Tensor:

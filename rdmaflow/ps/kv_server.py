@@ -201,6 +201,9 @@ class KVShard:
         if not isinstance(ret, torch.Tensor):
             raise ShardFailure(f"the kv handler returned {type(ret).__name__} for {what}: "
                                "update `stored` in place and return None, or return a tensor")
+        if ret.shape != stored.shape:  # copy_ would broadcast a smaller one over every value
+            raise ShardFailure(f"the kv handler returned a tensor of shape {list(ret.shape)} for {what}, whose "
+                               f"values are of shape {list(stored.shape)}")
         try:
             stored.copy_(ret)
         except RuntimeError as e:

@@ -24,6 +24,7 @@ that needs it runs (iRDMA's weights from a host copy).
 from __future__ import annotations
 
 import json
+import operator
 import os
 import sys
 import threading
@@ -58,6 +59,16 @@ SHARD_DEVICES = ("cpu", "cuda")
 EMA = 0.3  # weight of the newest sample in the moving averages of adaptive pulling
 
 
+def _whole(value, what: str) -> int:
+    """``value`` as an int, else InvalidArgumentError naming ``what`` (a bool is not a count)."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
+
+
 class WorkerFailure(RdmaflowError):
     pass
 
@@ -86,12 +97,14 @@ class Worker:
                  log_every: int = 0, progress: bool | None = None, shard_device: str | None = None):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+        staleness, block_bytes = _whole(staleness, "staleness"), _whole(block_bytes, "block_bytes")
+        checkpoint_every, log_every = _whole(checkpoint_every, "checkpoint_every"), _whole(log_every, "log_every")
         if mode == "bounded" and staleness < 0:
             raise InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
         nw = ctx.role.num_workers
         if min_workers is None and os.environ.get("RDMAFLOW_MIN_WORKERS"):
             min_workers = int(os.environ["RDMAFLOW_MIN_WORKERS"])  # rdmaflow launch --min-workers
-        if min_workers is not None and not 1 <= min_workers <= nw:
+        if min_workers is not None and not 1 <= _whole(min_workers, "min_workers") <= nw:
             raise InvalidArgumentError(f"min_workers must be between 1 and the {nw} workers, got {min_workers}")
         if checkpoint_every < 0:
             raise InvalidArgumentError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
@@ -411,6 +424,9 @@ class Worker:
         landed (within ``timeout`` seconds, default the step timeout). Then those weights can be
         read whole, and the shards have read every gradient element of the last step there, so
         the next step's gradient may be written and pushed into them. Thread-safe."""
+        self._check_open("wait_range")
+        lo, hi = _whole(lo, "wait_range's start"), _whole(hi, "wait_range's stop")
+        deadline = Deadline(self.ctx.step_timeout if timeout is None else timeout)
         if self._ready:
             return
         v = self._version
@@ -418,10 +434,8 @@ class Worker:
         for i in self._units_in(lo, hi):
             s = self.units[i].shard
             need[s] = max(need.get(s, 0), self.chunk_of[i])
-        timeout = self.ctx.step_timeout if timeout is None else timeout
-        deadline = Deadline(timeout)
         for s, k in sorted(need.items()):
-            self._wait_reply(s, progress(v, k), f"the weights of version {v}", deadline, timeout)
+            self._wait_reply(s, progress(v, k), f"the weights of version {v}", deadline, deadline.timeout)
 
     def _wait_reply(self, s: int, target: int, what: str, deadline: Deadline, timeout: float) -> None:
         """Waits until shard s's reply word reaches ``target``. Of the threads waiting on one
@@ -463,6 +477,8 @@ class Worker:
         the gradient buffer itself (the file view) and wants it on the wire before ``step()``:
         ``step()`` then sends again only the units that these ranges did not cover exactly once.
         Without overlap only, after ``wait_range(lo, hi)``. Thread-safe."""
+        self._check_open("push_range")
+        lo, hi = _whole(lo, "push_range's start"), _whole(hi, "push_range's stop")
         if self.overlap:
             raise InvalidArgumentError("push_range needs overlap=False (overlap pushes units from backward)")
         t, isz = self.step_count + 1, self.itemsize
@@ -663,13 +679,16 @@ class Worker:
         self._request_pull(t + 1, bubble)
 
     # -- the step -----------------------------------------------------------------------------
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise InvalidArgumentError(f"{op}: this parameter-server worker is closed")
+
     def step(self, wait: bool = True) -> None:
         """Pushes this step's gradients to the shards. Without overlap it waits for the new
         weights, or with ``wait=False`` only until the push has landed (``wait_weights`` and
         ``wait_range`` wait for the weights); with overlap the next forward (sync) or the buffer
         switch (async) does."""
-        if self._closed:
-            raise InvalidArgumentError("this parameter-server worker is closed")
+        self._check_open("step")
         t0 = time.monotonic()
         compute = t0 - self._compute_start
         self._avg_compute = compute if self._avg_compute is None else (1 - EMA) * self._avg_compute + EMA * compute
@@ -701,6 +720,7 @@ class Worker:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Switches to the other gradient buffer and zeroes it: the gradient buffers are the send
         buffers, so they are zeroed in place, never dropped; the one just pushed is left alone."""
+        self._check_open("zero_grad")
         t0 = time.monotonic()
         self.gbuf ^= 1
         self._wait_pushes(self.gbuf)  # pushed two steps ago: long done
