@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 
@@ -158,6 +159,14 @@ py::tuple slot_send(SlotSender& s, uint64_t k, int64_t local_offset, double time
   return status_and_future(r);
 }
 
+// A wait's timeout from Python, in the core's terms (below 0: no limit): None and infinity
+// are no limit, a negative is a look that does not wait, NaN is refused (it would never expire).
+double wait_seconds(std::optional<double> timeout) {
+  if (!timeout || (std::isinf(*timeout) && *timeout > 0)) return -1.0;
+  if (std::isnan(*timeout)) throw Error(ErrorKind::Invalid, "timeout must be a number of seconds or None, got nan");
+  return std::max(*timeout, 0.0);
+}
+
 // Waits in short slices so that Ctrl-C reaches Python while a transfer is pending.
 bool wait_future(const Future& f, double timeout) {
   if (f->done()) return true;  // the common case, a send's earlier transfer: no GIL hand-off
@@ -265,16 +274,17 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "wait",
           [](const Future& f, std::optional<double> timeout) {
-            return wait_future(f, timeout ? *timeout : -1.0);
+            return wait_future(f, wait_seconds(timeout));
           },
           py::arg("timeout") = py::none(),
           "Waits until done or timeout seconds pass; returns done().")
       .def(
           "result",
           [](const Future& f, std::optional<double> timeout) {
-            if (!wait_future(f, timeout ? *timeout : -1.0))
+            const double t = wait_seconds(timeout);
+            if (!wait_future(f, t))
               throw Error(ErrorKind::Timeout, "transfer did not complete within " +
-                                                  std::to_string(*timeout) + " s");
+                                                  std::to_string(t) + " s");
             if (!f->ok()) throw Error(f->error_kind(), f->error());
           },
           py::arg("timeout") = py::none(),
@@ -675,7 +685,7 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "wait_u64_at_least",
       [](uintptr_t addr, uint64_t value, std::optional<double> timeout) {
-        double t = timeout ? *timeout : -1.0;
+        double t = wait_seconds(timeout);
         // Short slices so Ctrl-C reaches Python during a long wait.
         auto t0 = std::chrono::steady_clock::now();
         for (;;) {

@@ -4,6 +4,8 @@
 //
 // A request is registered under a fresh id, sent by progress thread 0 and completed by the
 // reply, by the link's failure or by the waiter's timeout, whichever comes first.
+#include <cmath>
+
 #include "internal.hpp"
 #include "wire.hpp"
 
@@ -76,6 +78,7 @@ void Device::fail_rpcs_for(Link* l, const std::string& why) {
 std::string Device::wait_rpc(uint64_t id, const std::shared_ptr<Rpc>& r, double timeout,
                                  const std::string& what) {
   std::unique_lock<std::mutex> lk(r->m);
+  timeout = std::min(timeout, 1e9);  // "no limit" (infinity) without overflowing the clock
   if (!r->cv.wait_for(lk, std::chrono::duration<double>(timeout), [&] { return r->done; })) {
     lk.unlock();
     finish_rpc(id, false, ErrorKind::Timeout, "");
@@ -142,6 +145,7 @@ void Device::unpublish(const std::string& name) {
 
 std::string Device::lookup(const std::string& remote_endpoint, const std::string& name,
                            double timeout) {
+  if (std::isnan(timeout)) throw Error(ErrorKind::Invalid, "timeout must be a number of seconds, got nan");
   auto p = connect(remote_endpoint);
   Writer w;
   w.str(name);

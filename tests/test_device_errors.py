@@ -384,6 +384,11 @@ def test_bad_device_arguments(monkeypatch):
         rdmaflow.Device("localhost", secret="s")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="copy_threads"):
         rdmaflow.Device("127.0.0.1:0", secret="s", copy_threads=0)
+    for bad in (float("nan"), -1, 0, float("inf"), "10"):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="connect_timeout must be a"):
+            rdmaflow.Device("127.0.0.1:0", secret="s", connect_timeout=bad)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="rpc_timeout must be a"):
+            rdmaflow.Device("127.0.0.1:0", secret="s", rpc_timeout=bad)
     monkeypatch.setenv("RDMAFLOW_SAME_HOST", "maybe")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="RDMAFLOW_SAME_HOST"):
         rdmaflow.Device("127.0.0.1:0", secret="s")

@@ -864,6 +864,21 @@ def test_send_and_recv_timeouts(tpeer, dev):
     assert "never overwrites" in str(e), str(e)
     raises_within(rdmaflow.TimeoutError, 10, ds.send, dynamic_tensor(53, 1))
     raises_within(rdmaflow.TimeoutError, 10, s.wait_consumed, timeout=0.3)
+    # A negative timeout is a look that does not wait (to the core, a negative wait had no end);
+    # NaN or a word is refused; a transfer not sent cannot be waited for.
+    raises_within(rdmaflow.TimeoutError, 10, s.send, x1, timeout=-5)
+    raises_within(rdmaflow.TimeoutError, 10, ds.send, dynamic_tensor(53, 1), timeout=-5)
+    raises_within(rdmaflow.TimeoutError, 10, rs.recv, timeout=-5)
+    raises_within(rdmaflow.TimeoutError, 10, rd.recv, timeout=-5)
+    raises_within(rdmaflow.TimeoutError, 10, s.wait_consumed, timeout=-5)
+    for bad in (float("nan"), "1"):
+        for call, args in ((s.send, (x1,)), (ds.send, (dynamic_tensor(53, 1),)), (rs.recv, ()), (rd.recv, ()),
+                           (s.wait_consumed, ())):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="timeout must be a number of seconds"):
+                call(*args, timeout=bad)
+    for k in (2, -1, "1"):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="was not sent"):
+            s.wait_consumed(k, timeout=0.3)
     assert s.seq == 1 and ds.seq == 1
     peer.post("recv", name="t_r", n=2, seed=52)
     s.send(x1, timeout=30)
@@ -871,6 +886,91 @@ def test_send_and_recv_timeouts(tpeer, dev):
     peer.post("recv", name="t_rd", n=2, seed=53)
     ds.send(dynamic_tensor(53, 1), timeout=30)
     assert_all_verified(peer.answer(), 2, "dynamic after a send timeout")
+
+
+def test_endpoints_dropped_or_closed_leave_no_write_in_memory_given_to_others(job_secret):
+    """A receiver dropped without close() is unpublished, and its slots stay its own (its sender
+    may still write them); a dropped sender's ack word stays its own (its receiver still acks);
+    a dynamic sender closed before its receiver READ a buffer keeps that buffer."""
+    with local_device() as a, local_device() as b:
+        for d in (a, b):
+            d.create_arena(MiB)
+        r = StaticReceiver(b, "dropped", (1024,), torch.float32)
+        s = StaticSender(a, b.endpoint, "dropped")
+        del r
+        gc.collect()
+        others = [b.empty((1024,), torch.float32).zero_() for _ in range(8)]
+        s.send(torch.full((1024,), 5.0), timeout=5).result(5)
+        assert all(int(t.count_nonzero()) == 0 for t in others), "a send landed in another tensor"
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="published nothing named 'dropped'"):
+            StaticSender(a, b.endpoint, "dropped")
+
+        r2 = StaticReceiver(b, "acked", (4,), torch.float32)
+        s2 = StaticSender(a, b.endpoint, "acked")
+        s2.send(torch.ones(4), timeout=5).result(5)
+        del s2
+        gc.collect()
+        mine = [a.empty((8192,), torch.uint8).zero_() for _ in range(8)]
+        assert r2.recv(timeout=5).tolist() == [1.0] * 4
+        r2.close()  # acks the transfer, then CLOSED, and waits for both
+        assert all(int(t.count_nonzero()) == 0 for t in mine), "an ack landed in another tensor"
+
+        rd = DynamicReceiver(b, "unread", depth=2)
+        sd = DynamicSender(a, b.endpoint, "unread")
+        sd.send(torch.full((1 << 14,), 1.0), timeout=5).result(5)
+        sd.close()
+        gc.collect()
+        junk = [a.empty((1 << 14,), torch.float32).fill_(-9.0) for _ in range(4)]
+        assert rd.recv(timeout=5).unique().tolist() == [1.0]
+        assert all(t.unique().tolist() == [-9.0] for t in junk)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="closed"):
+            sd.send(torch.ones(2))
+        rd.close()
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="closed"):
+            rd.recv(timeout=1)
+
+
+def test_receiver_names_depths_and_lazy_bits(job_secret):
+    """A name holds one live receiver, and closing an old one does not unpublish its successor;
+    depths a sender would refuse are refused here; a tensor whose conjugate or negative bit is
+    set (its memory holds the values before that) is refused, not sent as its memory."""
+    with local_device() as a, local_device() as b:
+        for d in (a, b):
+            d.create_arena(MiB)
+        r = StaticReceiver(b, "dup", (4,), torch.float32)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="a receiver named 'dup' already lives"):
+            DynamicReceiver(b, "dup")
+        r.close()
+        r2 = DynamicReceiver(b, "dup")
+        r.close()
+        s = DynamicSender(a, b.endpoint, "dup")  # finds the live one
+        s.send(torch.arange(3.0), timeout=5)
+        assert r2.recv(timeout=5).tolist() == [0.0, 1.0, 2.0]
+        for depth in (0, 70000, True, None, "2", 1.5):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="depth must be an integer"):
+                StaticReceiver(b, "deep", (4,), torch.float32, depth=depth)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="depth must be an integer"):
+            DynamicReceiver(b, "deep", depth=70000)
+
+        rc = StaticReceiver(b, "cplx", (2,), torch.complex64)
+        sc = StaticSender(a, b.endpoint, "cplx")
+        arena_c = a.empty((2,), torch.complex64)
+        arena_c.copy_(torch.tensor([1 + 2j, 3 + 4j]))
+        for t in (torch.tensor([1 + 2j, 3 + 4j]).conj(), arena_c.conj()):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="conjugate bit"):
+                sc.send(t)
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="conjugate bit"):
+                s.send(t)
+        sc.send(arena_c.conj().resolve_conj(), timeout=5)
+        assert rc.recv(timeout=5).tolist() == [1 - 2j, 3 - 4j]
+        rn = StaticReceiver(b, "neg", (1,), torch.float32)
+        sn = StaticSender(a, b.endpoint, "neg")
+        t = torch.tensor([1 + 2j]).conj().imag  # one element: contiguous whatever its stride
+        assert t.is_neg() and t.is_contiguous()
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="negative bit"):
+            sn.send(t)
+        sn.send(t.resolve_neg(), timeout=5)
+        assert rn.recv(timeout=5).tolist() == [-2.0]
 
 
 def test_second_sender_is_detected(job_secret):

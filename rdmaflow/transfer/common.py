@@ -24,6 +24,7 @@ import torch
 
 from rdmaflow import Device, InvalidArgumentError
 from rdmaflow.arena import Arena, arena_of
+from rdmaflow.deadline import checked_timeout
 
 MAGIC = b"RFX1"
 CTL_BYTES = 4096
@@ -64,6 +65,9 @@ def check_tensor(t, what: str = "tensor") -> None:
         raise InvalidArgumentError(f"{what} is on {t.device}; rdmaflow moves host and CUDA tensors")
     if not t.is_contiguous():
         raise InvalidArgumentError(f"{what} is not contiguous; call .contiguous() first (that copies)")
+    if t.is_conj() or t.is_neg():  # its memory holds the values before the lazy conjugation or negation
+        raise InvalidArgumentError(f"{what} has its {'conjugate' if t.is_conj() else 'negative'} bit set: "
+                                   "call .resolve_conj() / .resolve_neg() first (that copies)")
 
 
 def stream_done(t: torch.Tensor) -> None:
@@ -79,10 +83,21 @@ class Endpoint:
     def __init__(self, device: Device, name: str, timeout: float | None):
         self.device = device
         self.name = name
-        self.timeout = timeout
+        self.timeout = checked_timeout(timeout)
         self.arena: Arena = arena_of(device)
         self._lock = threading.Lock()
         self.closed = False
+
+
+def keep_until_device_closes(device: Device, obj) -> None:
+    """Keeps ``obj`` (arena memory a peer may still write or read: a receiver's slots, a sender's
+    ack word, buffers a receiver will READ) alive until ``device`` closes, so that no transfer
+    in flight, nor one of a peer that never learnt the endpoint went away, lands in memory the
+    arena gave to someone else."""
+    kept = getattr(device, "_rdmaflow_quarantine", None)
+    if kept is None:
+        kept = device._rdmaflow_quarantine = []
+    kept.append(obj)
 
 
 class SenderIntro:

@@ -26,8 +26,8 @@ import torch
 
 from rdmaflow import READ, Future, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.arena import CUDA_ARENA_NAME, CUDA_IPC_NAME, arena_of, map_gpu_ipc
-from rdmaflow.deadline import Deadline
-from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor, stream_done
+from rdmaflow.deadline import Deadline, checked_timeout
+from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor, keep_until_device_closes, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, dtype_code
 from rdmaflow.transfer.pair import Receiver, Sender
 
@@ -105,8 +105,9 @@ class DynamicReceiver(Receiver):
         """Waits for the next transfer, allocates its tensor in the arena and READs the data in.
         A CUDA tensor sent lands in this device's GPU arena (on the current CUDA device when the
         device has none yet) as a CUDA tensor."""
-        timeout = self.timeout if timeout == -1.0 else timeout
-        deadline = Deadline(timeout)
+        if self.closed:
+            raise InvalidArgumentError(f"recv: receiver '{self.name}' is closed")
+        deadline = Deadline(self.timeout if timeout == -1.0 else timeout)
         k = self.seq + 1
         slot = self._wait_flag(k, deadline)
         channel = self._connect_sender(deadline)[0]
@@ -137,6 +138,7 @@ class DynamicSender(Sender):
         self.mode = mode
         self._records = self.arena.allocate(RECORD_BYTES * self.depth)
         self._held: dict[int, object] = {}  # transfer -> buffer the receiver will READ
+        keep_until_device_closes(device, self._held)  # what is left in it when this sender goes
 
     def _release_consumed(self) -> None:
         done = self.ack.get()
@@ -149,7 +151,9 @@ class DynamicSender(Sender):
         The buffer read by the receiver is held until it acknowledges. With zero copy that is
         the tensor itself: do not modify it before ``wait_consumed()``.
         """
-        timeout = self.timeout if timeout == -1.0 else timeout
+        timeout = self.timeout if timeout == -1.0 else checked_timeout(timeout)
+        if self.closed:
+            raise InvalidArgumentError(f"send: the sender to '{self.name}' is closed")
         check_tensor(tensor)
         code = dtype_code(tensor.dtype)
         if tensor.dim() > MAX_RANK:
@@ -198,5 +202,7 @@ class DynamicSender(Sender):
         return f
 
     def close(self) -> None:
+        """Lets go of the buffers the receiver has READ; the others stay until the device closes
+        (a receiver may still READ them)."""
         super().close()
-        self._held.clear()
+        self._release_consumed()

@@ -39,6 +39,12 @@ OK, TIMED_OUT, PEER_FAILED, RECEIVER_CLOSED, OTHER_SENDER, MISMATCH = range(6)
 Peer = Channel | Callable[[], Channel | None] | None
 
 
+def first_slice(timeout: float | None) -> float:
+    """The first call's wait of a one-call send or receive with ``timeout`` (seconds, or None):
+    at most WAIT_SLICE, and never below 0 (to the core, a negative wait has no end)."""
+    return WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else max(timeout, 0.0)
+
+
 class Word:
     """An 8-byte counter in registered memory; waits read it with acquire semantics."""
 

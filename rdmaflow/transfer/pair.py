@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import torch
 
@@ -28,6 +29,7 @@ from rdmaflow.transfer.common import (
     Endpoint,
     SenderIntro,
     align,
+    keep_until_device_closes,
     pack_header,
     unpack_header,
 )
@@ -38,12 +40,36 @@ from rdmaflow.transfer.flag import (
     PEER_FAILED,
     WAIT_SLICE,
     Word,
+    first_slice,
     peer_failed,
     wait_flag,
 )
 
 ACK_CELLS = 16
 CLOSED = 1 << 62  # ack value a closing receiver leaves for its sender
+MAX_DEPTH = 1 << 16  # slots of a pair, as a sender accepts from a header
+
+
+def _receivers(device) -> dict:
+    """name -> (the live receiver published under it, its token), per device."""
+    live = getattr(device, "_rdmaflow_receivers", None)
+    if live is None:
+        live = device._rdmaflow_receivers = {}
+    return live
+
+
+def _unpublish(device, name: str, token: object) -> None:
+    """Unpublishes ``name`` if the receiver of ``token`` still holds it (a receiver closed, or
+    dropped without close: then its finalizer calls this)."""
+    live = _receivers(device)
+    held = live.get(name)
+    if held is None or held[1] is not token:
+        return
+    del live[name]
+    try:
+        device.unpublish(name)
+    except RdmaflowError:
+        pass  # the device is closed: nothing is published any more
 
 
 def _int_field(meta: dict, key: str, name: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -63,8 +89,14 @@ class Receiver(Endpoint):
     def __init__(self, device, name: str, depth: int, slot_bytes: int, meta: dict, timeout: float | None,
                  cuda=None):
         super().__init__(device, name, timeout)
-        if depth < 1:
-            raise InvalidArgumentError(f"depth must be at least 1, got {depth}")
+        if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
+            raise InvalidArgumentError(f"depth must be an integer in [1, {MAX_DEPTH}], got {depth!r}")
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"a receiver's name must be a str, got {type(name).__name__}")
+        held = _receivers(device).get(name)
+        if held is not None and held[0]() is not None and not held[0]().closed:
+            raise InvalidArgumentError(f"a receiver named '{name}' already lives on this device: close it first, "
+                                       "or name this one otherwise")
         self.depth = depth
         self.slot_stride = align(max(slot_bytes, 1))
         self.ctl_off = FLAG_STRIDE * depth
@@ -79,7 +111,9 @@ class Receiver(Endpoint):
             meta = dict(meta, data_region=gpu.region.descriptor().hex(), data_base=self.data_block.offset,
                         data_ipc=gpu_ipc_info(gpu))
             total = self.data_off
+            keep_until_device_closes(device, self.data_block)
         self.block = self.arena.allocate(total)
+        keep_until_device_closes(device, self.block)  # a sender may write into it until it learns
         self.base = self.block.offset
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
         raw[: self.data_off].zero_()
@@ -90,6 +124,7 @@ class Receiver(Endpoint):
         self._ctl_addr = self.ctl_ready.address
         # Registered sources for ack WRITEs; a cell is reused only after its WRITE completed.
         self._ack_block = self.arena.allocate(8 * ACK_CELLS)
+        keep_until_device_closes(device, self._ack_block)  # the source of ack WRITEs in flight
         self._ack_futures: list = [None] * ACK_CELLS
         self._ack_next = 0
         self.seq = 0      # transfers delivered to the user
@@ -99,6 +134,9 @@ class Receiver(Endpoint):
         header = dict(meta, kind=self.kind, depth=depth, base=self.base, ctl=self.ctl_off,
                       data=self.data_off, stride=self.slot_stride)
         device.publish(name, pack_header(header, self.arena.region.descriptor()))
+        self._token = token = object()
+        _receivers(device)[name] = (weakref.ref(self), token)
+        weakref.finalize(self, _unpublish, device, name, token).atexit = False  # dropped without close()
 
     # -- the sender's side of the link -------------------------------------------------------
     def _connect_sender(self, deadline: Deadline):
@@ -193,7 +231,7 @@ class Receiver(Endpoint):
         if isinstance(timeout, Deadline):
             deadline, first = timeout, timeout.slice(WAIT_SLICE)
         else:
-            first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
+            first = first_slice(timeout)
             deadline = None
         if ack and self._ack_window is None:  # over UCX: the ack's post and the wait in one call
             code, f = self._slots_rx.recv(k, ack, self._ack_cell(timeout), first)
@@ -254,10 +292,7 @@ class Receiver(Endpoint):
         if self.closed:
             return
         self.closed = True
-        try:
-            self.device.unpublish(self.name)
-        except RdmaflowError:
-            pass
+        _unpublish(self.device, self.name, self._token)
         if self._sender is not None and not self._sender[0].failed:
             try:
                 self._ack(CLOSED, Deadline(1.0))
@@ -266,10 +301,6 @@ class Receiver(Endpoint):
         for f in self._ack_futures:
             if f is not None:
                 f.wait(1.0)
-        quarantine = getattr(self.device, "_rdmaflow_quarantine", None)
-        if quarantine is None:
-            quarantine = self.device._rdmaflow_quarantine = []
-        quarantine.append(self.block)
 
 
 class Sender(Endpoint):
@@ -324,6 +355,7 @@ class Sender(Endpoint):
         total = self._intro_off + CTL_BYTES
         self.block = self.arena.allocate(total)
         self._arena_lo, self._arena_hi = self.arena.base, self.arena.base + self.arena.nbytes
+        keep_until_device_closes(device, self.block)  # its ack word: the receiver writes it until it learns
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
         raw.zero_()
         self._raw = raw
@@ -427,11 +459,15 @@ class Sender(Endpoint):
         """How many transfers the receiver has acknowledged."""
         return self.ack.get()
 
-    def wait_consumed(self, k: int | None = None, timeout: float | None = None) -> None:
-        """Waits until the receiver has consumed transfer ``k`` (default: every transfer sent)."""
+    def wait_consumed(self, k: int | None = None, timeout: float | None = -1.0) -> None:
+        """Waits until the receiver has consumed transfer ``k`` (default: every transfer sent),
+        at most ``timeout`` seconds (default: the sender's)."""
         k = self.seq if k is None else k
-        wait_flag(self.ack, k, Deadline(timeout), f"waiting for '{self.name}' to consume transfer {k}",
-                  peer=self.channel)
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.seq:
+            raise InvalidArgumentError(f"wait_consumed: transfer {k!r} of '{self.name}' was not sent "
+                                       f"({self.seq} were)")
+        deadline = Deadline(self.timeout if timeout == -1.0 else timeout)
+        wait_flag(self.ack, k, deadline, f"waiting for '{self.name}' to consume transfer {k}", peer=self.channel)
 
     def close(self) -> None:
         if self.closed:

@@ -20,10 +20,10 @@ import torch
 
 from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
 from rdmaflow.arena import arena_of
-from rdmaflow.deadline import Deadline, time_left
+from rdmaflow.deadline import Deadline, checked_timeout, time_left
 from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
-from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE, peer_failed
+from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE, first_slice, peer_failed
 from rdmaflow.transfer.pair import CLOSED, Receiver, Sender
 
 MODES = ("auto", "zerocopy", "copy")
@@ -78,6 +78,10 @@ class StaticReceiver(Receiver):
         """Waits for the next transfer and returns the tensor it landed in (no copy)."""
         if timeout == -1.0:
             timeout = self.timeout
+        else:
+            timeout = checked_timeout(timeout)
+        if self.closed:
+            raise InvalidArgumentError(f"recv: receiver '{self.name}' is closed")
         k = self.seq + 1
         if self._sender is None:  # the first transfer: its sender introduces itself
             slot = self._wait_flag(k, Deadline(timeout))
@@ -177,8 +181,12 @@ class StaticSender(Sender):
         """
         if timeout == -1.0:
             timeout = self.timeout
+        else:
+            timeout = checked_timeout(timeout)
+        if self.closed:
+            raise InvalidArgumentError(f"send: the sender to '{self.name}' is closed")
         host = (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
-                and tensor.is_cpu and tensor.is_contiguous())
+                and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj())
         if not host:
             self._refuse(tensor)  # returns for a tensor that may be sent: a CUDA one
         if release is not None:
@@ -212,7 +220,7 @@ class StaticSender(Sender):
             self._slot_reusable(slot, timeout)
         keep, off = self._host_source(tensor, slot, self.nbytes)
         post, extra = (self._slots.send, ()) if rider is None else (self._slots.send_with_rider, rider)
-        first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
+        first = first_slice(timeout)
         code, f = post(k, off, first, *extra)
         if code != OK:
             posted = []
@@ -369,7 +377,7 @@ class StaticSender(Sender):
         def attempt(t: float) -> int:
             return self._direct.send_slot(self._ack_addr, need, CLOSED, data, source, nbytes, flag, k, t, *header)
 
-        first = WAIT_SLICE if timeout is None or timeout > WAIT_SLICE else timeout
+        first = first_slice(timeout)
         code = attempt(first)
         if code != OK:
             self._send_waiting(code, need, attempt, Deadline(None if timeout is None else timeout - first))
