@@ -115,6 +115,10 @@ class StaticSender(Sender):
         self.mode = mode
         self._declared = (None if shape is None else _shape(shape), dtype)
         super().__init__(device, remote_endpoint, name, qp_idx, timeout)
+        # Whether a tensor of the receiver's shape and dtype can have its conjugate or negative
+        # bit set and be contiguous (complex; or one element, as x.conj().imag): only then does a
+        # send ask the tensor (two calls, several hundred ns).
+        self._lazy_bits = self.dtype.is_complex or self.nbytes <= self.dtype.itemsize
         self._staging: list = [None] * self.depth
         self._gpu_staging: list = [None] * self.depth
         # Where each slot's data and flag are in the receiver's region, and this sender's ack word.
@@ -186,7 +190,8 @@ class StaticSender(Sender):
         if self.closed:
             raise InvalidArgumentError(f"send: the sender to '{self.name}' is closed")
         host = (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
-                and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg() and not tensor.is_conj())
+                and tensor.is_cpu and tensor.is_contiguous()
+                and not (self._lazy_bits and (tensor.is_neg() or tensor.is_conj())))
         if not host:
             self._refuse(tensor)  # returns for a tensor that may be sent: a CUDA one
         if release is not None:
