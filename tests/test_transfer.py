@@ -339,11 +339,16 @@ def test_receiver_construction_errors(job_secret):
             DynamicReceiver(d, "b", depth=0)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="negative"):
             StaticReceiver(d, "c", (4, -2), torch.float32)
+        for shape in ("ab", None, 2.7, (2.7,), ("3",)):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="a shape is an integer or a sequence of integers"):
+                StaticReceiver(d, "d", shape, torch.float32)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="cannot be transferred"):
             StaticReceiver(d, "e", (4,), torch.uint16)
         with pytest.raises(ArenaFullError):
             StaticReceiver(d, "f", (MiB,), torch.float64)  # 8 MiB of slots in a 4 MiB arena
         assert d.arena.used == 0, "a failed constructor leaked arena memory"
+        assert StaticReceiver(d, "d", torch.Size([2, 3]), torch.float32).shape == (2, 3)
+        assert StaticReceiver(d, "d2", 5, torch.float32).shape == (5,)
 
 
 # ==============================================================================================

@@ -14,6 +14,7 @@ set/cleared byte, so the receiver never has to clear one.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -30,7 +31,13 @@ MODES = ("auto", "zerocopy", "copy")
 
 
 def _shape(shape) -> tuple[int, ...]:
-    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    try:  # integers only: int() would take "3" and cut 2.7 to 2
+        shape = (operator.index(shape),)
+    except TypeError:
+        try:
+            shape = tuple(operator.index(s) for s in shape)
+        except TypeError:
+            raise InvalidArgumentError(f"a shape is an integer or a sequence of integers, got {shape!r}") from None
     if any(s < 0 for s in shape):
         raise InvalidArgumentError(f"shape {shape} has a negative dimension")
     return shape
