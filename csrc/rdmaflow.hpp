@@ -556,7 +556,8 @@ class Device : public std::enable_shared_from_this<Device> {
   // Side RPC: named byte strings handed out to authenticated peers.
   void publish(const std::string& name, const std::string& value);
   void unpublish(const std::string& name);
-  // timeout < 0: rpc_timeout. Throws Invalid when the peer published nothing under name.
+  // timeout < 0: rpc_timeout. Connecting first, if need be, counts against it (bounded by
+  // connect_timeout too). Throws Invalid when the peer published nothing under name.
   std::string lookup(const std::string& remote_endpoint, const std::string& name, double timeout);
 
   const std::string& endpoint() const { return endpoint_; }
@@ -618,9 +619,11 @@ class Device : public std::enable_shared_from_this<Device> {
   void copy_mapped(void* dst, const void* src, size_t n);
 
   // wireup.cpp: connecting, the handshake, control messages and link failures.
-  std::shared_ptr<Peer> connect(const std::string& endpoint);
+  // within = -1: bounded by connect_timeout alone; else by the shorter of the two (a caller's
+  // shorter bound fails only that call: the handshake goes on for the others).
+  std::shared_ptr<Peer> connect(const std::string& endpoint, double within = -1);
   void open_link(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen);
-  std::shared_ptr<Peer> wait_connected(const std::shared_ptr<Peer>& p);
+  std::shared_ptr<Peer> wait_connected(const std::shared_ptr<Peer>& p, double within);
   void send_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
   void handle_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
   void handle_as_server(Link* l, uint32_t type, uint64_t req, const std::string& payload);

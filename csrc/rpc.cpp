@@ -146,10 +146,13 @@ void Device::unpublish(const std::string& name) {
 std::string Device::lookup(const std::string& remote_endpoint, const std::string& name,
                            double timeout) {
   if (std::isnan(timeout)) throw Error(ErrorKind::Invalid, "timeout must be a number of seconds, got nan");
-  auto p = connect(remote_endpoint);
+  if (timeout < 0) timeout = cfg_.rpc_timeout;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto p = connect(remote_endpoint, timeout);
+  timeout = std::max(0.0, timeout - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   Writer w;
   w.str(name);
-  return call(p->link, LOOKUP, w.s, "connection is closed", timeout < 0 ? cfg_.rpc_timeout : timeout,
+  return call(p->link, LOOKUP, w.s, "connection is closed", timeout,
               "looking up '" + name + "' at " + remote_endpoint, ErrorKind::Invalid,
               [&](const std::string&) {
                 return "the device at " + remote_endpoint + " has published nothing named '" +

@@ -27,7 +27,7 @@ void ctrl_sent_cb(void* req, ucs_status_t, void* user) {
 // ---------------------------------------------------------------------------------------------
 // The connecting side.
 
-std::shared_ptr<Peer> Device::connect(const std::string& endpoint) {
+std::shared_ptr<Peer> Device::connect(const std::string& endpoint, double within) {
   check_open();
   std::shared_ptr<Peer> p;
   bool fresh = false;
@@ -60,7 +60,7 @@ std::shared_ptr<Peer> Device::connect(const std::string& endpoint) {
     if (!threads_[0]->post([this, p, ss, slen] { open_link(p, ss, slen); }))
       throw Error(ErrorKind::Closed, "device is closed");
   }
-  return wait_connected(p);
+  return wait_connected(p, within);
 }
 
 // Progress thread 0: opens the control link to p and sends HELLO.
@@ -101,11 +101,16 @@ void Device::open_link(const std::shared_ptr<Peer>& p, const sockaddr_storage& s
   send_ctrl(l, HELLO, 0, w.s);
 }
 
-// Waits (up to connect_timeout) for the handshake with p to end; throws if it failed.
-std::shared_ptr<Peer> Device::wait_connected(const std::shared_ptr<Peer>& p) {
+// Waits (up to connect_timeout, or within if that is shorter) for the handshake with p to end;
+// throws if it failed.
+std::shared_ptr<Peer> Device::wait_connected(const std::shared_ptr<Peer>& p, double within) {
+  const bool caller_bound = within >= 0 && within < cfg_.connect_timeout;
   std::unique_lock<std::mutex> lk(p->m);
-  bool done = p->cv.wait_for(lk, std::chrono::duration<double>(cfg_.connect_timeout),
+  bool done = p->cv.wait_for(lk, std::chrono::duration<double>(caller_bound ? within : cfg_.connect_timeout),
                              [&] { return p->state != Peer::Connecting; });
+  if (!done && caller_bound)
+    throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(within) + " s connecting to " +
+                                        p->endpoint + " (no answer from an rdmaflow device there yet)");
   if (!done) {
     p->state = Peer::Failed;
     p->error = "timed out after " + std::to_string(int(cfg_.connect_timeout)) +

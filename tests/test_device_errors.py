@@ -260,6 +260,23 @@ def test_unknown_peer(job_secret, transport):
             dev.lookup(f"127.0.0.1:{free_port()}", "x")
 
 
+def test_a_lookup_is_bounded_by_its_own_timeout_while_connecting(job_secret):
+    """A listener that never answers the handshake: a lookup with a timeout shorter than the
+    device's connect_timeout gives up at its own, and the device stays usable."""
+    import socket
+
+    with socket.socket() as srv, local_device(connect_timeout=60) as dev:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        ep = f"127.0.0.1:{srv.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(rdmaflow.TimeoutError, match=f"connecting to {ep}"):
+            dev.lookup(ep, "x", 1.0)
+        assert time.monotonic() - t0 < 30, "the lookup waited for the device's connect_timeout"
+        dev.publish("mine", b"v")
+        assert dev.lookup(dev.endpoint, "mine", 5.0) == b"v"
+
+
 def test_lookup_of_unpublished_name(pair):
     peer, dev, *_ = pair
     with pytest.raises(rdmaflow.InvalidArgumentError, match="published nothing"):
