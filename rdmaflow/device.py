@@ -277,6 +277,8 @@ def wait_all(futures: Iterable[Future], timeout: float | None = None) -> None:
     """Waits for every future; raises the first error. ``timeout`` bounds the whole wait."""
     deadline = Deadline(timeout)
     for f in futures:
+        if not isinstance(f, Future):
+            raise InvalidArgumentError(f"wait_all takes the futures of transfers, got {type(f).__name__}")
         f.result(deadline.left())
 
 

@@ -1052,6 +1052,15 @@ def _send_waits_for_a_python_thread() -> None:
         assert r.acked == 2  # recv 2 and 3 each acked the one before in their call
 
 
+def test_wait_any_and_wait_all_name_what_they_were_given():
+    for bad in ([], None, ["x"], [1]):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="wait_any takes"):
+            wait_any(bad, timeout=0.1)
+    for bad in ([1], ["x"]):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="wait_all takes the futures"):
+            rdmaflow.wait_all(bad, timeout=0.1)
+
+
 # ==============================================================================================
 # Non-blocking receive: poll() and wait_any(). poll() says whether the next transfer has landed,
 # never blocks and consumes nothing; wait_any() returns a receiver whose next transfer has

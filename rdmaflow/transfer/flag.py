@@ -127,8 +127,11 @@ def wait_any(receivers: Sequence, timeout: float | None = None) -> int:
     Raises TimeoutError after ``timeout`` seconds (None: no limit) and PeerError when the
     sender of a receiver that has nothing yet failed. Sleeps while nothing arrives.
     """
-    if len(receivers) == 0:
-        raise InvalidArgumentError("wait_any needs at least one receiver")
+    if not isinstance(receivers, Sequence) or len(receivers) == 0:
+        raise InvalidArgumentError(f"wait_any takes a non-empty sequence of receivers, got {receivers!r}")
+    bad = [r for r in receivers if not callable(getattr(r, "poll", None))]
+    if bad:
+        raise InvalidArgumentError(f"wait_any takes receivers (a static, bounded or dynamic one), got {bad[0]!r}")
     deadline = Deadline(timeout)
     nap = MIN_NAP / 2
     rounds = 0
