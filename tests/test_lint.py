@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "rdmaflow"
 # The device layer: the only modules that import the extension itself.
-DEVICE_LAYER = {"__init__.py", "device.py", "arena.py", "_views.py", "errors.py"}
+DEVICE_LAYER = {"__init__.py", "device.py", "arena.py", "_views.py", "errors.py", "deadline.py"}
 
 # Runs import-linter on the package found in sys.argv[1] rather than on the editable install
 # (whose import hook would otherwise win over sys.path); it runs there too, because import-linter
