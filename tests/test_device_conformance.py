@@ -413,8 +413,12 @@ def test_a_word_alone_lands_after_the_writes_before_it(spawn_peer, transport, la
         assert box[0]["behind"] == 0, f"a word alone landed before the WRITE posted ahead of it: {box[0]}"
         waited = dev.transfer_counts()["word_after_flush"] - before["word_after_flush"]
         # Words that found their WRITE still in flight waited for a flush (the others found it
-        # complete); with the strong fence instead, none counted here.
-        assert waited > 0, waited
+        # complete); with the strong fence instead, none counted here. Over tcp a WRITE
+        # completes only on the peer's acknowledgement, so some word finds one in flight; over
+        # sm-cma the put is a process_vm_writev that may complete as it is posted, and under
+        # load every one did (0 of 24 in a full test run): there only the order is checked.
+        if transport == "tcp":
+            assert waited > 0, waited
 
 
 def test_region_tensor_views_share_memory(job_secret):
