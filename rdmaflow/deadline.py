@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import time
 
 from rdmaflow._core import InvalidArgumentError
@@ -23,6 +24,14 @@ def checked_timeout(timeout, what: str = "timeout") -> float | None:
     if math.isnan(timeout):
         raise InvalidArgumentError(f"{what} must be a number of seconds or None, got nan")
     return None if timeout == math.inf else timeout
+
+
+def positive_seconds(value, what: str) -> float:
+    """A bound that every wait of a device or a job takes from (connecting, side RPCs, steps): a
+    positive, finite number of seconds, else InvalidArgumentError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise InvalidArgumentError(f"{what} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 class Deadline:

@@ -18,7 +18,7 @@ from typing_extensions import Self
 from rdmaflow import _core
 from rdmaflow._core import Channel, FlaggedWrites, Future, MemRegion, RemoteRegion, SameHost
 from rdmaflow.arena import Arena, arena_of, create_arena, cuda_device_of
-from rdmaflow.deadline import Deadline, checked_timeout
+from rdmaflow.deadline import Deadline, positive_seconds
 from rdmaflow.errors import InvalidArgumentError
 
 SECRET_ENV = "RDMAFLOW_JOB_SECRET"
@@ -38,15 +38,6 @@ def _start_callback_thread() -> None:
         if _callback_thread is None:
             _callback_thread = threading.Thread(target=_core.run_callbacks, name="rdmaflow-callbacks", daemon=True)
             _callback_thread.start()
-
-
-def _bound(seconds, what: str) -> float:
-    """A device's own bound on its waits (connecting, side RPCs): a positive, finite number of
-    seconds; none would make every connection fail at once or never."""
-    t = checked_timeout(seconds, what)
-    if t is None or not t > 0:
-        raise InvalidArgumentError(f"{what} must be a positive, finite number of seconds, got {seconds!r}")
-    return t
 
 
 def _job_secret(secret: str | bytes | None) -> str:
@@ -202,8 +193,8 @@ class Device(_core.Device):
     ):
         super().__init__(endpoint, num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
                          busy_poll=bool(busy_poll), spin_us=int(spin_us),
-                         connect_timeout=_bound(connect_timeout, "connect_timeout"),
-                         rpc_timeout=_bound(rpc_timeout, "rpc_timeout"), data_error_handling=bool(data_error_handling),
+                         connect_timeout=positive_seconds(connect_timeout, "connect_timeout"),
+                         rpc_timeout=positive_seconds(rpc_timeout, "rpc_timeout"), data_error_handling=bool(data_error_handling),
                          same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads),
                          inline_posts=_inline_posts(inline_posts),
                          flagged_writes=_flagged_writes(flagged_writes),

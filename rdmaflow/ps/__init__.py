@@ -19,8 +19,6 @@ way (``model.cuda()`` before wrapping it); ``shard_device="cuda"`` puts the shar
 """
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import sys
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rdmaflow import Device, InvalidArgumentError, RdmaflowError
+from rdmaflow.deadline import positive_seconds
 from rdmaflow.job import job_secret, route_address
 from rdmaflow.ps.context import Role, Store, resolve_role
 from rdmaflow.ps.kv import KVHandle, KVStore
@@ -63,8 +62,7 @@ _CTX: PSContext | None = None
 
 
 def _seconds(value, name: str, env: str, default: float) -> float:
-    """A timeout of ``init``: ``value``, else ``$env``, else ``default``; a positive, finite
-    number of seconds (every wait of the job is bounded by one), else InvalidArgumentError."""
+    """A timeout of ``init``: ``value``, else ``$env``, else ``default`` (``positive_seconds``)."""
     if value is None and os.environ.get(env):
         value, name = os.environ[env], f"${env}"
         try:
@@ -73,9 +71,7 @@ def _seconds(value, name: str, env: str, default: float) -> float:
             raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}") from None
     elif value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        raise InvalidArgumentError(f"{name} must be a positive, finite number of seconds, got {value!r}")
-    return float(value)
+    return positive_seconds(value, name)
 
 
 def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,

@@ -94,7 +94,8 @@ class Receiver(Endpoint):
         if not isinstance(name, str):
             raise InvalidArgumentError(f"a receiver's name must be a str, got {type(name).__name__}")
         held = _receivers(device).get(name)
-        if held is not None and held[0]() is not None and not held[0]().closed:
+        other = held[0]() if held is not None else None
+        if other is not None and not other.closed:
             raise InvalidArgumentError(f"a receiver named '{name}' already lives on this device: close it first, "
                                        "or name this one otherwise")
         self.depth = depth
@@ -320,7 +321,7 @@ class Sender(Endpoint):
         self.meta = meta
         self.remote = RemoteRegion.from_descriptor(desc)
         self.remote_endpoint = remote_endpoint
-        self.depth = _int_field(meta, "depth", name, 1, 1 << 16)
+        self.depth = _int_field(meta, "depth", name, 1, MAX_DEPTH)
         self.r_base = _int_field(meta, "base", name)
         self.r_ctl = _int_field(meta, "ctl", name)
         self.r_data = _int_field(meta, "data", name)
