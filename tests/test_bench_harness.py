@@ -195,13 +195,14 @@ def test_background_meter_counts_tcp_segments_and_names_the_congestion_control()
     meter = processes.BackgroundMeter()
     srv = socket.create_server(("127.0.0.1", 0))
     cli = socket.create_connection(srv.getsockname())
+    cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each write its own segment, even under load
     conn, _ = srv.accept()
     got = []
     reader = threading.Thread(target=lambda: got.append(sum(len(b) for b in iter(lambda: conn.recv(1 << 16), b""))))
     reader.start()
     for _ in range(64):
         cli.sendall(b"x" * 1024)
-        time.sleep(0.001)  # one segment each (TCP_NODELAY is off: spaced out, nothing coalesces)
+        time.sleep(0.001)
     cli.close()
     reader.join(10)
     conn.close()
