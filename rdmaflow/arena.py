@@ -15,6 +15,7 @@ metadata record (dynamic transfers) can look its address up once, through the si
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -36,21 +37,54 @@ GPU_IPC_ENV = "RDMAFLOW_GPU_IPC"  # 0: GPU memory of same-host peers only throug
 ALIGNMENT = 256  # keeps every tensor cache-line and vector aligned
 
 
-def _parse_bytes(text: str) -> int:
+def byte_count(value, what: str) -> int:
+    """``value``, an integer or a size such as "256M" or "1GiB" (K, M, G: powers of 1024), as a
+    positive number of bytes; InvalidArgumentError naming ``what`` when it is not one."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().rstrip("B").rstrip("I")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    try:
+        if isinstance(value, str):
+            t = value.strip().upper().rstrip("B").rstrip("I")
+            n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+        elif isinstance(value, bool):
+            raise TypeError
+        else:
+            n = operator.index(value)
+    except (ValueError, TypeError, OverflowError):
+        raise InvalidArgumentError(f"{what} must be a number of bytes (an integer, or a size such as '256M'), "
+                                   f"got {value!r}") from None
+    if n <= 0:
+        raise InvalidArgumentError(f"{what} must be positive, got {value!r}")
+    return n
+
+
+def shape_of(shape) -> tuple[int, ...]:
+    """``shape`` (an integer or a sequence of them) as a tuple; InvalidArgumentError for anything
+    else or a negative dimension. Integers only: int() would take "3" and cut 2.7 to 2."""
+    try:
+        shape = (operator.index(shape),)
+    except TypeError:
+        try:
+            shape = tuple(operator.index(s) for s in shape)
+        except TypeError:
+            raise InvalidArgumentError(f"a shape is an integer or a sequence of integers, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise InvalidArgumentError(f"shape {shape} has a negative dimension")
+    return shape
+
+
+def as_torch_device(device) -> torch.device:
+    """``device`` ("cpu", "cuda:1", a torch.device, or an ordinal: a CUDA device) as a
+    torch.device; InvalidArgumentError when it names none."""
+    try:
+        return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"not a device: {device!r} ({e})") from None
 
 
 def cuda_device_of(device) -> torch.device:
     """``device`` ("cuda", "cuda:1", a torch.device or an ordinal) as a CUDA torch.device with an
     index; InvalidArgumentError when it is no CUDA device or none is visible."""
-    try:
-        d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    except (RuntimeError, TypeError) as e:
-        raise InvalidArgumentError(f"not a device: {device!r} ({e})") from None
+    d = as_torch_device(device)
     if d.type != "cuda":
         raise InvalidArgumentError(f"expected a CUDA device, got {d}")
     if not torch.cuda.is_available():
@@ -79,9 +113,7 @@ class Arena:
 
     def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialized tensor living in the arena; its memory returns when it dies."""
-        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape):
-            raise InvalidArgumentError(f"shape {shape} has a negative dimension")
+        shape = shape_of(shape)
         if not isinstance(dtype, torch.dtype):
             raise InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
         numel = 1
@@ -140,6 +172,8 @@ def create_arena(device: Device, nbytes: int | None = None, cuda=None) -> Arena:
         if cuda == "cuda" and getattr(device, attr, None) is not None:  # no index: the one there is
             cuda = getattr(device, attr).cuda_device
         cuda = cuda_device_of(cuda)
+    if nbytes is not None:
+        nbytes = byte_count(nbytes, f"the {what}'s nbytes")
     existing = getattr(device, attr, None)
     if existing is not None:
         if nbytes is not None and nbytes != existing.nbytes:
@@ -154,7 +188,7 @@ def create_arena(device: Device, nbytes: int | None = None, cuda=None) -> Arena:
         return existing
     if nbytes is None:
         env = os.environ.get(env_name)
-        nbytes = _parse_bytes(env) if env else DEFAULT_ARENA_BYTES
+        nbytes = byte_count(env, f"${env_name}") if env else DEFAULT_ARENA_BYTES
     arena = Arena(device, nbytes, cuda)
     setattr(device, attr, arena)
     if cuda is not None:

@@ -17,7 +17,7 @@ from typing_extensions import Self
 
 from rdmaflow import _core
 from rdmaflow._core import Channel, FlaggedWrites, Future, MemRegion, RemoteRegion, SameHost
-from rdmaflow.arena import Arena, arena_of, create_arena, cuda_device_of
+from rdmaflow.arena import Arena, arena_of, as_torch_device, byte_count, create_arena, cuda_device_of
 from rdmaflow.deadline import Deadline, positive_seconds
 from rdmaflow.errors import InvalidArgumentError
 
@@ -100,6 +100,12 @@ def _tcp_congestion(tcp_congestion: str | None) -> str:
     return tcp_congestion
 
 
+def _spin_us(spin_us: int) -> int:
+    if not isinstance(spin_us, int) or isinstance(spin_us, bool) or not 0 <= spin_us <= 10**6:
+        raise InvalidArgumentError(f"spin_us must be an integer number of microseconds in [0, 1000000], got {spin_us!r}")
+    return spin_us
+
+
 def _copy_threads(copy_threads: int | None) -> int:
     if copy_threads is not None:
         return int(copy_threads)
@@ -117,6 +123,17 @@ def tcp_congestion_of(tcp_congestion: str | None = None) -> str:
     """The congestion control a :class:`Device` made with ``tcp_congestion`` (default
     ``$RDMAFLOW_TCP_CONGESTION``, else ``"auto"``) gives UCX's tcp data sockets on this host."""
     return _core.tcp_congestion_of(_tcp_congestion(tcp_congestion))
+
+
+def check_dense(tensor: torch.Tensor, what: str) -> None:
+    """Raises InvalidArgumentError unless ``tensor`` is dense (strided, not nested): a sparse
+    or nested tensor's memory is not its values in order, so it cannot be registered or sent."""
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        if tensor.is_nested:
+            raise InvalidArgumentError(f"{what} is a nested tensor; rdmaflow moves dense tensors: send its "
+                                       "components (.unbind()) or a padded form (.to_padded_tensor(0.0))")
+        raise InvalidArgumentError(f"{what} is a {str(tensor.layout).removeprefix('torch.')} tensor; rdmaflow moves "
+                                   "dense tensors: send its dense form (.to_dense()) or its indices and values")
 
 
 def cache_line_handoff_ns(cpu_a: int, cpu_b: int, seconds: float) -> float:
@@ -192,7 +209,7 @@ class Device(_core.Device):
         tcp_congestion: str | None = None,
     ):
         super().__init__(endpoint, num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
-                         busy_poll=bool(busy_poll), spin_us=int(spin_us),
+                         busy_poll=bool(busy_poll), spin_us=_spin_us(spin_us),
                          connect_timeout=positive_seconds(connect_timeout, "connect_timeout"),
                          rpc_timeout=positive_seconds(rpc_timeout, "rpc_timeout"), data_error_handling=bool(data_error_handling),
                          same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads),
@@ -215,6 +232,7 @@ class Device(_core.Device):
             raise InvalidArgumentError(f"register() takes a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type not in ("cpu", "cuda"):
             raise InvalidArgumentError(f"register() takes host or CUDA tensors; got one on {tensor.device}")
+        check_dense(tensor, "register()'s tensor")
         if not tensor.is_contiguous():
             raise InvalidArgumentError("register() needs a contiguous tensor; call .contiguous() first")
         nbytes = tensor.numel() * tensor.element_size()
@@ -226,17 +244,19 @@ class Device(_core.Device):
         return region
 
     def alloc_region(self, nbytes: int, cuda=None) -> MemRegion:
-        """A new registered region of ``nbytes``: page-aligned host memory (shared memory when the
+        """A new registered region of ``nbytes`` (an integer, or a size such as "64M"): page-aligned host memory (shared memory when the
         same-host path is on), or, with ``cuda`` ("cuda", "cuda:1", a torch.device), GPU memory
         of that CUDA device, allocated through PyTorch's allocator and kept by the region."""
+        nbytes = byte_count(nbytes, "alloc_region's nbytes")
         if cuda is None:
             return super().alloc_region(nbytes)
-        if nbytes <= 0:
-            raise InvalidArgumentError(f"cannot allocate a region of {nbytes} bytes")
         return self.register(torch.empty(int(nbytes), dtype=torch.uint8, device=cuda_device_of(cuda)))
 
     def publish_region(self, name: str, region: MemRegion) -> None:
         """Hands ``region``'s descriptor out under ``name`` through the side RPC."""
+        if not isinstance(name, str) or not isinstance(region, MemRegion):
+            raise InvalidArgumentError(f"publish_region takes a name (str) and a MemRegion, got "
+                                       f"{type(name).__name__} and {type(region).__name__}")
         self.publish(name, region.descriptor())
 
     def lookup_region(self, remote_endpoint: str, name: str, timeout: float = -1.0) -> RemoteRegion:
@@ -245,8 +265,8 @@ class Device(_core.Device):
         return RemoteRegion.from_descriptor(self.lookup(remote_endpoint, name, timeout))
 
     def create_arena(self, nbytes: int | None = None, device=None) -> Arena:
-        """Registers this device's arena (once); ``nbytes`` defaults to $RDMAFLOW_ARENA_BYTES or
-        256 MiB. Asking again returns the same arena. ``device`` ("cuda", "cuda:1"): this
+        """Registers this device's arena (once); ``nbytes`` (an integer, or a size such as "1G")
+        defaults to $RDMAFLOW_ARENA_BYTES or 256 MiB. Asking again returns the same arena. ``device`` ("cuda", "cuda:1"): this
         device's GPU arena instead (one, on that CUDA device; $RDMAFLOW_CUDA_ARENA_BYTES)."""
         return create_arena(self, nbytes, device)
 
@@ -259,7 +279,7 @@ class Device(_core.Device):
         """An uninitialized tensor born in this device's registered arena: it can be sent with
         no copy. Its memory returns to the arena when it dies. ``device`` ("cuda", "cuda:1"):
         a CUDA tensor born in this device's GPU arena."""
-        if device is not None and torch.device(device).type == "cpu":
+        if device is not None and as_torch_device(device).type == "cpu":
             device = None
         return arena_of(self, device).empty(shape, dtype)
 

@@ -416,9 +416,22 @@ def test_bad_device_arguments(monkeypatch):
     with pytest.raises(rdmaflow.InvalidArgumentError, match="RDMAFLOW_FLAGGED_WRITES"):
         rdmaflow.Device("127.0.0.1:0", secret="s")
     monkeypatch.delenv("RDMAFLOW_FLAGGED_WRITES")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="spin_us must be an integer"):
+        rdmaflow.Device("127.0.0.1:0", secret="s", spin_us=-1)
     with rdmaflow.Device("127.0.0.1:0", secret="s") as d:
         with pytest.raises(rdmaflow.InvalidArgumentError):
             d.alloc_region(0)
+        for bad in (-1, 1.5, True, "lots", None):  # -1 used to reach the core as a size_t
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="alloc_region's nbytes must be"):
+                d.alloc_region(bad)
+        assert d.alloc_region("64K").nbytes == 65536
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="publish_region takes a name .str. and a MemRegion"):
+            d.publish_region("r", "not a region")
+        for bad in (2.7, "3", [2, 0.5]):  # int() would cut 2.7 to 2 and read "3" as 3
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="a shape is an integer"):
+                d.empty(bad)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="not a device: 'bogus'"):
+            d.empty(4, device="bogus")
         with pytest.raises(rdmaflow.InvalidArgumentError, match="contiguous"):
             d.register(torch.zeros(4, 4).t())
         r = d.alloc_region(64)
@@ -427,6 +440,25 @@ def test_bad_device_arguments(monkeypatch):
         with pytest.raises(rdmaflow.InvalidArgumentError, match="callable"):
             d.channel(d.endpoint).memcpy(r, 0, rdmaflow.RemoteRegion.from_descriptor(r.descriptor()), 0, 4, rdmaflow.WRITE, callback=3)
 
+
+
+def test_arena_sizes_are_bytes(monkeypatch, job_secret):
+    """An arena's size is an integer or a size such as "1M", as $RDMAFLOW_ARENA_BYTES is;
+    anything else is refused by name (a str used to meet a comparison's TypeError, and a bad
+    variable int()'s ValueError)."""
+    with local_device() as d:
+        for bad in ("a lot", 1.5, True, -5):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="the arena's nbytes must be"):
+                d.create_arena(bad)
+        assert d.create_arena("1M").nbytes == 1 << 20
+        assert d.create_arena(1 << 20) is d.arena  # the same size again: the same arena
+    monkeypatch.setenv("RDMAFLOW_ARENA_BYTES", "huge")
+    with local_device() as d, pytest.raises(rdmaflow.InvalidArgumentError,
+                                            match=r"\$RDMAFLOW_ARENA_BYTES must be a number of bytes"):
+        d.empty(4)
+    monkeypatch.setenv("RDMAFLOW_ARENA_BYTES", "2MiB")
+    with local_device() as d:
+        assert d.arena.nbytes == 2 << 20
 
 def test_timeouts_that_are_not_seconds_are_refused():
     """A deadline made from NaN would never pass and one from a word would pass by accident:

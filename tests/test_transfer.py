@@ -951,6 +951,9 @@ def test_receiver_names_depths_and_lazy_bits(job_secret):
         s = DynamicSender(a, b.endpoint, "dup")  # finds the live one
         s.send(torch.arange(3.0), timeout=5)
         assert r2.recv(timeout=5).tolist() == [0.0, 1.0, 2.0]
+        for qp_idx in (2**40, -1, 1, 1.0, "0"):  # 2**40 used to meet pybind11's TypeError
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="qp_idx must be an integer in .0, 1."):
+                StaticSender(a, b.endpoint, "dup", qp_idx=qp_idx)
         for depth in (0, 70000, True, None, "2", 1.5):
             with pytest.raises(rdmaflow.InvalidArgumentError, match="depth must be an integer"):
                 StaticReceiver(b, "deep", (4,), torch.float32, depth=depth)
@@ -977,6 +980,30 @@ def test_receiver_names_depths_and_lazy_bits(job_secret):
         sn.send(t.resolve_neg(), timeout=5)
         assert rn.recv(timeout=5).tolist() == [-2.0]
 
+
+
+@pytest.mark.filterwarnings("ignore:.*(Sparse CSR|nested tensors).*:UserWarning")
+def test_sparse_and_nested_tensors_are_refused(job_secret):
+    """A sparse or nested tensor's memory is not its values in order: every sender (and
+    register()) refuses it by name, where it used to raise PyTorch's internal errors."""
+    with local_device() as a, local_device() as b:
+        for d in (a, b):
+            d.create_arena(MiB)
+        rs = StaticReceiver(b, "dense", (3, 3), torch.float32)
+        rd = DynamicReceiver(b, "dense_any")
+        senders = (StaticSender(a, b.endpoint, "dense"), DynamicSender(a, b.endpoint, "dense_any"))
+        eye = torch.eye(3)
+        cases = [(eye.to_sparse(), "sparse_coo tensor"), (eye.to_sparse_csr(), "sparse_csr tensor"),
+                 (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor")]
+        for t, what in cases:
+            for s in senders:
+                with pytest.raises(rdmaflow.InvalidArgumentError, match=what):
+                    s.send(t, timeout=5)
+            with pytest.raises(rdmaflow.InvalidArgumentError, match=what):
+                a.register(t)
+        for s in senders:  # each still sends its dense form
+            s.send(eye, timeout=5)
+        assert torch.equal(rs.recv(timeout=5), eye) and torch.equal(rd.recv(timeout=5), eye)
 
 def test_second_sender_is_detected(job_secret):
     """A receiver pairs with one sender: another one introducing itself is an error, not a silent takeover."""
@@ -1006,6 +1033,47 @@ def test_closed_receiver_stops_its_sender(job_secret):
             s.send(torch.ones(4), timeout=5)
         # The receiver's slots stay allocated (a late write lands in memory nobody reuses).
         assert b.arena.used > 0
+
+
+def _pair_of_kind(kind: str, a, b, name: str):
+    """A receiver on ``b`` and its sender on ``a``, of ``kind``, for 4 float32 values."""
+    if kind == "static":
+        return StaticReceiver(b, name, (4,), torch.float32, depth=2), StaticSender(a, b.endpoint, name)
+    if kind == "bounded":
+        return (BoundedReceiver(b, name, [4], torch.float32, depth=2),
+                BoundedSender(a, b.endpoint, name, [4], torch.float32))
+    return DynamicReceiver(b, name, depth=2), DynamicSender(a, b.endpoint, name)
+
+
+@pytest.mark.parametrize("kind", ["static", "bounded", "dynamic"])
+@pytest.mark.parametrize("transport", ["tcp", "sm"], indirect=True)
+def test_closed_sender_ends_its_receivers_waits(transport, kind, job_secret):
+    """A sender's close() leaves the number it sent in the receiver's control block: what it
+    sent is still received, every byte, and a wait for more ends in PeerError well before its
+    timeout (it would be TimeoutError otherwise), in recv(), poll() and wait_any(); also for a
+    receiver whose sender closed before sending anything."""
+    with local_device() as a, local_device() as b:
+        a.create_arena(MiB)
+        b.create_arena(MiB)
+        r, s = _pair_of_kind(kind, a, b, "cs")
+        sent = [a.arena.empty((4,), torch.float32).copy_(torch.arange(4.0) + 10 * i) for i in (1, 2)]
+        for t in sent:
+            s.send(t, timeout=5)
+        s.close()
+        for t in sent:  # the first recv() latches the sender: the closing word already waits
+            assert torch.equal(r.recv(timeout=5).cpu(), t)
+        with pytest.raises(rdmaflow.PeerError, match="closed after sending 2 transfers: transfer 3"):
+            r.poll()
+        with pytest.raises(rdmaflow.PeerError, match="closed after sending 2"):
+            wait_any([r], timeout=30)
+        with pytest.raises(rdmaflow.PeerError, match="closed after sending 2"):
+            r.recv(timeout=30)
+
+        r0, s0 = _pair_of_kind(kind, a, b, "cs0")
+        assert not r0.poll()
+        s0.close()
+        with pytest.raises(rdmaflow.PeerError, match="closed after sending 0 transfers: transfer 1"):
+            r0.recv(timeout=30)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "sm"], indirect=True)

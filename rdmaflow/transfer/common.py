@@ -4,13 +4,15 @@ which a sender introduces itself, and the checks of what may be sent.
 Memory layout of a receiver's block in its arena (offsets in bytes):
 
     [0, 64*depth)          flag of slot i at 64*i: the sequence number last delivered there
-    [ctl, ctl+CTL_BYTES)   control block: sender's ready word, then its introduction
+    [ctl, ctl+CTL_BYTES)   control block: sender's ready word, then its introduction; its last
+                           64 bytes the word a closing sender leaves (CTL_CLOSED)
     [data, ...)            static: depth data slots; bounded: depth (size record, data slot at the
                            maxima); dynamic: depth metadata records
 
 A sender's block in its own arena:
 
     [0, 8)                 ack word: the receiver writes the number of transfers it consumed
+    [8, 16)                source of the word its close() leaves in the receiver's control block
     [64, 64+64*depth)      flag sources: the 8-byte values the sender writes into the flags
     [.., +CTL_BYTES)       staging for its introduction
 """
@@ -25,9 +27,11 @@ import torch
 from rdmaflow import Device, InvalidArgumentError
 from rdmaflow.arena import Arena, arena_of
 from rdmaflow.deadline import checked_timeout
+from rdmaflow.device import check_dense
 
 MAGIC = b"RFX1"
 CTL_BYTES = 4096
+CTL_CLOSED = CTL_BYTES - 64  # in the control block: CLOSED + the transfers a closed sender sent
 FLAG_STRIDE = 64
 KIND_STATIC = "static"
 KIND_DYNAMIC = "dynamic"
@@ -63,6 +67,7 @@ def check_tensor(t, what: str = "tensor") -> None:
         raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type not in ("cpu", "cuda"):
         raise InvalidArgumentError(f"{what} is on {t.device}; rdmaflow moves host and CUDA tensors")
+    check_dense(t, what)
     if not t.is_contiguous():
         raise InvalidArgumentError(f"{what} is not contiguous; call .contiguous() first (that copies)")
     if t.is_conj() or t.is_neg():  # its memory holds the values before the lazy conjugation or negation
@@ -106,7 +111,7 @@ class SenderIntro:
     @staticmethod
     def encode(endpoint: str, arena_descriptor: bytes, ack_offset: int) -> bytes:
         body = json.dumps({"endpoint": endpoint, "ack": ack_offset, "arena": arena_descriptor.hex()}).encode()
-        if 16 + len(body) > CTL_BYTES:
+        if 8 + 16 + len(body) > CTL_CLOSED:  # written after the ready word, before the closing word
             raise InvalidArgumentError("sender introduction does not fit the control block")
         return struct.pack("<QQ", 0, len(body)) + body
 

@@ -11,6 +11,10 @@ From then on every transfer is one-sided:
       (ordered behind it: write_flagged)
       WRITE k -> flag of slot  ──────────────▶  waits until flag >= k, then reads the slot
                                ◀──────────────  WRITE k -> sender's ack word, once consumed
+
+Either side's close() tells the other, behind everything it wrote before: a receiver writes
+CLOSED into the sender's ack word; a sender writes CLOSED + the transfers it sent into the
+control block's closing word, so that a wait for a transfer it never sent ends in PeerError.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from rdmaflow.arena import arena_of, gpu_ipc_info, map_gpu_ipc
 from rdmaflow.deadline import Deadline, time_left
 from rdmaflow.transfer.common import (
     CTL_BYTES,
+    CTL_CLOSED,
     FLAG_STRIDE,
     Endpoint,
     SenderIntro,
@@ -46,7 +51,7 @@ from rdmaflow.transfer.flag import (
 )
 
 ACK_CELLS = 16
-CLOSED = 1 << 62  # ack value a closing receiver leaves for its sender
+CLOSED = 1 << 62  # ack value a closing receiver leaves for its sender; a closing sender's word is CLOSED + k
 MAX_DEPTH = 1 << 16  # slots of a pair, as a sender accepts from a header
 
 
@@ -123,6 +128,7 @@ class Receiver(Endpoint):
         self._flag_addrs = [w.address for w in self.flags]
         self.ctl_ready = Word.at(raw, self.ctl_off)
         self._ctl_addr = self.ctl_ready.address
+        self.ctl_closed = Word.at(raw, self.ctl_off + CTL_CLOSED)
         # Registered sources for ack WRITEs; a cell is reused only after its WRITE completed.
         self._ack_block = self.arena.allocate(8 * ACK_CELLS)
         keep_until_device_closes(device, self._ack_block)  # the source of ack WRITEs in flight
@@ -145,7 +151,7 @@ class Receiver(Endpoint):
             return self._sender
         wait_flag(self.ctl_ready, 1, deadline, f"waiting for a sender to introduce itself to '{self.name}'")
         self._generation = self.ctl_ready.get()
-        raw = bytes(self._raw[self.ctl_off + 8 : self.data_off].numpy())
+        raw = bytes(self._raw[self.ctl_off + 8 : self.ctl_off + CTL_CLOSED].numpy())
         endpoint, desc, ack_off = SenderIntro.decode(raw)
         remote = RemoteRegion.from_descriptor(desc)
         if ack_off < 0 or ack_off + 8 > remote.nbytes:
@@ -255,6 +261,7 @@ class Receiver(Endpoint):
             if code == MISMATCH:
                 v = self.flags[slot].get()
                 raise RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
+            self._check_sender_open(k)
             if deadline.passed():
                 raise TimeoutError(f"timed out waiting for transfer {k} on '{self.name}'")
             code = self._slots_rx.recv(k, 0, 0, deadline.slice(WAIT_SLICE))[0]
@@ -266,7 +273,7 @@ class Receiver(Endpoint):
             return self._await(k, deadline)
         slot = (k - 1) % self.depth
         wait_flag(self.flags[slot], k, deadline, f"waiting for transfer {k} on '{self.name}'",
-                  peer=self._sender_if_known)
+                  peer=self._sender_if_known, give_up=lambda: self._check_sender_open(k))
         # The sender that wrote this transfer introduced itself before it: latch it now.
         self._sender_if_known()
         v = self.flags[slot].get()
@@ -274,17 +281,27 @@ class Receiver(Endpoint):
             raise RdmaflowError(f"'{self.name}': slot {slot} holds transfer {v}, expected {k}: protocol violated")
         return slot
 
+    def _check_sender_open(self, k: int) -> bool:
+        """Raises PeerError when transfer ``k`` will never come: its sender was closed after
+        sending fewer. Its closing word lands behind its last flag, and a flag that is set counts
+        whatever the word says. Returns False (``wait_flag``'s ``give_up``: keep waiting)."""
+        word = self.ctl_closed.get()
+        if word >= CLOSED and word - CLOSED < k and self.flags[(k - 1) % self.depth].get() < k:
+            raise PeerError(f"the sender of '{self.name}' was closed after sending {word - CLOSED} transfers: "
+                            f"transfer {k} will not come")
+        return False
+
     def poll(self) -> bool:
         """Whether the next transfer has landed (its flag is set, so ``recv()`` returns at once).
         Never blocks and consumes nothing; raises PeerError when it has not landed and the
-        sender's channel failed."""
+        sender's channel failed or the sender was closed before sending it."""
         k = self.seq + 1
         if self.flags[(k - 1) % self.depth].get() >= k:
             return True
         channel = self._sender_if_known()
         if channel is not None and channel.failed:
             raise peer_failed(f"'{self.name}' waits for transfer {k}", channel)
-        return False
+        return self._check_sender_open(k)
 
     def close(self) -> None:
         """Unpublishes, tells a connected sender that the receiver is gone, and keeps the
@@ -311,6 +328,9 @@ class Sender(Endpoint):
 
     def __init__(self, device, remote_endpoint: str, name: str, qp_idx: int, timeout: float | None):
         super().__init__(device, name, timeout)
+        if not isinstance(qp_idx, int) or isinstance(qp_idx, bool) or not 0 <= qp_idx < device.qps_per_peer:
+            raise InvalidArgumentError(f"qp_idx must be an integer in [0, {device.qps_per_peer}) (the device's "
+                                       f"qps_per_peer), got {qp_idx!r}")
         deadline = Deadline(timeout)
         value = device.lookup(remote_endpoint, name, -1.0 if timeout is None else timeout)
         meta, desc = unpack_header(value, name)
@@ -471,9 +491,23 @@ class Sender(Endpoint):
         wait_flag(self.ack, k, deadline, f"waiting for '{self.name}' to consume transfer {k}", peer=self.channel)
 
     def close(self) -> None:
+        """Waits (up to a second each) for the transfers in flight, then leaves the receiver
+        CLOSED + the number sent in its control block's closing word, behind them: its waits for
+        a transfer never sent end in PeerError. Never blocks for longer than about two seconds."""
         if self.closed:
             return
         self.closed = True
         for p in self._pending:
             if p is not None:
                 p[0].wait(1.0)
+        if self.ack.get() >= CLOSED or self.channel.failed:
+            return  # nobody is there to tell
+        at, value = self.r_base + self.r_ctl + CTL_CLOSED, CLOSED + self.seq
+        try:
+            if self._direct is not None:  # same host: a release store, after the flags' own
+                self._direct.store_word(at, value)
+            else:  # a word alone lands behind everything the channel posted before it
+                src = self._off(8)
+                self.channel.write_flagged(self.arena.region, src, self.remote, at, 0, src, value, at).wait(1.0)
+        except RdmaflowError:
+            pass  # the receiver's device is gone: nobody is there to tell

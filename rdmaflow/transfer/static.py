@@ -14,13 +14,12 @@ set/cleared byte, so the receiver never has to clear one.
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
-from rdmaflow.arena import arena_of
+from rdmaflow.arena import arena_of, shape_of
 from rdmaflow.deadline import Deadline, checked_timeout, time_left
 from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
@@ -28,19 +27,6 @@ from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE,
 from rdmaflow.transfer.pair import CLOSED, Receiver, Sender
 
 MODES = ("auto", "zerocopy", "copy")
-
-
-def _shape(shape) -> tuple[int, ...]:
-    try:  # integers only: int() would take "3" and cut 2.7 to 2
-        shape = (operator.index(shape),)
-    except TypeError:
-        try:
-            shape = tuple(operator.index(s) for s in shape)
-        except TypeError:
-            raise InvalidArgumentError(f"a shape is an integer or a sequence of integers, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise InvalidArgumentError(f"shape {shape} has a negative dimension")
-    return shape
 
 
 class StaticReceiver(Receiver):
@@ -61,7 +47,7 @@ class StaticReceiver(Receiver):
 
     def __init__(self, device, name: str, shape: Sequence[int] | int, dtype: torch.dtype,
                  depth: int = 1, timeout: float | None = 60.0, *, cuda=None):
-        self.shape = _shape(shape)
+        self.shape = shape_of(shape)
         self.dtype = dtype
         dtype_code(dtype)
         self.itemsize = dtype.itemsize
@@ -120,7 +106,7 @@ class StaticSender(Sender):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
-        self._declared = (None if shape is None else _shape(shape), dtype)
+        self._declared = (None if shape is None else shape_of(shape), dtype)
         super().__init__(device, remote_endpoint, name, qp_idx, timeout)
         # Whether a tensor of the receiver's shape and dtype can have its conjugate or negative
         # bit set and be contiguous (complex; or one element, as x.conj().imag): only then does a
@@ -196,9 +182,12 @@ class StaticSender(Sender):
             timeout = checked_timeout(timeout)
         if self.closed:
             raise InvalidArgumentError(f"send: the sender to '{self.name}' is closed")
-        host = (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
-                and tensor.is_cpu and tensor.is_contiguous()
-                and not (self._lazy_bits and (tensor.is_neg() or tensor.is_conj())))
+        try:
+            host = (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
+                    and tensor.is_cpu and tensor.is_contiguous()
+                    and not (self._lazy_bits and (tensor.is_neg() or tensor.is_conj())))
+        except RuntimeError:  # a sparse or nested tensor, which has no shape or strides to ask: _refuse says so
+            host = False
         if not host:
             self._refuse(tensor)  # returns for a tensor that may be sent: a CUDA one
         if release is not None:
