@@ -165,6 +165,24 @@ def test_resume_refuses_another_jobs_checkpoint(tmp_path):
     assert os.path.isdir(ckpt)
 
 
+def test_an_unwritable_checkpoint_dir_fails_the_job_at_its_start(tmp_path):
+    """A checkpoint directory that cannot be written (here under a regular file) ends the job
+    at setup with the reason, before any step: the shard used to find out at its first save,
+    which may come hours in. Nothing is left in a directory that can be written."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cfg = dict(sync_cfg("block", "sgd", steps=2), checkpoint_dir=str(blocker / "ckpt"), checkpoint_every=2,
+               log_every=1)  # a step taken would print its line
+    with Job(tmp_path, cfg, "bad") as j:
+        j.start_local(1, 1)
+        rcs = j.wait()
+        assert all(rc != 0 for rc in rcs.values()), rcs
+        said = f"checkpoint_dir {blocker / 'ckpt'} cannot be written here (NotADirectoryError"
+        assert said in j.proc("shard0").output(), j.logs()
+        assert '"event": "ps_step"' not in j.proc("worker0").output(), j.logs()
+    assert checkpoint.unwritable(str(tmp_path / "fine")) is None
+    assert os.listdir(tmp_path / "fine") == []
+
 def test_worker_death_under_rdmaflow_launch(tmp_path):
     """`rdmaflow launch --min-workers 1`: worker 1 of 2 dies; the launcher keeps the shard and
     worker 0 running, they finish the job, and the launcher exits 0."""

@@ -31,6 +31,20 @@ def shard_file(root: str, step: int, shard: int, num_shards: int) -> str:
     return os.path.join(step_dir(root, step), f"shard-{shard}-of-{num_shards}.pt")
 
 
+def unwritable(root: str) -> str | None:
+    """Why no checkpoint could be written under ``root`` (created if missing), or None: a shard
+    asks at setup, so that a job learns it at its start, not at its first checkpoint."""
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".probe-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None
+
+
 def save(root: str, step: int, shard: int, num_shards: int, fingerprint: dict, weights: torch.Tensor,
          optimizer_state: dict) -> str:
     path = shard_file(root, step, shard, num_shards)

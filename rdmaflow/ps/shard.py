@@ -56,6 +56,8 @@ class Shard:
         self.ckpt_every = int(self.config.get("checkpoint_every") or 0)
         if self.ckpt_every and self.mode != "sync":
             raise ShardFailure("checkpoints need mode='sync' (an asynchronous job has no common step to save)")
+        if self.ckpt_dir and self.mode == "sync" and (reason := checkpoint.unwritable(self.ckpt_dir)):
+            raise ShardFailure(f"checkpoint_dir {self.ckpt_dir} cannot be written here ({reason})")
         if self.ckpt_dir and self.mode != "sync" and self.id == 0:  # often set for every job (the variable)
             print(f"rdmaflow ps: checkpoint_dir {self.ckpt_dir} is set, but checkpoints are taken in mode='sync' "
                   f"only: this {self.mode} job writes none", file=sys.stderr, flush=True)
