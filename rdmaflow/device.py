@@ -244,9 +244,10 @@ class Device(_core.Device):
         return region
 
     def alloc_region(self, nbytes: int, cuda=None) -> MemRegion:
-        """A new registered region of ``nbytes`` (an integer, or a size such as "64M"): page-aligned host memory (shared memory when the
-        same-host path is on), or, with ``cuda`` ("cuda", "cuda:1", a torch.device), GPU memory
-        of that CUDA device, allocated through PyTorch's allocator and kept by the region."""
+        """A new registered region of ``nbytes`` (an integer, or a size such as "64M"):
+        page-aligned host memory (shared memory when the same-host path is on), or, with
+        ``cuda`` ("cuda", "cuda:1", a torch.device), GPU memory of that CUDA device, allocated
+        through PyTorch's allocator and kept by the region."""
         nbytes = byte_count(nbytes, "alloc_region's nbytes")
         if cuda is None:
             return super().alloc_region(nbytes)
@@ -266,8 +267,9 @@ class Device(_core.Device):
 
     def create_arena(self, nbytes: int | None = None, device=None) -> Arena:
         """Registers this device's arena (once); ``nbytes`` (an integer, or a size such as "1G")
-        defaults to $RDMAFLOW_ARENA_BYTES or 256 MiB. Asking again returns the same arena. ``device`` ("cuda", "cuda:1"): this
-        device's GPU arena instead (one, on that CUDA device; $RDMAFLOW_CUDA_ARENA_BYTES)."""
+        defaults to $RDMAFLOW_ARENA_BYTES or 256 MiB. Asking again returns the same arena.
+        ``device`` ("cuda", "cuda:1"): this device's GPU arena instead (one, on that CUDA
+        device; $RDMAFLOW_CUDA_ARENA_BYTES)."""
         return create_arena(self, nbytes, device)
 
     @property
