@@ -229,3 +229,115 @@ def test_a_send_that_found_no_credit_is_not_overtaken_by_the_next_of_its_sender(
     assert ex._run_one(queue.popleft(), queue, []) and sender.sent == ["mb0"]
     sender.acked = 2
     assert ex._run_one(queue.popleft(), queue, []) and sender.sent == ["mb0", "mb1"]
+
+
+# -- one stage in this process: what a step does with the batch, and the arguments it refuses ----
+
+class Head(torch.nn.Module):
+    """One stage: a layer, and the model's input returned beside its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.a(x), x
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """This process as the whole job: rank 0 of 1, serving the job's store itself."""
+    from rdmaflow.bench.processes import free_port
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                 "RDMAFLOW_JOB_SECRET": "one-rank"}.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_uneven_microbatches_give_the_whole_batchs_gradient(one_rank):
+    """A Dim on the batch lets 17 rows through 4 microbatches (5, 4, 4, 4): each microbatch's
+    loss is weighted by its rows, so the gradient is that of the whole batch's mean loss (it
+    was each divided by 4: off by up to 3e-2 here)."""
+    torch.manual_seed(0)
+    model, ref = Seq(), Seq()
+    ref.load_state_dict(model.state_dict())
+    pipe = graph.pipeline(model, (torch.randn(MB, 8),), dynamic_shapes=({0: Dim("b", min=1, max=64)},))
+    x, y = torch.randn(17, 8), torch.randn(17, 4)
+    with pipe.build_stage(timeout=20) as stage:
+        graph.ScheduleGPipe(stage, 4, loss_fn=torch.nn.functional.mse_loss).step(x, target=y)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        for name, p in stage.submod.named_parameters():
+            torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_inference_of_one_stage_returning_its_input_and_a_scalar(one_rank):
+    """A one-stage model that returns its own input returns it (no edge from stage 0 to itself,
+    on which nothing would ever be sent: that waited out the timeout); a scalar output comes
+    back one element per microbatch (torch.cat of scalars raised RuntimeError)."""
+    x = torch.randn(16, 8)
+    head = Head()
+    with graph.pipeline(head, (torch.randn(MB, 8),)).build_stage(timeout=10) as stage:
+        y, back = graph.ScheduleGPipe(stage, 4).step(x)
+        assert torch.equal(back, x)
+        torch.testing.assert_close(y, head(x)[0].detach())
+
+    class Total(Seq):
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))).sum()
+
+    torch.manual_seed(1)
+    m = Total()
+    with graph.pipeline(m, (torch.randn(MB, 8),)).build_stage(timeout=10) as stage:
+        out = graph.ScheduleGPipe(stage, 4).step(x)
+        assert out.shape == (4,)
+        torch.testing.assert_close(out, torch.stack([m(xm) for xm in x.tensor_split(4)]).detach())
+
+
+def test_stage_and_schedule_arguments_are_refused_by_name(one_rank, monkeypatch):
+    pipe = graph.pipeline(Seq(), (torch.randn(MB, 8),))
+    for bad in (0, -3, 2.5, "4", None, True, float("nan")):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="n_microbatches must be a positive integer"):
+            pipe.plan(bad)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="schedule must be one of"):
+        pipe.plan(2, schedule="bogus")
+    for bad in (float("nan"), float("inf"), -1, 0, "10"):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="timeout must be a positive, finite number"):
+            pipe.build_stage(timeout=bad)
+    monkeypatch.setenv("RDMAFLOW_GRAPH_TIMEOUT", "abc")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$RDMAFLOW_GRAPH_TIMEOUT must be a positive"):
+        pipe.build_stage()
+    monkeypatch.delenv("RDMAFLOW_GRAPH_TIMEOUT")
+    for bad in ("0", 1, True):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="rank r runs stage r"):
+            pipe.build_stage(bad)
+    class Adjacent(Seq):
+        def forward(self, x):
+            h = self.a(x)
+            graph.pipe_split()
+            graph.pipe_split()
+            return self.b(h)
+
+    with pytest.raises(graph.CaptureError, match="stage 1 of 3 has no computation: two split points are adjacent"):
+        graph.pipeline(Adjacent(), (torch.randn(MB, 8),))
+    with pytest.raises(graph.CaptureError, match="it is a parameter or buffer"):
+        graph.pipeline(type("Weight", (Seq,), {"forward": lambda self, x: (self.a(x), self.a.weight)})(), (torch.randn(MB, 8),))
+
+    stage = pipe.build_stage(0, timeout=20)
+    for bad in (2.5, "4", None):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="n_microbatches must be a positive integer"):
+            graph.ScheduleGPipe(stage, bad)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    sched = graph.ScheduleGPipe(stage, 2, loss_fn=lambda out, t: torch.nn.functional.mse_loss(out, t).detach())
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="losses= takes a list"):
+        sched.step(x, target=y, losses=())
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="does not require grad"):
+        sched.step(x, target=y)
+    stage.close()
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="stage 0 is closed"):
+        sched.step(x, target=y)
+
+    with pipe.build_stage(timeout=20) as stage:  # a loss of shape [1] is the scalar it holds
+        losses = []
+        graph.ScheduleGPipe(stage, 2, loss_fn=lambda out, t: ((out - t) ** 2).mean().reshape(1)).step(
+            x, target=y, losses=losses)
+        assert [v.shape for v in losses] == [(), ()]

@@ -28,6 +28,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._sympy.numbers import int_oo
 
+from rdmaflow.errors import InvalidArgumentError
 from rdmaflow.graph.capture import CaptureError, Ref, StageGraph
 from rdmaflow.graph.placement import aliases_input, decomposes, op_name, out_variant
 from rdmaflow.graph.report import explain_table
@@ -239,13 +240,27 @@ class StageMemory:
         return raw + raw // 4 + ARENA_SLACK
 
 
+SCHEDULES = ("gpipe", "1f1b", "forward")
+
+
+def microbatch_count(n) -> int:
+    """``n`` microbatches in flight: a positive integer, else InvalidArgumentError."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidArgumentError(f"n_microbatches must be a positive integer, got {n!r}")
+    return n
+
+
 class Plan:
     """What every rank agrees on before execution: edges, classes, mechanisms, arena sizes."""
 
     def __init__(self, stages: list[StageGraph], outputs: list[Ref], inputs: list, n_microbatches: int,
                  training: bool, zero_copy: bool, schedule: str):
+        if schedule not in SCHEDULES:
+            raise InvalidArgumentError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if not isinstance(training, bool) or not isinstance(zero_copy, bool):
+            raise InvalidArgumentError(f"training and zero_copy are bools, got {training!r} and {zero_copy!r}")
         self.num_stages = len(stages)
-        self.n_microbatches = n_microbatches
+        self.n_microbatches = microbatch_count(n_microbatches)
         self.training = training
         self.zero_copy = zero_copy
         self.schedule = schedule
@@ -270,7 +285,7 @@ class Plan:
                 uses.setdefault((ref, st.index), []).append(f"argument {ph.name}")
         last = self.num_stages - 1
         for k, ref in enumerate(outputs):
-            if ref.kind == "value" and ref.stage == last:
+            if ref.kind == "value" and ref.stage == last or ref.kind == "input" and last == 0:
                 continue
             uses.setdefault((ref, last), []).append(f"model output {k}")
         order = sorted(uses, key=lambda rc: (rc[0].stage if rc[0].kind == "value" else 0, rc[1], rc[0].kind,

@@ -246,14 +246,18 @@ def _read_top_graph(gm, top, inputs, num_stages):
         elif n.op == "output":
             vals = n.args[0]
             for v in (vals if isinstance(vals, (tuple, list)) else [vals]):
-                if not isinstance(v, torch.fx.Node) or v not in where:
-                    raise CaptureError(f"model output {v!r} is not a tensor computed by a stage")
+                if not isinstance(v, torch.fx.Node) or v not in where or where[v].kind == "param":
+                    raise CaptureError(f"model output {v!r} is not a tensor computed by a stage"
+                                       + (" (it is a parameter or buffer: return a computed tensor)"
+                                          if v in where else ""))
                 outputs.append(where[v])
         else:
             raise CaptureError(f"unexpected node {n.format_node()} in the partitioned graph")
     stages.sort(key=lambda s: s.index)
     if [s.index for s in stages] != list(range(num_stages)):
-        raise CaptureError(f"partitioning produced stages {[s.index for s in stages]}, expected {num_stages}")
+        empty = sorted(set(range(num_stages)) - {s.index for s in stages})
+        raise CaptureError(f"stage {', '.join(map(str, empty)) or '?'} of {num_stages} has no computation: two split "
+                           "points are adjacent, or one is at the very beginning or end of the model")
     return stages, outputs, inputs
 
 

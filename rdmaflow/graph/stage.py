@@ -16,7 +16,8 @@ import torch
 from typing_extensions import Self
 
 import rdmaflow
-from rdmaflow.graph.analysis import BOUNDED, DYNAMIC, GRADIENT, STATIC, TOKEN, Edge, Plan
+from rdmaflow.deadline import positive_seconds
+from rdmaflow.graph.analysis import BOUNDED, DYNAMIC, GRADIENT, STATIC, TOKEN, Edge, Plan, microbatch_count
 from rdmaflow.graph.capture import StageGraph
 from rdmaflow.graph.executor import ComputeOp, Executor, RecvOp, SendOp
 from rdmaflow.graph.placement import Placement
@@ -123,8 +124,16 @@ class PipelineStage:
         if zero_copy not in ZERO_COPY:
             raise rdmaflow.InvalidArgumentError(f"zero_copy must be one of {ZERO_COPY}, got {zero_copy!r}")
         rank, world = env_rank()
-        self.stage_index = rank if stage_index is None else stage_index
-        self.timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)) if timeout is None else timeout
+        if timeout is None:
+            env = os.environ.get(TIMEOUT_ENV)
+            self.timeout = DEFAULT_TIMEOUT if env is None else positive_seconds(_number(env), f"${TIMEOUT_ENV}")
+        else:
+            self.timeout = positive_seconds(timeout, "timeout")
+        if stage_index is not None and (not isinstance(stage_index, int) or isinstance(stage_index, bool)
+                                        or stage_index != rank):
+            raise rdmaflow.InvalidArgumentError(f"stage_index is {stage_index!r} on rank {rank}: rank r runs stage r "
+                                                "(leave stage_index out, or pass $RANK)")
+        self.stage_index = rank
         self.rdv = Rendezvous(rank, world, self.timeout)
         problem = None
         if world != pipe.num_stages:
@@ -148,6 +157,7 @@ class PipelineStage:
         self.receivers: dict[int, object] = {}
         self.stats: dict[int, EdgeStats] = {}
         self.steps = 0
+        self.closed = False
         self._learned: set[str] = set()
 
     @property
@@ -172,8 +182,9 @@ class PipelineStage:
         """Plans, agrees with the other ranks, and connects every edge (once)."""
         if self.plan is not None:
             raise rdmaflow.InvalidArgumentError("this stage is already set up for a schedule; build a new stage")
-        if n_microbatches < 1:
-            raise rdmaflow.InvalidArgumentError(f"n_microbatches must be at least 1, got {n_microbatches}")
+        if self.closed:
+            raise rdmaflow.InvalidArgumentError(f"stage {self.stage_index} is closed: build a new stage")
+        microbatch_count(n_microbatches)  # before anything is made: the plan checks it too
         plan = self.pipe.plan(n_microbatches, training=training, zero_copy=self.zero_copy, schedule=schedule)
         self.rdv.agree(plan.to_json())
         try:
@@ -215,8 +226,13 @@ class PipelineStage:
     # -- one step -------------------------------------------------------------------------------
     def run_step(self, order: list[tuple[str, int]], args: tuple, target, losses: list | None, loss_fn):
         """Runs one step of the schedule ``order`` ([("F"|"B", microbatch), ...])."""
+        if self.closed:
+            raise rdmaflow.InvalidArgumentError(f"stage {self.stage_index} is closed: build a new stage for more steps")
         if self.plan is None:
             raise rdmaflow.InvalidArgumentError("the stage is not set up: create a schedule for it first")
+        if losses is not None and not isinstance(losses, list):
+            raise rdmaflow.InvalidArgumentError(f"losses= takes a list (the last stage appends each microbatch's "
+                                                f"loss to it), got {type(losses).__name__}")
         try:
             return self._run_step(order, args, target, losses, loss_fn)
         except BaseException as e:
@@ -232,6 +248,7 @@ class PipelineStage:
             raise rdmaflow.InvalidArgumentError("the last stage's step() takes target= for its loss_fn")
         self._chunks = self._split_inputs(args) if self.is_first else None
         self._targets = self._split(target, "target") if self.is_last and plan.training else None
+        self._target_rows = target.shape[0] if self._targets is not None else 0
         self._mbs = [Microbatch() for _ in range(M)]
         self._outputs: list = [None] * M
         self._loss_fn = loss_fn
@@ -323,6 +340,8 @@ class PipelineStage:
         for ref in self.pipe.outputs:
             if ref.kind == "value" and ref.stage == self.stage_index:
                 values.append(outs[ref.index])
+            elif ref.kind == "input" and self.is_first:  # a one-stage model returning its input
+                values.append(self._chunks[m][ref.index])
             else:
                 values.append(self._leaf(mb, self._fwd_in[_key(ref)], inputs))
         output = values[0] if len(values) == 1 else tuple(values)
@@ -330,15 +349,18 @@ class PipelineStage:
             loss = self._loss_fn(output, self._targets[m])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise rdmaflow.InvalidArgumentError("loss_fn must return a scalar tensor")
-            mb.loss = loss
+            if not loss.requires_grad:
+                raise rdmaflow.InvalidArgumentError("loss_fn's result does not require grad: compute it from the "
+                                                    "model's output, without detaching it")
+            mb.loss = loss.reshape(())
         else:  # the slots the outputs may view are rewritten by the next step
             self._outputs[m] = tuple(v.detach().clone() for v in values) if len(values) > 1 else values[0].clone()
 
     def _backward(self, m: int, inputs: dict) -> list[SendOp]:
-        mb, M = self._mbs[m], self.plan.n_microbatches
+        mb = self._mbs[m]
         tensors, grads = [], []
-        if self.is_last:
-            tensors.append(mb.loss / M)
+        if self.is_last:  # the microbatch's share of the batch (1/M when M divides it): the batch's mean loss
+            tensors.append(mb.loss * (self._targets[m].shape[0] / self._target_rows))
             grads.append(torch.ones((), dtype=mb.loss.dtype))
         by_tensor: dict[int, list] = {}
         for e in self._bwd_in:
@@ -443,10 +465,20 @@ class PipelineStage:
         if self.device is not None:
             self.device.close()
             self.device = None
+        self.closed = True
 
 
 def _key(ref) -> str:
     return f"input {ref.index}" if ref.kind == "input" else f"stage {ref.stage} output {ref.index}"
+
+
+def _number(text: str):
+    """``text`` (an environment variable's) as a float, or as itself when it is none, for
+    positive_seconds to refuse by name."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -454,9 +486,14 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _concat(outputs: list):
+    """The microbatches' outputs joined along dimension 0, as torch.distributed.pipelining
+    merges them: a per-sample output becomes the batch's; a scalar, one element per microbatch."""
+    def join(ts: list) -> torch.Tensor:
+        return torch.stack(ts) if ts[0].dim() == 0 else torch.cat(ts)
+
     if isinstance(outputs[0], tuple):
-        return tuple(torch.cat([o[i] for o in outputs]) for i in range(len(outputs[0])))
-    return torch.cat(outputs)
+        return tuple(join([o[i] for o in outputs]) for i in range(len(outputs[0])))
+    return join(outputs)
 
 
 __all__ = ["PipelineStage", "StageModule"]
