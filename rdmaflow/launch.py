@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -47,6 +48,13 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
     if ns.nproc_per_node < 1 or ns.shards_per_node < 1 or ns.nnodes < 1:
         raise SystemExit("rdmaflow launch: --nnodes, --nproc-per-node and --shards-per-node must be >= 1")
+    if not 0 <= ns.node_rank < ns.nnodes:  # torchrun waits for the missing nodes without end
+        raise SystemExit(f"rdmaflow launch: --node-rank {ns.node_rank} is not in [0, --nnodes {ns.nnodes})")
+    if not 1 <= ns.master_port <= 65535 or not ns.master_addr.strip():
+        raise SystemExit(f"rdmaflow launch: --master-addr {ns.master_addr!r} --master-port {ns.master_port}: "
+                         "an address and a port in [1, 65535]")
+    if not os.path.isfile(ns.script):
+        raise SystemExit(f"rdmaflow launch: the script {ns.script} does not exist")
     env = dict(os.environ)
     if not env.get("RDMAFLOW_JOB_SECRET"):
         if ns.nnodes > 1:
@@ -123,7 +131,7 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
 def run(ns: argparse.Namespace) -> int:
     argv, env = command(ns)
     if ns.dry_run:
-        print(" ".join(argv))
+        print(shlex.join(argv))
         return 0
     if ns.min_workers is not None:
         return supervise(ns, env)

@@ -216,9 +216,28 @@ def test_bench_device_quick_tcp_csv(tmp_path):
 
 
 def test_bench_device_rejects_bad_sizes():
-    p = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "device", "--sizes", "0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
-    assert p.returncode == 2 and "positive" in p.stderr
+    for sizes, said in (("0", "positive"), ("abc", "error: --sizes: invalid size 'abc'")):
+        p = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "device", "--sizes", sizes],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+        assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--node-rank", "5"], "--node-rank 5 is not in [0, --nnodes 1)"),  # torchrun waited for node 5 without end
+    (["--min-workers", "1", "--node-rank", "-1"], "--node-rank -1 is not in"),
+    (["--master-port", "99999"], "a port in [1, 65535]"),
+    (["--master-addr", ""], "an address and a port"),
+])
+def test_launch_refuses_an_impossible_job_at_once(argv, said, tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    for args in ([*argv, str(script)], [*argv, "--dry-run", str(script)]):
+        p = subprocess.run([sys.executable, "-m", "rdmaflow", "launch", *args], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, check=False)
+        assert p.returncode != 0 and said in p.stderr and "ran" not in p.stdout, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-m", "rdmaflow", "launch", str(tmp_path / "missing.py")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode != 0 and "missing.py does not exist" in p.stderr and "Traceback" not in p.stderr
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["bench", "device", "--help"]])

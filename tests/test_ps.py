@@ -706,3 +706,36 @@ def test_init_refuses_timeouts_that_are_not_seconds(monkeypatch):
     monkeypatch.setenv("RDMAFLOW_PS_TIMEOUT", "nan")
     with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$RDMAFLOW_PS_TIMEOUT must be a positive"):
         ps.init()
+
+
+def test_roles_from_an_impossible_launcher_environment_are_refused(monkeypatch):
+    """Ranks and sizes that cannot describe a job used to give impossible roles (worker 6 of 1,
+    shard -2); each is refused naming its variables. Good environments give the usual roles."""
+    import rdmaflow
+    from rdmaflow.ps.context import Role, resolve_role
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "RDMAFLOW_SHARDS_PER_NODE",
+             "RDMAFLOW_ROLE", "RDMAFLOW_ROLE_INDEX", "RDMAFLOW_NUM_SHARDS", "RDMAFLOW_NUM_WORKERS")
+
+    def role(**env):
+        for k in names:
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, str(v))
+        return resolve_role()
+
+    for env, said in [({"RANK": 5, "WORLD_SIZE": 2}, r"\$RANK=5 is not in \[0, \$WORLD_SIZE=2\)"),
+                      ({"RANK": -1, "WORLD_SIZE": 2}, r"\$RANK=-1"),
+                      ({"RANK": 1, "WORLD_SIZE": 2, "LOCAL_RANK": 7, "LOCAL_WORLD_SIZE": 2}, r"\$LOCAL_RANK=7"),
+                      ({"RANK": 1, "WORLD_SIZE": 2, "GROUP_RANK": 5}, r"\$GROUP_RANK=5 is not in \[0, 1\)"),
+                      ({"RANK": 3, "WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": 3}, r"\$LOCAL_WORLD_SIZE=3 does not divide"),
+                      ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_ROLE": "worker", "RDMAFLOW_ROLE_INDEX": 9,
+                        "RDMAFLOW_NUM_SHARDS": 1, "RDMAFLOW_NUM_WORKERS": 1}, r"\$RDMAFLOW_ROLE_INDEX=9"),
+                      ({"RDMAFLOW_ROLE": "shard", "RDMAFLOW_ROLE_INDEX": 0, "RDMAFLOW_NUM_SHARDS": 0,
+                        "RDMAFLOW_NUM_WORKERS": -1}, "must both be at least 1"),
+                      ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_SHARDS_PER_NODE": 0}, r"SHARDS_PER_NODE=0 must be"),
+                      ({}, "run by hand, set RANK, WORLD_SIZE")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=said):
+            role(**env)
+    assert role(RANK=0, WORLD_SIZE=3) == Role("shard", 0, 1, 2, 0, 3)
+    assert role(RANK=5, WORLD_SIZE=6, LOCAL_RANK=2, LOCAL_WORLD_SIZE=3, GROUP_RANK=1) == Role("worker", 3, 2, 4, 5, 6)

@@ -33,24 +33,43 @@ class Role:
     world_size: int
 
 
+def _check(ok: bool, problem: str) -> None:
+    if not ok:
+        raise InvalidArgumentError(f"this process's launcher environment is impossible: {problem}")
+
+
 def resolve_role() -> Role:
+    """This process's role from the launcher's environment; InvalidArgumentError naming the
+    variables when they cannot describe a job (a rank outside the world, a local size that
+    does not divide it, a shard or worker index beyond their number)."""
     rank = env_int("RANK", 0)
     world = env_int("WORLD_SIZE", 1)
+    _check(world >= 1 and 0 <= rank < world, f"$RANK={rank} is not in [0, $WORLD_SIZE={world})")
     if os.environ.get("RDMAFLOW_ROLE"):
         kind = os.environ["RDMAFLOW_ROLE"]
         if kind not in ("shard", "worker"):
             raise InvalidArgumentError(f"$RDMAFLOW_ROLE must be 'shard' or 'worker', got {kind!r}")
-        return Role(kind, env_int("RDMAFLOW_ROLE_INDEX"), env_int("RDMAFLOW_NUM_SHARDS"),
+        role = Role(kind, env_int("RDMAFLOW_ROLE_INDEX"), env_int("RDMAFLOW_NUM_SHARDS"),
                     env_int("RDMAFLOW_NUM_WORKERS"), rank, world)
-    local_rank = env_int("LOCAL_RANK", rank)
+        count = role.num_shards if kind == "shard" else role.num_workers
+        _check(role.num_shards >= 1 and role.num_workers >= 1, f"$RDMAFLOW_NUM_SHARDS={role.num_shards} and "
+               f"$RDMAFLOW_NUM_WORKERS={role.num_workers} must both be at least 1")
+        _check(0 <= role.index < count, f"$RDMAFLOW_ROLE_INDEX={role.index} is not in [0, {count}) {kind}s")
+        return role
     local_world = env_int("LOCAL_WORLD_SIZE", world)
-    node = env_int("GROUP_RANK", rank // max(local_world, 1))
-    nnodes = max(world // max(local_world, 1), 1)
+    _check(1 <= local_world <= world and world % local_world == 0,
+           f"$LOCAL_WORLD_SIZE={local_world} does not divide $WORLD_SIZE={world} into nodes")
+    local_rank = env_int("LOCAL_RANK", rank % local_world)
+    _check(0 <= local_rank < local_world, f"$LOCAL_RANK={local_rank} is not in [0, $LOCAL_WORLD_SIZE={local_world})")
+    nnodes = world // local_world
+    node = env_int("GROUP_RANK", rank // local_world)
+    _check(0 <= node < nnodes, f"$GROUP_RANK={node} is not in [0, {nnodes}) nodes")
     spn = env_int("RDMAFLOW_SHARDS_PER_NODE", 1)
     if not 1 <= spn < local_world:
         raise InvalidArgumentError(
-            f"{spn} shards per node leave no worker among {local_world} processes per node: "
-            f"start at least {spn + 1} processes per node (rdmaflow launch --nproc-per-node counts workers only)"
+            f"$RDMAFLOW_SHARDS_PER_NODE={spn} must be at least 1 and leave a worker among the {local_world} "
+            f"processes per node: start at least {max(spn, 1) + 1} processes per node (rdmaflow launch "
+            "--nproc-per-node counts workers only; run by hand, set RANK, WORLD_SIZE and the others as torchrun does)"
         )
     wpn = local_world - spn
     if local_rank < spn:

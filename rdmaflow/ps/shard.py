@@ -16,6 +16,7 @@ import torch
 
 from rdmaflow import READ, WRITE, PeerError, RdmaflowError, RemoteRegion, wait_all
 from rdmaflow.deadline import Deadline
+from rdmaflow.job import env_int
 from rdmaflow.ps import checkpoint
 from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest
@@ -440,10 +441,10 @@ def shard_threads() -> int:
     from more threads, and OpenMP threads that spin between kernels take the cores the
     workers compute on."""
     if os.environ.get("RDMAFLOW_SHARD_THREADS"):
-        return max(1, int(os.environ["RDMAFLOW_SHARD_THREADS"]))
+        return max(1, env_int("RDMAFLOW_SHARD_THREADS"))
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    local = env_int("LOCAL_WORLD_SIZE", 1)
     return max(1, cores // max(local, 1))
