@@ -178,6 +178,12 @@ def test_a_measurement_waits_bounded_for_the_host_to_leave_a_slow_phase(monkeypa
     assert transfer.settings(ap.parse_args(["--quick"]))["settle"] == 0
     with pytest.raises(ValueError, match="--settle"):
         transfer.settings(ap.parse_args(["--settle", "-1"]))
+    # A value given is the value checked: `or DEFAULT` used to run the default benchmark for 0.
+    for argv, said in [(["--repeats", "0"], "--repeats"), (["--min-iters", "0"], "--min-iters"),
+                       (["--timeout", "-1"], "--timeout"), (["--target-bytes", "0"], "--target-bytes"),
+                       (["--sizes", ""], "--sizes")]:
+        with pytest.raises(ValueError, match=said):
+            transfer.settings(ap.parse_args(argv))
 
 
 def test_the_cache_line_probe_measures_and_refuses_bad_cpus():

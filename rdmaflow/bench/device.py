@@ -485,12 +485,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes_text = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
-    sizes = parse_sizes(sizes_text)
+    sizes_text = args.sizes if args.sizes is not None else (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    try:
+        sizes = parse_sizes(sizes_text)
+    except ValueError as e:
+        print(f"error: --sizes: {e}", file=sys.stderr)
+        return 2
     if not sizes or any(s <= 0 for s in sizes):
         print("error: --sizes needs positive sizes", file=sys.stderr)
         return 2
-    repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     if repeats < 1 or args.window < 1 or args.min_iters < 1 or (args.refill is not None
                                                                 and args.refill < 1):
         print("error: --repeats, --window, --refill and --min-iters must be >= 1",

@@ -372,10 +372,10 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             _parse_list(args.transport, TRANSPORTS, "transport")
     allowed = CUDA_SYSTEMS if cuda else SYSTEMS
     systems = _parse_list(args.systems, allowed, "system") if args.systems else default_systems(args.device)
-    sizes = parse_sizes(args.sizes or (QUICK_SIZES if args.quick else CUDA_DEFAULT_SIZES if cuda else DEFAULT_SIZES))
+    sizes = parse_sizes(_given(args.sizes, QUICK_SIZES if args.quick else CUDA_DEFAULT_SIZES if cuda else DEFAULT_SIZES))
     if not sizes or any(s <= 0 or s % 4 for s in sizes):
         raise ValueError("--sizes needs positive multiples of 4 bytes (float32 tensors)")
-    target = parse_size(args.target_bytes) if args.target_bytes else (
+    target = parse_size(args.target_bytes) if args.target_bytes is not None else (
         QUICK_TARGET_BYTES if args.quick else CUDA_TARGET_BYTES if cuda else DEFAULT_TARGET_BYTES)
     consume = "none" if args.no_reduce else (args.consume or DEFAULT_CONSUME[args.device])
     if args.no_reduce and args.consume not in (None, "none"):
@@ -384,18 +384,26 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--consume sync waits for a CUDA stream: it needs --device cuda")
     out = {
         "device": args.device, "transports": transports, "systems": systems, "sizes": sizes,
-        "repeats": args.repeats or (QUICK_REPEATS if args.quick else CUDA_REPEATS if cuda else DEFAULT_REPEATS),
+        "repeats": _given(args.repeats, QUICK_REPEATS if args.quick else CUDA_REPEATS if cuda else DEFAULT_REPEATS),
         "target_bytes": target,
-        "min_iters": args.min_iters or (CUDA_MIN_ITERS if cuda and not args.quick else DEFAULT_MIN_ITERS),
-        "max_iters": args.max_iters or (QUICK_MAX_ITERS if args.quick else DEFAULT_MAX_ITERS),
+        "min_iters": _given(args.min_iters, CUDA_MIN_ITERS if cuda and not args.quick else DEFAULT_MIN_ITERS),
+        "max_iters": _given(args.max_iters, QUICK_MAX_ITERS if args.quick else DEFAULT_MAX_ITERS),
         "max_inflight": parse_size(args.max_inflight_bytes),
-        "timeout": args.timeout or (CUDA_TIMEOUT if cuda else DEFAULT_TIMEOUT),
+        "timeout": _given(args.timeout, CUDA_TIMEOUT if cuda else DEFAULT_TIMEOUT),
         "window": args.window, "consume": consume,
         "settle": check_settle(args.settle if args.settle is not None else 0.0 if args.quick else DEFAULT_SETTLE),
     }
     if out["repeats"] < 1 or args.window < 1 or out["min_iters"] < 1 or out["max_iters"] < out["min_iters"]:
         raise ValueError("--repeats, --window, --min-iters must be >= 1 and --max-iters >= --min-iters")
+    if not out["timeout"] > 0 or target <= 0 or out["max_inflight"] <= 0:
+        raise ValueError("--timeout, --target-bytes and --max-inflight-bytes must be positive")
     return out
+
+
+def _given(value, default):
+    """An option's value where one was given (0 and "" included, for the checks to refuse), else
+    its default: ``value or default`` would run the default for --repeats 0."""
+    return default if value is None else value
 
 
 def run(args: argparse.Namespace) -> int:
