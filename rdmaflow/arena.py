@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,16 +36,20 @@ CUDA_ARENA_NAME = "rdmaflow.arena.cuda"  # where a device publishes its GPU aren
 CUDA_IPC_NAME = "rdmaflow.arena.cuda.ipc"  # ... and what a peer on its host needs to map it
 GPU_IPC_ENV = "RDMAFLOW_GPU_IPC"  # 0: GPU memory of same-host peers only through UCX
 ALIGNMENT = 256  # keeps every tensor cache-line and vector aligned
+MAX_BYTES = 1 << 62  # the largest region asked for (the core's sizes are 64-bit)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)((K|M|G)I?B?|B)?")
 
 
 def byte_count(value, what: str) -> int:
     """``value``, an integer or a size such as "256M" or "1GiB" (K, M, G: powers of 1024), as a
     positive number of bytes; InvalidArgumentError naming ``what`` when it is not one."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     try:
         if isinstance(value, str):
-            t = value.strip().upper().rstrip("B").rstrip("I")
-            n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+            m = _SIZE.fullmatch(value.strip().upper())
+            if m is None or "." in m[1] and not m[3]:  # a fraction of a byte is no size
+                raise ValueError
+            n = int(float(m[1]) * units[m[3] or ""])
         elif isinstance(value, bool):
             raise TypeError
         else:
@@ -52,8 +57,8 @@ def byte_count(value, what: str) -> int:
     except (ValueError, TypeError, OverflowError):
         raise InvalidArgumentError(f"{what} must be a number of bytes (an integer, or a size such as '256M'), "
                                    f"got {value!r}") from None
-    if n <= 0:
-        raise InvalidArgumentError(f"{what} must be positive, got {value!r}")
+    if not 0 < n <= MAX_BYTES:
+        raise InvalidArgumentError(f"{what} must be positive and at most 2**62, got {value!r}")
     return n
 
 

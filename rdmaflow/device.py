@@ -115,7 +115,11 @@ def _copy_threads(copy_threads: int | None) -> int:
             return int(env)
         except ValueError:
             raise InvalidArgumentError(f"{COPY_THREADS_ENV} must be an integer, got {env!r}") from None
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    except ValueError:
+        raise InvalidArgumentError(f"$LOCAL_WORLD_SIZE must be an integer (processes on this host), got "
+                                   f"{os.environ['LOCAL_WORLD_SIZE']!r}") from None
     return max(1, min(2, (os.cpu_count() or 1) // local))
 
 

@@ -418,6 +418,10 @@ def test_bad_device_arguments(monkeypatch):
     monkeypatch.delenv("RDMAFLOW_FLAGGED_WRITES")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="spin_us must be an integer"):
         rdmaflow.Device("127.0.0.1:0", secret="s", spin_us=-1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "abc")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$LOCAL_WORLD_SIZE must be an integer"):
+        rdmaflow.Device("127.0.0.1:0", secret="s")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with rdmaflow.Device("127.0.0.1:0", secret="s") as d:
         with pytest.raises(rdmaflow.InvalidArgumentError):
             d.alloc_region(0)
@@ -447,7 +451,7 @@ def test_arena_sizes_are_bytes(monkeypatch, job_secret):
     anything else is refused by name (a str used to meet a comparison's TypeError, and a bad
     variable int()'s ValueError)."""
     with local_device() as d:
-        for bad in ("a lot", 1.5, True, -5):
+        for bad in ("a lot", 1.5, True, -5, "1BBBB", "99999999999999999999999", 2**70):
             with pytest.raises(rdmaflow.InvalidArgumentError, match="the arena's nbytes must be"):
                 d.create_arena(bad)
         assert d.create_arena("1M").nbytes == 1 << 20

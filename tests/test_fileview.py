@@ -416,3 +416,21 @@ def test_bench_file_runs_and_writes_its_outputs(tmp_path):
     doc = json.loads((out / "file.json").read_text())
     assert {(p["system"], p["block"]) for p in doc["profile"]} == {(f, b) for f in files for b in (65536, 1 << 20)}
     assert (out / "file.png").stat().st_size > 0
+
+
+def test_declarations_that_cannot_be_built_are_refused_by_name():
+    """Each used to escape parse_declaration or build as a raw TypeError, RuntimeError (an
+    allocation of 4e15 bytes) or OverflowError, which `rdmaflow mount` printed as a traceback."""
+    import rdmaflow
+    from rdmaflow.fileview.model import parse_declaration
+
+    w = {"name": "w", "shape": [2]}
+    for doc, said in [({"variables": [w], "optimizer": {"name": 5}}, "optimizer 5 is not a torch.optim class"),
+                      ({"variables": [w], "optimizer": {"name": "lr_scheduler"}}, "is not a torch.optim class"),
+                      ({"variables": [dict(w, dtype=["float32"])]}, r"dtype \['float32'\] is not one of"),
+                      ({"variables": [dict(w, shape=[True, 2])]}, "shape must be a list of non-negative integers"),
+                      ({"variables": [dict(w, shape=[10**5] * 3)]}, "more than this host's memory"),
+                      ({"variables": [dict(w, dtype="float16", init=1e10)]}, "does not fit float16"),
+                      ({"variables": [dict(w, init=10**400)]}, "does not fit float32")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=said):
+            parse_declaration(doc).build()

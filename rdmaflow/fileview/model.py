@@ -15,6 +15,7 @@ before it: the same flat space the placement plan cuts into blocks or variables.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from rdmaflow.ps.layout import make_plan
 from rdmaflow.transfer import FLOAT_DTYPES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+MAX_MODEL_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # every process holds the model
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,8 @@ class Declaration:
     def build(self) -> tuple[DeclaredModel, torch.optim.Optimizer]:
         model = DeclaredModel(self.variables, self.inits)
         name = self.optimizer.get("name", "SGD")
-        cls = getattr(torch.optim, name, None)
-        if cls is None:
+        cls = getattr(torch.optim, name, None) if isinstance(name, str) else None
+        if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
             raise InvalidArgumentError(f"the declaration's optimizer {name!r} is not a torch.optim class")
         hyper = {k: v for k, v in self.optimizer.items() if k != "name"}
         try:
@@ -95,10 +97,13 @@ def _init_tensor(v: Variable, init, numel: int) -> torch.Tensor:
     dtype = FLOAT_DTYPES[v.dtype]
     if init is None:
         return torch.zeros(v.shape, dtype=dtype)
-    if isinstance(init, (int, float)) and not isinstance(init, bool):
-        return torch.full(v.shape, float(init), dtype=dtype)
-    if isinstance(init, list) and len(init) == numel and all(isinstance(x, (int, float)) for x in init):
-        return torch.tensor(init, dtype=dtype).reshape(v.shape)
+    try:
+        if isinstance(init, (int, float)) and not isinstance(init, bool):
+            return torch.full(v.shape, float(init), dtype=dtype)
+        if isinstance(init, list) and len(init) == numel and all(isinstance(x, (int, float)) for x in init):
+            return torch.tensor(init, dtype=dtype).reshape(v.shape)
+    except (OverflowError, RuntimeError) as e:  # 10**400, or 1e10 in float16
+        raise InvalidArgumentError(f"variable {v.name}: init {repr(init)[:40]} does not fit {v.dtype}: {e}") from None
     raise InvalidArgumentError(f"variable {v.name}: init must be a number or a flat list of {numel} numbers")
 
 
@@ -115,15 +120,19 @@ def parse_declaration(doc: dict, source: str = "the declaration") -> Declaration
         if name in seen:
             raise InvalidArgumentError(f"{source}: variable {name} is declared twice")
         seen.add(name)
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                  for s in shape):
             raise InvalidArgumentError(f"{source}: variable {name}'s shape must be a list of non-negative integers")
-        if dtype not in FLOAT_DTYPES:
+        if not isinstance(dtype, str) or dtype not in FLOAT_DTYPES:
             raise InvalidArgumentError(
                 f"{source}: variable {name}'s dtype {dtype!r} is not one of {list(FLOAT_DTYPES)}")
         numel = 1
         for s in shape:
             numel *= s
         v = Variable(name, tuple(shape), dtype, off, numel * FLOAT_DTYPES[dtype].itemsize)
+        if off + v.nbytes > MAX_MODEL_BYTES:
+            raise InvalidArgumentError(f"{source}: the variables up to {name} take {off + v.nbytes} bytes, more than "
+                                       f"this host's memory ({MAX_MODEL_BYTES})")
         variables.append(v)
         inits.append(_init_tensor(v, item.get("init"), numel))
         off += v.nbytes
