@@ -376,9 +376,9 @@ def test_bad_mountpoint_and_unreachable_job(tmp_path):
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RDMAFLOW_JOB_SECRET": "x",
                     "RDMAFLOW_PS_TIMEOUT": "3"})
 
-    def mount(path: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "rdmaflow", "mount", path, "--model", decl], env=env,
-                              capture_output=True, text=True, timeout=120, check=False)
+    def mount(path: str, *extra: str, **env_extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rdmaflow", "mount", path, "--model", decl, *extra],
+                              env=dict(env, **env_extra), capture_output=True, text=True, timeout=120, check=False)
 
     for path, why in ((str(tmp_path / "missing"), "does not exist"), (decl, "is not a directory")):
         out = mount(path)
@@ -396,6 +396,14 @@ def test_bad_mountpoint_and_unreachable_job(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rdmaflow", "mount", str(tmp_path / "mnt"), "--model", str(bad)],
                          env=env, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode != 0 and "dtype 'int8'" in out.stderr, out.stderr
+    # Settings that every process would refuse once joined are refused before, by the shard too
+    # (it used to wait for the worker that had failed until its timeout, without the reason).
+    shard = {"RANK": "0", "LOCAL_RANK": "0"}
+    for extra, why in ((["--mode", "bounded", "--staleness", "-3"], "staleness must be >= 0"),
+                       (["--block-bytes", "0"], "block size 0 is not a positive multiple")):
+        for role_env in ({}, shard):
+            out = mount(str(tmp_path / "mnt"), *extra, **role_env)
+            assert out.returncode != 0 and why in out.stderr, out.stderr
 
 
 def test_bench_file_runs_and_writes_its_outputs(tmp_path):

@@ -26,6 +26,7 @@ from rdmaflow.fileview.model import load_declaration
 from rdmaflow.ps import MODES, POLICIES
 from rdmaflow.ps.context import resolve_role
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES
+from rdmaflow.ps.worker import checked_staleness
 
 MOUNT_TIMEOUT = 30.0   # seconds for libfuse to mount, or to finish after an unmount
 MAX_THREADS = 64       # libfuse's worker threads: requests in flight at once
@@ -75,19 +76,22 @@ def serve(args) -> int:
     mountpoint = args.mountpoint.replace("{worker}", str(role.index))
     if role.kind == "worker":
         mountpoint = check_mountpoint(mountpoint)  # before joining the job: a bad mountpoint fails at once
+    # So is what every process would refuse later, the shards once they had waited for a worker
+    # that had already failed: the optimizer, the placement (block size), the staleness.
+    model, optimizer = decl.build()
+    metadata = decl.metadata(role.num_shards, args.policy, args.block_bytes, args.mode)
+    checked_staleness(args.mode, args.staleness)
     from rdmaflow import ps
 
     ctx = ps.init()  # a shard serves inside and exits with the job
     label = f"worker {ctx.role.index} at {mountpoint}"
-    model, optimizer = decl.build()
     opt = ps.DistributedOptimizer(model, optimizer, mode=args.mode, staleness=args.staleness, policy=args.policy,
                                   block_bytes=args.block_bytes, overlap=False, zero_copy=True, progress=False)
     from rdmaflow.fileview.binding import BufferFUSE
     from rdmaflow.fileview.files import ModelFiles
     from rdmaflow.fileview.flat import FlatModel
 
-    files = ModelFiles(FlatModel(opt, list(model.parameters()), ctx.step_timeout), decl,
-                       decl.metadata(ctx.role.num_shards, args.policy, args.block_bytes, args.mode),
+    files = ModelFiles(FlatModel(opt, list(model.parameters()), ctx.step_timeout), decl, metadata,
                        step_timeout=ctx.step_timeout, label=label)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -224,7 +224,8 @@ def make_plan(spec: list[dict], num_shards: int, policy: str = "block",
             shard_fill[s] += p.numel
     else:
         if block_bytes < itemsize or block_bytes % itemsize:
-            raise InvalidArgumentError(f"block size {block_bytes} is not a multiple of the element size {itemsize}")
+            raise InvalidArgumentError(f"block size {block_bytes} is not a positive multiple of the element size "
+                                       f"{itemsize}")
         per = block_bytes // itemsize
         for k, start in enumerate(range(0, total, per)):
             n = min(per, total - start)

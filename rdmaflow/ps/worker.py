@@ -69,6 +69,14 @@ def _whole(value, what: str) -> int:
         raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
 
 
+def checked_staleness(mode: str, staleness) -> int:
+    """The bound of mode "bounded" (steps ahead of the slowest worker): an integer, >= 0 there."""
+    staleness = _whole(staleness, "staleness")
+    if mode == "bounded" and staleness < 0:
+        raise InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
+    return staleness
+
+
 class WorkerFailure(RdmaflowError):
     pass
 
@@ -97,10 +105,8 @@ class Worker:
                  log_every: int = 0, progress: bool | None = None, shard_device: str | None = None):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
-        staleness, block_bytes = _whole(staleness, "staleness"), _whole(block_bytes, "block_bytes")
+        staleness, block_bytes = checked_staleness(mode, staleness), _whole(block_bytes, "block_bytes")
         checkpoint_every, log_every = _whole(checkpoint_every, "checkpoint_every"), _whole(log_every, "log_every")
-        if mode == "bounded" and staleness < 0:
-            raise InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
         nw = ctx.role.num_workers
         if min_workers is None and os.environ.get("RDMAFLOW_MIN_WORKERS"):
             min_workers = int(os.environ["RDMAFLOW_MIN_WORKERS"])  # rdmaflow launch --min-workers
