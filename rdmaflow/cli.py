@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -93,7 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if module is None:
         getattr(args, "_parser", ap).print_help()
         return 2
-    return int(importlib.import_module(module).run(args) or 0)
+    try:
+        return int(importlib.import_module(module).run(args) or 0)
+    except BrokenPipeError:  # the reader went away (`rdmaflow info --json | head -1`): as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
 
 
 if __name__ == "__main__":

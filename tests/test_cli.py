@@ -244,3 +244,16 @@ def test_launch_refuses_an_impossible_job_at_once(argv, said, tmp_path):
 def test_help(argv):
     out = run_cli(*argv, timeout=30).stdout
     assert "usage: rdmaflow" in out
+
+
+def test_a_reader_that_went_away_is_no_traceback():
+    """`rdmaflow info --json | head -1`: the reader closed the pipe. The command ends as shell
+    tools do (141, nothing on stderr), not with a BrokenPipeError traceback."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "rdmaflow", "info", "--json"], cwd=ROOT, stdout=w,
+                           stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+    finally:
+        os.close(w)
+    assert p.returncode == 141 and "Traceback" not in p.stderr, p.stderr
