@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import time
 
 from rdmaflow._core import InvalidArgumentError
@@ -32,6 +33,20 @@ def positive_seconds(value, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         raise InvalidArgumentError(f"{what} must be a positive, finite number of seconds, got {value!r}")
     return float(value)
+
+
+def seconds_setting(value, name: str, env: str, default: float) -> float:
+    """A job's bound: ``value``, else ``$env`` (read as a number), else ``default``; checked by
+    ``positive_seconds`` under the name it came by."""
+    if value is None and os.environ.get(env):
+        value, name = os.environ[env], f"${env}"
+        try:
+            value = float(value)
+        except ValueError:
+            raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}") from None
+    elif value is None:
+        return default
+    return positive_seconds(value, name)
 
 
 class Deadline:

@@ -304,7 +304,7 @@ def test_stage_and_schedule_arguments_are_refused_by_name(one_rank, monkeypatch)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="timeout must be a positive, finite number"):
             pipe.build_stage(timeout=bad)
     monkeypatch.setenv("RDMAFLOW_GRAPH_TIMEOUT", "abc")
-    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$RDMAFLOW_GRAPH_TIMEOUT must be a positive"):
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$RDMAFLOW_GRAPH_TIMEOUT must be a number of seconds"):
         pipe.build_stage()
     monkeypatch.delenv("RDMAFLOW_GRAPH_TIMEOUT")
     for bad in ("0", 1, True):

@@ -9,15 +9,14 @@ polling-async executor.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 from typing_extensions import Self
 
 import rdmaflow
-from rdmaflow.deadline import positive_seconds
-from rdmaflow.graph.analysis import BOUNDED, DYNAMIC, GRADIENT, STATIC, TOKEN, Edge, Plan, microbatch_count
+from rdmaflow.deadline import seconds_setting
+from rdmaflow.graph.analysis import BOUNDED, DYNAMIC, GRADIENT, STATIC, TOKEN, Edge, Plan
 from rdmaflow.graph.capture import StageGraph
 from rdmaflow.graph.executor import ComputeOp, Executor, RecvOp, SendOp
 from rdmaflow.graph.placement import Placement
@@ -124,11 +123,7 @@ class PipelineStage:
         if zero_copy not in ZERO_COPY:
             raise rdmaflow.InvalidArgumentError(f"zero_copy must be one of {ZERO_COPY}, got {zero_copy!r}")
         rank, world = env_rank()
-        if timeout is None:
-            env = os.environ.get(TIMEOUT_ENV)
-            self.timeout = DEFAULT_TIMEOUT if env is None else positive_seconds(_number(env), f"${TIMEOUT_ENV}")
-        else:
-            self.timeout = positive_seconds(timeout, "timeout")
+        self.timeout = seconds_setting(timeout, "timeout", TIMEOUT_ENV, DEFAULT_TIMEOUT)
         if stage_index is not None and (not isinstance(stage_index, int) or isinstance(stage_index, bool)
                                         or stage_index != rank):
             raise rdmaflow.InvalidArgumentError(f"stage_index is {stage_index!r} on rank {rank}: rank r runs stage r "
@@ -184,7 +179,6 @@ class PipelineStage:
             raise rdmaflow.InvalidArgumentError("this stage is already set up for a schedule; build a new stage")
         if self.closed:
             raise rdmaflow.InvalidArgumentError(f"stage {self.stage_index} is closed: build a new stage")
-        microbatch_count(n_microbatches)  # before anything is made: the plan checks it too
         plan = self.pipe.plan(n_microbatches, training=training, zero_copy=self.zero_copy, schedule=schedule)
         self.rdv.agree(plan.to_json())
         try:
@@ -470,15 +464,6 @@ class PipelineStage:
 
 def _key(ref) -> str:
     return f"input {ref.index}" if ref.kind == "input" else f"stage {ref.stage} output {ref.index}"
-
-
-def _number(text: str):
-    """``text`` (an environment variable's) as a float, or as itself when it is none, for
-    positive_seconds to refuse by name."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rdmaflow import Device, InvalidArgumentError, RdmaflowError
-from rdmaflow.deadline import positive_seconds
+from rdmaflow.deadline import seconds_setting
 from rdmaflow.job import job_secret, route_address
 from rdmaflow.ps.context import Role, Store, resolve_role
 from rdmaflow.ps.kv import KVHandle, KVStore
@@ -61,19 +61,6 @@ class PSContext:
 _CTX: PSContext | None = None
 
 
-def _seconds(value, name: str, env: str, default: float) -> float:
-    """A timeout of ``init``: ``value``, else ``$env``, else ``default`` (``positive_seconds``)."""
-    if value is None and os.environ.get(env):
-        value, name = os.environ[env], f"${env}"
-        try:
-            value = float(value)
-        except ValueError:
-            raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}") from None
-    elif value is None:
-        return default
-    return positive_seconds(value, name)
-
-
 def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,
          kv_handler=None, kv_batch_handler=None) -> PSContext:
     """Joins the job. On a shard this serves until every worker is done, then exits the process
@@ -84,8 +71,8 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py)."""
     global _CTX
     check_handlers(kv_handler, kv_batch_handler)
-    timeout = _seconds(timeout, "timeout", "RDMAFLOW_PS_TIMEOUT", 60.0)
-    step_timeout = _seconds(step_timeout, "step_timeout", "RDMAFLOW_PS_STEP_TIMEOUT", 300.0)
+    timeout = seconds_setting(timeout, "timeout", "RDMAFLOW_PS_TIMEOUT", 60.0)
+    step_timeout = seconds_setting(step_timeout, "step_timeout", "RDMAFLOW_PS_STEP_TIMEOUT", 300.0)
     role = resolve_role()
     secret = job_secret()
     store = Store(role, timeout)
