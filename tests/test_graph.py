@@ -293,6 +293,45 @@ def test_inference_of_one_stage_returning_its_input_and_a_scalar(one_rank):
         torch.testing.assert_close(out, torch.stack([m(xm) for xm in x.tensor_split(4)]).detach())
 
 
+class Structured(Seq):
+    """Returns a dict holding tuples, one of a reduction and one of a single tensor."""
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        y = self.b(h)
+        return {"y": y, "aux": (y.sum(), x * 2), "one": (h,)}
+
+
+def test_outputs_keep_the_structure_the_model_returns(one_rank):
+    """step() and loss_fn get the model's dict of tuples, not its tensors flattened into one
+    tuple (they did: a user's loss_fn indexing out["y"] raised TypeError)."""
+    torch.manual_seed(2)
+    x = torch.randn(16, 8)
+    model = Structured()
+    with graph.pipeline(model, (torch.randn(MB, 8),)).build_stage(timeout=20) as stage:
+        out = graph.ScheduleGPipe(stage, 4).step(x)
+    ref = model(x)
+    assert set(out) == {"y", "aux", "one"} and isinstance(out["aux"], tuple) and isinstance(out["one"], tuple)
+    torch.testing.assert_close(out["y"], ref["y"].detach())
+    torch.testing.assert_close(out["aux"][0], torch.stack([model(xm)["aux"][0] for xm in x.tensor_split(4)]).detach())
+    assert torch.equal(out["aux"][1], x * 2)
+    torch.testing.assert_close(out["one"][0], ref["one"][0].detach())
+
+    seen = []
+
+    def loss_fn(o, t):
+        seen.append(sorted(o))
+        return torch.nn.functional.mse_loss(o["y"], t) + 0 * o["aux"][0]
+
+    y = torch.randn(16, 4)
+    with graph.pipeline(model, (torch.randn(MB, 8),)).build_stage(timeout=20) as stage:
+        graph.ScheduleGPipe(stage, 4, loss_fn=loss_fn).step(x, target=y)
+        torch.nn.functional.mse_loss(model(x)["y"], y).backward()
+        for name, p in stage.submod.named_parameters():
+            torch.testing.assert_close(p.grad, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
+    assert seen == [["aux", "one", "y"]] * 4
+
+
 def test_stage_and_schedule_arguments_are_refused_by_name(one_rank, monkeypatch):
     pipe = graph.pipeline(Seq(), (torch.randn(MB, 8),))
     for bad in (0, -3, 2.5, "4", None, True, float("nan")):

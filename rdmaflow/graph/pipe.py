@@ -16,6 +16,9 @@ class Pipe:
     def __init__(self, exported: torch.export.ExportedProgram):
         self.exported = exported
         self.stages, self.outputs, self.inputs = partition(exported)
+        # The structure of the model's output (a tensor, a tuple, a dict of tuples...): the stages
+        # handle its tensors flat, step() and loss_fn get them back in it.
+        self.out_spec = exported.call_spec.out_spec
 
     @property
     def num_stages(self) -> int:

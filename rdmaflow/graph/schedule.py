@@ -37,7 +37,8 @@ class _Schedule:
         ``losses`` (last stage) gets each microbatch's loss. Gradients
         accumulate into ``stage.submod``'s parameters, scaled so that they equal those of the
         whole batch's mean loss; run the stage's optimizer after it. Inference: the last stage
-        gets the batch's outputs, the others None."""
+        gets the batch's outputs in the structure the model returns (a tensor, a tuple, a dict),
+        the others None."""
         st = self.stage
         order = self.order() if self.training else [("F", m) for m in range(self.n_microbatches)]
         return st.run_step(order, args if st.is_first else (), target, losses, self.loss_fn)

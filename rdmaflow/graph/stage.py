@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_unflatten  # torch.export's own (its out_spec is one of its TreeSpecs)
 from typing_extensions import Self
 
 import rdmaflow
@@ -264,7 +265,7 @@ class PipelineStage:
             losses.extend(mb.loss.detach() for mb in self._mbs)
         self._mbs = []
         if self.is_last and not plan.training:
-            return _concat(self._outputs)
+            return tree_unflatten(_concat(self._outputs), self.pipe.out_spec)
         return None
 
     def _check_abort(self) -> None:
@@ -338,9 +339,8 @@ class PipelineStage:
                 values.append(self._chunks[m][ref.index])
             else:
                 values.append(self._leaf(mb, self._fwd_in[_key(ref)], inputs))
-        output = values[0] if len(values) == 1 else tuple(values)
         if self.plan.training:
-            loss = self._loss_fn(output, self._targets[m])
+            loss = self._loss_fn(tree_unflatten(values, self.pipe.out_spec), self._targets[m])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise rdmaflow.InvalidArgumentError("loss_fn must return a scalar tensor")
             if not loss.requires_grad:
@@ -348,7 +348,7 @@ class PipelineStage:
                                                     "model's output, without detaching it")
             mb.loss = loss.reshape(())
         else:  # the slots the outputs may view are rewritten by the next step
-            self._outputs[m] = tuple(v.detach().clone() for v in values) if len(values) > 1 else values[0].clone()
+            self._outputs[m] = [v.detach().clone() for v in values]
 
     def _backward(self, m: int, inputs: dict) -> list[SendOp]:
         mb = self._mbs[m]
@@ -470,15 +470,14 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _concat(outputs: list):
-    """The microbatches' outputs joined along dimension 0, as torch.distributed.pipelining
-    merges them: a per-sample output becomes the batch's; a scalar, one element per microbatch."""
+def _concat(outputs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The microbatches' flat outputs joined along dimension 0, output by output, as
+    torch.distributed.pipelining merges them: a per-sample output becomes the batch's; a scalar,
+    one element per microbatch."""
     def join(ts: list) -> torch.Tensor:
         return torch.stack(ts) if ts[0].dim() == 0 else torch.cat(ts)
 
-    if isinstance(outputs[0], tuple):
-        return tuple(join([o[i] for o in outputs]) for i in range(len(outputs[0])))
-    return join(outputs)
+    return [join([o[i] for o in outputs]) for i in range(len(outputs[0]))]
 
 
 __all__ = ["PipelineStage", "StageModule"]
