@@ -552,6 +552,24 @@ def test_shard_killed_mid_training(tmp_path, victim):
                     f"{p.name} does not name shard {victim}\n" + j.logs())
 
 
+def test_a_shard_interrupted_mid_training_aborts_the_job_without_a_traceback(tmp_path):
+    """SIGINT (Ctrl-C, which rdmaflow launch passes to every process) to shard 1 while two
+    workers train: it prints one line, no traceback, and exits 130; the workers exit non-zero
+    with its reason (it printed a KeyboardInterrupt traceback, and the workers found it dead).
+    ``ps.init()`` exits the shard, as it does by default."""
+    cfg = dict(sync_cfg("block", "sgd", steps=100000), step_delay=0.01, init_exit_shards=True)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 2)
+        j.wait_output("worker0", r"worker 0 step 5\b")
+        os.kill(j.proc("shard1").popen.pid, signal.SIGINT)
+        rcs = j.wait(DETECT_TIMEOUT)
+        out = j.proc("shard1").output()
+        assert rcs["shard1"] == 130 and "Traceback" not in out, j.logs()
+        assert "rdmaflow ps: shard 1 interrupted; the job is aborted" in out, j.logs()
+        for w in ("worker0", "worker1"):
+            assert rcs[w] != 0 and "shard 1: interrupted (SIGINT)" in j.proc(w).output(), j.logs()
+
+
 def test_a_worker_declares_a_dead_shard_in_the_store(tmp_path):
     """SIGKILL shard 1 with the store served by this process (as torchrun's agent does): the
     worker that finds the shard dead records it in the store, so that a process serving the

@@ -85,14 +85,16 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
 
         try:
             stats = KVShard(ctx, kv_handler, kv_batch_handler).run() if job_kind(ctx) == "kv" else Shard(ctx).run()
-        except RdmaflowError as e:
-            print(f"rdmaflow ps: shard {role.index} failed: {e}", file=sys.stderr, flush=True)
+        except (RdmaflowError, KeyboardInterrupt) as e:  # Ctrl-C: rdmaflow launch passes it to every process
+            stopped = isinstance(e, KeyboardInterrupt)
+            why = "interrupted; the job is aborted" if stopped else f"failed: {e}"
+            print(f"rdmaflow ps: shard {role.index} {why}", file=sys.stderr, flush=True)
             device.close()
             # Now, while this frame holds the store: serving it, this process stays (bounded)
             # until the others have read why (rdmaflow.job); at exit the store may be gone.
             store.leave()
             if exit_shards:
-                sys.exit(1)
+                sys.exit(130 if stopped else 1)  # 130: as a shell reports a process SIGINT ended
             raise
         if exit_shards:
             device.close()

@@ -314,13 +314,13 @@ class KVShard:
             with contextlib.suppress(Exception):  # the store may have left with shard 0 already
                 self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
             return self.stats
-        except Exception as e:
-            reason = f"shard {self.id}: {e}"
+        except (Exception, KeyboardInterrupt) as e:  # Ctrl-C too: the workers learn why the job stops
+            reason = f"shard {self.id}: {'interrupted (SIGINT)' if isinstance(e, KeyboardInterrupt) else e}"
             self.store.abort(reason)
             self._abort_workers(reason)
             # ps.init then leaves the store (JobStore.leave): if this process serves it, it stays
             # until the others have read the reason.
-            if isinstance(e, RdmaflowError):
+            if isinstance(e, (RdmaflowError, KeyboardInterrupt)):
                 raise
             raise ShardFailure(reason) from e
 

@@ -416,11 +416,11 @@ class Shard:
             with contextlib.suppress(Exception):  # the store may have left with the workers already
                 self.store.set(f"stats/shard/{self.id}", json.dumps(self.stats))
             return self.stats
-        except Exception as e:
-            reason = f"shard {self.id}: {e}"
+        except (Exception, KeyboardInterrupt) as e:  # Ctrl-C too: the workers learn why the job stops
+            reason = f"shard {self.id}: {'interrupted (SIGINT)' if isinstance(e, KeyboardInterrupt) else e}"
             self.store.abort(reason)
             self._abort_workers()
-            if isinstance(e, RdmaflowError):
+            if isinstance(e, (RdmaflowError, KeyboardInterrupt)):
                 raise
             raise ShardFailure(reason) from e
 

@@ -376,12 +376,7 @@ class Worker:
 
         def shard_gone() -> bool:
             if sh["channel"].failed:
-                # A shard that stopped because the job was aborted is not the cause: say what is.
-                msg = f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}"
-                reason = self.store.fail_with(msg, ("shard", s))
-                if reason:
-                    raise WorkerFailure(f"the job was aborted: {reason}")
-                raise PeerError(msg)
+                self._shard_died(s, f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}")
             return False
 
         def too_late():
@@ -390,6 +385,15 @@ class Worker:
         wait_flag(word, target, Deadline(timeout), what, give_up=shard_gone,
                   abort_reason=self.store.abort_reason, aborted=WorkerFailure, on_timeout=too_late, poll=POLL)
         self._check_reply(word)
+
+    def _shard_died(self, s: int, msg: str) -> None:
+        """Raises for shard ``s`` found gone: PeerError ``msg``, unless the job was aborted
+        already (the shard may have stopped for that reason, and is then not the cause: the
+        reason on record is said instead)."""
+        reason = self.store.fail_with(msg, ("shard", s))
+        if reason:
+            raise WorkerFailure(f"the job was aborted: {reason}") from None
+        raise PeerError(msg) from None
 
     def _check_reply(self, word: Word) -> None:
         """A shard that gave up writes ABORT into the reply flags: it is above every target."""
@@ -589,9 +593,7 @@ class Worker:
             # A shard found dead while posting (not while waiting): name it, like a wait would.
             for s, sh in enumerate(self.shards):
                 if sh["channel"].failed:
-                    msg = f"shard {s} at {sh['ep']} died while worker {self.id} pushed step {t}"
-                    self.store.fail_with(msg, ("shard", s))
-                    raise PeerError(msg) from None
+                    self._shard_died(s, f"shard {s} at {sh['ep']} died while worker {self.id} pushed step {t}")
             raise
 
     def _push(self, t: int) -> list:
