@@ -161,6 +161,24 @@ def test_bad_split_specs():
         graph.pipeline(TwoLinear(), (torch.randn(MB, 8),), split_spec={"a": graph.SplitPoint.BEGINNING})
 
 
+def test_capture_arguments_are_refused_by_name():
+    """Arguments torch.export would fail on deep inside (the error blamed a line of inspect.py or
+    contextlib.py, or said "the model failed: IndexError") are refused naming the argument."""
+    x = torch.randn(MB, 8)
+    with pytest.raises(graph.CaptureError, match=r"mb_args \(one microbatch's inputs, 0 given\) do not fit "
+                                                 r"Seq.forward: missing a required argument: 'x'"):
+        graph.pipeline(Seq(), ())
+    with pytest.raises(graph.CaptureError, match="split_spec must be a dict .* got list"):
+        graph.pipeline(Seq(), (x,), split_spec=["a"])
+    for bad in (2, -3, "0", True):
+        with pytest.raises(graph.CaptureError, match=rf"dynamic_shapes\[0\] names dimension {bad!r} of input 0, "
+                                                     r"which has 2 \(0 to 1"):
+            graph.pipeline(Seq(), (x,), dynamic_shapes=({bad: Dim("b", max=64)},))
+    with pytest.raises(graph.CaptureError, match="takes a torch.nn.Module, got function"):
+        graph.pipeline(lambda x: x, (x,))
+    graph.pipeline(Seq(), (x,), dynamic_shapes=({-2: Dim("b", max=64)},))  # counted from the end: the batch
+
+
 def test_uncapturable_model_names_the_op():
     with pytest.raises(graph.CaptureError) as info:
         graph.pipeline(DataDependentBranch(), (torch.randn(MB, 8),))

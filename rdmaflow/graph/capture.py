@@ -10,6 +10,7 @@ stay with the one stage that uses them.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import traceback
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ def _split_points(model: torch.nn.Module, split_spec: dict | None):
 def export(model: torch.nn.Module, mb_args: tuple, split_spec: dict | None = None,
            dynamic_shapes=None) -> torch.export.ExportedProgram:
     """torch.export.export with the split points in place; a failure names the op."""
+    _check_arguments(model, mb_args, split_spec, dynamic_shapes)
     mode = _FailedOp()
     try:
         with _split_points(model, split_spec), mode:
@@ -132,6 +134,28 @@ def export(model: torch.nn.Module, mb_args: tuple, split_spec: dict | None = Non
         raise CaptureError(
             f"torch.export cannot capture the model: {op}{_user_frame(e)} failed: {type(e).__name__}: {first}"
         ) from e
+
+
+def _check_arguments(model, mb_args: tuple, split_spec, dynamic_shapes) -> None:
+    """What torch.export would fail on deep inside, or blame on the wrong line, said here."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"pipeline() takes a torch.nn.Module, got {type(model).__name__}")
+    try:
+        inspect.signature(model.forward).bind(*mb_args)
+    except TypeError as e:
+        raise CaptureError(f"mb_args (one microbatch's inputs, {len(mb_args)} given) do not fit "
+                           f"{type(model).__name__}.forward: {e}") from None
+    if split_spec is not None and not isinstance(split_spec, dict):
+        raise CaptureError(f"split_spec must be a dict {{module name: SplitPoint.BEGINNING or SplitPoint.END}}, "
+                           f"got {type(split_spec).__name__}")
+    if isinstance(dynamic_shapes, (tuple, list)):  # one entry per input: {dimension: Dim}
+        for i, (arg, dims) in enumerate(zip(mb_args, dynamic_shapes)):
+            if not isinstance(arg, torch.Tensor) or not isinstance(dims, dict):
+                continue
+            for d in dims:
+                if isinstance(d, bool) or not isinstance(d, int) or not -arg.dim() <= d < arg.dim():
+                    raise CaptureError(f"dynamic_shapes[{i}] names dimension {d!r} of input {i}, which has "
+                                       f"{arg.dim()} (0 to {arg.dim() - 1}, or counted from the end)")
 
 
 def _assign_partitions(gm: torch.fx.GraphModule) -> tuple[dict, int]:
