@@ -8,11 +8,16 @@ import time
 
 from rdmaflow._core import InvalidArgumentError
 
+# The longest bound taken (about three years): longer ones overflow the integer milliseconds and
+# nanoseconds that c10d's store and the core's waits count in. Per-call timeouts beyond it are no
+# limit, as infinity is; a job's bounds, which must be finite, are refused beyond it.
+MAX_SECONDS = 1e8
+
 
 def checked_timeout(timeout, what: str = "timeout") -> float | None:
-    """``timeout`` as seconds (a float), or None for no limit: None and infinity. Raises
-    InvalidArgumentError for what is not a number of seconds (NaN, a bool, a string), where
-    a wait would otherwise never end or end at once by accident."""
+    """``timeout`` as seconds (a float), or None for no limit: None, infinity and anything over
+    MAX_SECONDS. Raises InvalidArgumentError for what is not a number of seconds (NaN, a bool, a
+    string), where a wait would otherwise never end or end at once by accident."""
     if timeout is None:
         return None
     if type(timeout) is not float:
@@ -24,14 +29,15 @@ def checked_timeout(timeout, what: str = "timeout") -> float | None:
             raise InvalidArgumentError(f"{what} must be a number of seconds or None, got {timeout!r}") from None
     if math.isnan(timeout):
         raise InvalidArgumentError(f"{what} must be a number of seconds or None, got nan")
-    return None if timeout == math.inf else timeout
+    return None if timeout > MAX_SECONDS else timeout
 
 
 def positive_seconds(value, what: str) -> float:
     """A bound that every wait of a device or a job takes from (connecting, side RPCs, steps): a
     positive, finite number of seconds, else InvalidArgumentError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
-        raise InvalidArgumentError(f"{what} must be a positive, finite number of seconds, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= MAX_SECONDS:
+        raise InvalidArgumentError(f"{what} must be a positive, finite number of seconds (at most {MAX_SECONDS:g}, "
+                                   f"about three years), got {value!r}")
     return float(value)
 
 

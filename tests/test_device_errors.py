@@ -474,6 +474,12 @@ def test_timeouts_that_are_not_seconds_are_refused():
             Deadline(bad)
     assert checked_timeout(float("inf")) is None and Deadline(float("inf")).left() is None
     assert checked_timeout(2) == 2.0 and Deadline(None).timeout is None
+    # Past what c10d's milliseconds and the core's nanoseconds hold: no limit for a wait, refused
+    # as a job's bound (c10d's store timed out at once with 1e10 s, and 1e300 overflowed).
+    assert checked_timeout(1e300) is None and Deadline(1e10).left() is None and checked_timeout(1e8) == 1e8
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"rpc_timeout must be a positive, finite number of "
+                                                            r"seconds \(at most 1e\+08, about three years\), got 1e\+300"):
+        rdmaflow.Device("127.0.0.1:0", secret="s", rpc_timeout=1e300)
     d = Deadline(-1)
     assert d.passed() and d.left() == 0.0 and d.timeout == -1.0
 
