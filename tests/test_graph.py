@@ -165,8 +165,9 @@ def test_capture_arguments_are_refused_by_name():
     """Arguments torch.export would fail on deep inside (the error blamed a line of inspect.py or
     contextlib.py, or said "the model failed: IndexError") are refused naming the argument."""
     x = torch.randn(MB, 8)
-    with pytest.raises(graph.CaptureError, match=r"mb_args \(one microbatch's inputs, 0 given\) do not fit "
-                                                 r"Seq.forward: missing a required argument: 'x'"):
+    with pytest.raises(graph.CaptureError, match=r"mb_args and mb_kwargs \(one microbatch's inputs, 0 positional, "
+                                                 r"keywords \[\]\) do not fit Seq.forward: missing a required "
+                                                 r"argument: 'x'"):
         graph.pipeline(Seq(), ())
     with pytest.raises(graph.CaptureError, match="split_spec must be a dict .* got list"):
         graph.pipeline(Seq(), (x,), split_spec=["a"])
@@ -348,6 +349,40 @@ def test_outputs_keep_the_structure_the_model_returns(one_rank):
         for name, p in stage.submod.named_parameters():
             torch.testing.assert_close(p.grad, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
     assert seen == [["aux", "one", "y"]] * 4
+
+
+class Keywords(Seq):
+    """Takes keyword inputs besides its positional one, as a masked model does."""
+
+    def forward(self, x, mask=None, shift=None):
+        return self.b(torch.relu(self.a(x) * mask + shift))
+
+
+def test_keyword_inputs_are_captured_and_taken_by_step_in_any_order(one_rank):
+    """pipeline(mb_kwargs=) captures keyword inputs and step() takes the batch's the same way
+    (in any order, as Python does), each cut into the microbatches like a positional input."""
+    torch.manual_seed(3)
+    model = Keywords()
+    x, mask, shift, y = torch.randn(16, 8), (torch.rand(16, 16) > 0.5).float(), torch.randn(16, 16), torch.randn(16, 4)
+    pipe = graph.pipeline(model, (x[:4],), mb_kwargs={"shift": shift[:4], "mask": mask[:4]})
+    with pipe.build_stage(timeout=20) as stage:
+        out = graph.ScheduleGPipe(stage, 4).step(x, mask=mask, shift=shift)
+        torch.testing.assert_close(out, model(x, mask=mask, shift=shift).detach())
+    for bad, said in (((x,), r"got 1 positional and keywords \['mask'\]$"),
+                      ((x, mask), r"got 2 positional and keywords \['mask'\]$")):
+        with pipe.build_stage(timeout=20) as stage, pytest.raises(
+                rdmaflow.InvalidArgumentError, match=r"stage 0 takes the model's inputs as pipeline\(\) captured "
+                                                     r"them: 1 positional and keywords \['shift', 'mask'\], 3 tensors "
+                                                     r"in all; " + said):
+            graph.ScheduleGPipe(stage, 4).step(*bad, mask=mask)
+    with pipe.build_stage(timeout=20) as stage:
+        graph.ScheduleGPipe(stage, 4, loss_fn=torch.nn.functional.mse_loss).step(x, shift=shift, mask=mask, target=y)
+        torch.nn.functional.mse_loss(model(x, mask=mask, shift=shift), y).backward()
+        for name, p in stage.submod.named_parameters():
+            torch.testing.assert_close(p.grad, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(graph.CaptureError, match=r"keywords \['nope'\]\) do not fit Keywords.forward: got an "
+                                                 r"unexpected keyword argument 'nope'"):
+        graph.pipeline(model, (x[:4],), mb_kwargs={"nope": x[:4]})
 
 
 def test_stage_and_schedule_arguments_are_refused_by_name(one_rank, monkeypatch):

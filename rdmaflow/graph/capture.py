@@ -119,13 +119,13 @@ def _split_points(model: torch.nn.Module, split_spec: dict | None):
 
 
 def export(model: torch.nn.Module, mb_args: tuple, split_spec: dict | None = None,
-           dynamic_shapes=None) -> torch.export.ExportedProgram:
+           dynamic_shapes=None, mb_kwargs: dict | None = None) -> torch.export.ExportedProgram:
     """torch.export.export with the split points in place; a failure names the op."""
-    _check_arguments(model, mb_args, split_spec, dynamic_shapes)
+    _check_arguments(model, mb_args, mb_kwargs, split_spec, dynamic_shapes)
     mode = _FailedOp()
     try:
         with _split_points(model, split_spec), mode:
-            return torch.export.export(model, tuple(mb_args), dynamic_shapes=dynamic_shapes)
+            return torch.export.export(model, tuple(mb_args), kwargs=mb_kwargs, dynamic_shapes=dynamic_shapes)
     except CaptureError:
         raise
     except Exception as e:
@@ -136,15 +136,17 @@ def export(model: torch.nn.Module, mb_args: tuple, split_spec: dict | None = Non
         ) from e
 
 
-def _check_arguments(model, mb_args: tuple, split_spec, dynamic_shapes) -> None:
+def _check_arguments(model, mb_args: tuple, mb_kwargs, split_spec, dynamic_shapes) -> None:
     """What torch.export would fail on deep inside, or blame on the wrong line, said here."""
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"pipeline() takes a torch.nn.Module, got {type(model).__name__}")
+    if mb_kwargs is not None and not isinstance(mb_kwargs, dict):
+        raise CaptureError(f"mb_kwargs must be a dict of keyword inputs, got {type(mb_kwargs).__name__}")
     try:
-        inspect.signature(model.forward).bind(*mb_args)
+        inspect.signature(model.forward).bind(*mb_args, **(mb_kwargs or {}))
     except TypeError as e:
-        raise CaptureError(f"mb_args (one microbatch's inputs, {len(mb_args)} given) do not fit "
-                           f"{type(model).__name__}.forward: {e}") from None
+        raise CaptureError(f"mb_args and mb_kwargs (one microbatch's inputs, {len(mb_args)} positional, keywords "
+                           f"{sorted(mb_kwargs or {})}) do not fit {type(model).__name__}.forward: {e}") from None
     if split_spec is not None and not isinstance(split_spec, dict):
         raise CaptureError(f"split_spec must be a dict {{module name: SplitPoint.BEGINNING or SplitPoint.END}}, "
                            f"got {type(split_spec).__name__}")

@@ -19,6 +19,8 @@ class Pipe:
         # The structure of the model's output (a tensor, a tuple, a dict of tuples...): the stages
         # handle its tensors flat, step() and loss_fn get them back in it.
         self.out_spec = exported.call_spec.out_spec
+        # Likewise the inputs: (positional, keyword) as pipeline() captured them.
+        self.in_spec = exported.call_spec.in_spec
 
     @property
     def num_stages(self) -> int:
@@ -47,11 +49,12 @@ class Pipe:
 
 
 def pipeline(module: torch.nn.Module, mb_args: tuple, split_spec: dict | None = None,
-             dynamic_shapes=None) -> Pipe:
-    """Captures ``module`` with torch.export on one microbatch's arguments ``mb_args`` and cuts
-    it at its ``pipe_split()`` calls or at the modules named in ``split_spec``
-    ({fqn: SplitPoint.BEGINNING | SplitPoint.END}). ``dynamic_shapes`` is torch.export's
-    (``Dim`` objects); a dimension with a declared maximum makes a bounded edge."""
+             dynamic_shapes=None, mb_kwargs: dict | None = None) -> Pipe:
+    """Captures ``module`` with torch.export on one microbatch's arguments ``mb_args`` (and
+    keyword arguments ``mb_kwargs``) and cuts it at its ``pipe_split()`` calls or at the modules
+    named in ``split_spec`` ({fqn: SplitPoint.BEGINNING | SplitPoint.END}). ``dynamic_shapes``
+    is torch.export's (``Dim`` objects); a dimension with a declared maximum makes a bounded
+    edge. The first stage's ``step()`` then takes the batch's inputs in the same structure."""
     if not isinstance(mb_args, tuple):
         mb_args = (mb_args,)
-    return Pipe(export(module, mb_args, split_spec, dynamic_shapes))
+    return Pipe(export(module, mb_args, split_spec, dynamic_shapes, mb_kwargs))

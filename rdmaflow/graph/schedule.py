@@ -31,9 +31,10 @@ class _Schedule:
     def order(self) -> list[tuple[str, int]]:
         raise NotImplementedError
 
-    def step(self, *args, target=None, losses: list | None = None):
-        """One step over a batch. The first stage uses the model's inputs ``args`` (other stages
-        ignore them, so every rank may run the same line), the last stage the target (training);
+    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+        """One step over a batch. The first stage uses the model's inputs ``args`` and
+        ``kwargs``, in the structure ``pipeline()`` captured (other stages ignore them, so every
+        rank may run the same line), the last stage the target (training);
         ``losses`` (last stage) gets each microbatch's loss. Gradients
         accumulate into ``stage.submod``'s parameters, scaled so that they equal those of the
         whole batch's mean loss; run the stage's optimizer after it. Inference: the last stage
@@ -41,7 +42,8 @@ class _Schedule:
         the others None."""
         st = self.stage
         order = self.order() if self.training else [("F", m) for m in range(self.n_microbatches)]
-        return st.run_step(order, args if st.is_first else (), target, losses, self.loss_fn)
+        return st.run_step(order, args if st.is_first else (), kwargs if st.is_first else {}, target, losses,
+                           self.loss_fn)
 
 
 class ScheduleGPipe(_Schedule):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_unflatten  # torch.export's own (its out_spec is one of its TreeSpecs)
+from torch.utils._pytree import tree_flatten, tree_unflatten  # torch.export's own (its specs are these TreeSpecs)
 from typing_extensions import Self
 
 import rdmaflow
@@ -219,7 +219,8 @@ class PipelineStage:
         self._bwd_out = {e.forward_id: e for e in sends if e.direction == "backward"}
 
     # -- one step -------------------------------------------------------------------------------
-    def run_step(self, order: list[tuple[str, int]], args: tuple, target, losses: list | None, loss_fn):
+    def run_step(self, order: list[tuple[str, int]], args: tuple, kwargs: dict, target, losses: list | None,
+                 loss_fn):
         """Runs one step of the schedule ``order`` ([("F"|"B", microbatch), ...])."""
         if self.closed:
             raise rdmaflow.InvalidArgumentError(f"stage {self.stage_index} is closed: build a new stage for more steps")
@@ -229,19 +230,19 @@ class PipelineStage:
             raise rdmaflow.InvalidArgumentError(f"losses= takes a list (the last stage appends each microbatch's "
                                                 f"loss to it), got {type(losses).__name__}")
         try:
-            return self._run_step(order, args, target, losses, loss_fn)
+            return self._run_step(order, args, kwargs, target, losses, loss_fn)
         except BaseException as e:
             self.rdv.abort(f"stage {self.stage_index} (rank {self.rank}): {type(e).__name__}: {e}")
             raise
 
-    def _run_step(self, order, args, target, losses, loss_fn):
+    def _run_step(self, order, args, kwargs, target, losses, loss_fn):
         plan, M = self.plan, self.plan.n_microbatches
         # Checked here, inside run_step's abort: the other ranks raise too instead of timing out.
-        if self.is_first and not args:
+        if self.is_first and not args and not kwargs:
             raise rdmaflow.InvalidArgumentError("the first stage's step() takes the model's inputs")
         if plan.training and self.is_last and target is None:
             raise rdmaflow.InvalidArgumentError("the last stage's step() takes target= for its loss_fn")
-        self._chunks = self._split_inputs(args) if self.is_first else None
+        self._chunks = self._split_inputs(args, kwargs) if self.is_first else None
         self._targets = self._split(target, "target") if self.is_last and plan.training else None
         self._target_rows = target.shape[0] if self._targets is not None else 0
         self._mbs = [Microbatch() for _ in range(M)]
@@ -283,11 +284,21 @@ class PipelineStage:
                                                 f"be split into {M} microbatches")
         return list(torch.tensor_split(x, M, dim=0))
 
-    def _split_inputs(self, args: tuple) -> list[list[torch.Tensor]]:
-        plan = self.plan
-        if len(args) != len(plan.inputs):
-            raise rdmaflow.InvalidArgumentError(f"stage 0 takes the model's {len(plan.inputs)} inputs, got {len(args)}")
-        per_input = [self._split(a, f"input {i}") for i, a in enumerate(args)]
+    def _split_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
+        """Each of the model's inputs (flattened as torch.export flattens them: the positional
+        ones, then the keyword ones in the order captured) cut into the microbatches."""
+        plan, spec = self.plan, self.pipe.in_spec
+        pos, kw = spec.children()
+        if set(kwargs) == set(kw.context):  # keywords in any order, as Python takes them
+            kwargs = {k: kwargs[k] for k in kw.context}
+        flat, got = tree_flatten((args, kwargs))
+        if got != spec:
+            raise rdmaflow.InvalidArgumentError(
+                f"stage 0 takes the model's inputs as pipeline() captured them: {pos.num_children} positional and "
+                f"keywords {list(kw.context)}, {len(plan.inputs)} tensors in all; got {len(args)} positional and "
+                f"keywords {list(kwargs)}" + (", nested otherwise" if len(args) == pos.num_children
+                                              and list(kwargs) == list(kw.context) else ""))
+        per_input = [self._split(a, f"input {i}") for i, a in enumerate(flat)]
         for i, chunks in enumerate(per_input):
             shape, dtype = plan.inputs[i]
             for m, c in enumerate(chunks):
