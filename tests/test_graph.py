@@ -323,7 +323,8 @@ class Structured(Seq):
 
 def test_outputs_keep_the_structure_the_model_returns(one_rank):
     """step() and loss_fn get the model's dict of tuples, not its tensors flattened into one
-    tuple (they did: a user's loss_fn indexing out["y"] raised TypeError)."""
+    tuple (they did: a user's loss_fn indexing out["y"] raised TypeError); a target may be a
+    dict too, and uneven microbatches still weigh by their rows."""
     torch.manual_seed(2)
     x = torch.randn(16, 8)
     model = Structured()
@@ -338,17 +339,20 @@ def test_outputs_keep_the_structure_the_model_returns(one_rank):
 
     seen = []
 
-    def loss_fn(o, t):
-        seen.append(sorted(o))
-        return torch.nn.functional.mse_loss(o["y"], t) + 0 * o["aux"][0]
+    def loss_fn(o, t):  # a target of that kind too: a dict, cut into the microbatches tensor by tensor
+        seen.append((sorted(o), sorted(t), t["y"].shape[0]))
+        return torch.nn.functional.mse_loss(o["y"], t["y"]) + 0.5 * (o["aux"][1] * t["w"]).mean()
 
-    y = torch.randn(16, 4)
-    with graph.pipeline(model, (torch.randn(MB, 8),)).build_stage(timeout=20) as stage:
-        graph.ScheduleGPipe(stage, 4, loss_fn=loss_fn).step(x, target=y)
-        torch.nn.functional.mse_loss(model(x)["y"], y).backward()
+    y, w = torch.randn(17, 4), torch.randn(17, 8)
+    x = torch.randn(17, 8)
+    with graph.pipeline(model, (torch.randn(MB, 8),), dynamic_shapes=({0: Dim("b", max=64)},)).build_stage(
+            timeout=20) as stage:
+        graph.ScheduleGPipe(stage, 4, loss_fn=loss_fn).step(x, target={"y": y, "w": w})
+        out = model(x)
+        (torch.nn.functional.mse_loss(out["y"], y) + 0.5 * (out["aux"][1] * w).mean()).backward()
         for name, p in stage.submod.named_parameters():
             torch.testing.assert_close(p.grad, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
-    assert seen == [["aux", "one", "y"]] * 4
+    assert seen == [(["aux", "one", "y"], ["w", "y"], 5)] + [(["aux", "one", "y"], ["w", "y"], 4)] * 3
 
 
 class Keywords(Seq):

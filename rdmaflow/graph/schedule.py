@@ -34,12 +34,13 @@ class _Schedule:
     def step(self, *args, target=None, losses: list | None = None, **kwargs):
         """One step over a batch. The first stage uses the model's inputs ``args`` and
         ``kwargs``, in the structure ``pipeline()`` captured (other stages ignore them, so every
-        rank may run the same line), the last stage the target (training);
-        ``losses`` (last stage) gets each microbatch's loss. Gradients
-        accumulate into ``stage.submod``'s parameters, scaled so that they equal those of the
-        whole batch's mean loss; run the stage's optimizer after it. Inference: the last stage
-        gets the batch's outputs in the structure the model returns (a tensor, a tuple, a dict),
-        the others None."""
+        rank may run the same line), the last stage the target (training: a tensor, or a tuple or
+        dict of them, each cut into the microbatches); ``losses`` (last stage) gets each
+        microbatch's loss. Gradients accumulate into ``stage.submod``'s parameters, scaled so
+        that they equal those of the whole batch's mean loss; run the stage's optimizer after
+        it. Inference: the last stage gets the batch's outputs in the structure the model
+        returns (a tensor, a tuple, a dict), the others None. Blocks until this stage's part of
+        the step is done (bounded by the stage's timeout); not thread-safe."""
         st = self.stage
         order = self.order() if self.training else [("F", m) for m in range(self.n_microbatches)]
         return st.run_step(order, args if st.is_first else (), kwargs if st.is_first else {}, target, losses,

@@ -243,8 +243,7 @@ class PipelineStage:
         if plan.training and self.is_last and target is None:
             raise rdmaflow.InvalidArgumentError("the last stage's step() takes target= for its loss_fn")
         self._chunks = self._split_inputs(args, kwargs) if self.is_first else None
-        self._targets = self._split(target, "target") if self.is_last and plan.training else None
-        self._target_rows = target.shape[0] if self._targets is not None else 0
+        self._targets, self._shares = self._split_target(target) if self.is_last and plan.training else (None, None)
         self._mbs = [Microbatch() for _ in range(M)]
         self._outputs: list = [None] * M
         self._loss_fn = loss_fn
@@ -283,6 +282,17 @@ class PipelineStage:
             raise rdmaflow.InvalidArgumentError(f"the {what} has shape {list(x.shape)}: its first dimension cannot "
                                                 f"be split into {M} microbatches")
         return list(torch.tensor_split(x, M, dim=0))
+
+    def _split_target(self, target) -> tuple[list, list[float]]:
+        """The target (a tensor, or a tuple or dict of them) cut into the microbatches, and each
+        microbatch's share of the batch's rows (of its first tensor)."""
+        leaves, spec = tree_flatten(target)
+        if not leaves:
+            raise rdmaflow.InvalidArgumentError("target= holds no tensor")
+        per_leaf = [self._split(t, "target" if len(leaves) == 1 else f"target's tensor {i}")
+                    for i, t in enumerate(leaves)]
+        targets = [tree_unflatten([chunks[m] for chunks in per_leaf], spec) for m in range(self.plan.n_microbatches)]
+        return targets, [c.shape[0] / leaves[0].shape[0] for c in per_leaf[0]]
 
     def _split_inputs(self, args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
         """Each of the model's inputs (flattened as torch.export flattens them: the positional
@@ -365,7 +375,7 @@ class PipelineStage:
         mb = self._mbs[m]
         tensors, grads = [], []
         if self.is_last:  # the microbatch's share of the batch (1/M when M divides it): the batch's mean loss
-            tensors.append(mb.loss * (self._targets[m].shape[0] / self._target_rows))
+            tensors.append(mb.loss * self._shares[m])
             grads.append(torch.ones((), dtype=mb.loss.dtype))
         by_tensor: dict[int, list] = {}
         for e in self._bwd_in:
