@@ -114,6 +114,10 @@ def test_free_port_and_process_env():
     port = processes.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_lo = int(f.read().split()[0])
+    if ephemeral_lo > 11000:  # outside the range outgoing connections take their ports from
+        assert all(10000 <= processes.free_port() < ephemeral_lo for _ in range(20))
     env = processes.process_env("tcp", base={"PATH": "/bin"}, secret="s3", threads=2)
     assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "lo"
     assert env["RDMAFLOW_JOB_SECRET"] == "s3" and env["OMP_NUM_THREADS"] == "2" and env["PATH"] == "/bin"

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +23,7 @@ import time
 import pytest
 
 from rdmaflow.bench.perftest import ucx_env
+from rdmaflow.bench.processes import free_port
 from rdmaflow.testing.stacks import stacks_of
 
 JOB_DEADLINE = 150.0  # seconds from the start of the jobs until every process must have exited
@@ -327,20 +326,6 @@ JOBS = {
     "ordered": (ORDERED, 2, 2, "tcp", False),
     "shard_dies_all": (SHARD_DIES_ALL, 2, 2, "sm", False),
 }
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range, so that no outgoing connection takes it before the
-    job's rank 0 binds it (seconds later, after importing torch)."""
-    for _ in range(100):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
 
 
 class Job:

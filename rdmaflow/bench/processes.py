@@ -38,8 +38,25 @@ def new_secret() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now. Racy by nature (released before the user binds it):
-    a user that fails to bind retries with a new one."""
+    """A TCP port free on ``host`` now, for a job's rank 0 to bind seconds later (after importing
+    torch). Drawn below the host's ephemeral range, from which the kernel gives every outgoing
+    connection its port: a port it gave to bind(0) was taken by a connection of another process
+    before rank 0 bound it (EADDRINUSE, seen in a full test run). Still racy against another
+    process that binds ports of its own choosing there."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_lo = 32768  # Linux's default
+    if ephemeral_lo > 11000:
+        for _ in range(100):
+            port = secrets.randbelow(ephemeral_lo - 10000) + 10000
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
