@@ -370,40 +370,50 @@ def test_unmount_with_a_step_in_flight_fails_it_and_tells_the_job(tmp_path, in_f
         assert not is_mounted(j.mounts[1])  # the idle mount saw the abort and unmounted itself
 
 
-def test_bad_mountpoint_and_unreachable_job(tmp_path):
-    decl = declaration(tmp_path / "model.json")
-    env = base_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RDMAFLOW_JOB_SECRET": "x",
-                    "RDMAFLOW_PS_TIMEOUT": "3"})
+def test_bad_mountpoint_and_unreachable_job(tmp_path, monkeypatch, capsys):
+    """What `rdmaflow mount` refuses, each with its reason: once end to end (the command's exit
+    status and message), the rest through the same code in this process."""
+    import argparse
 
-    def mount(path: str, *extra: str, **env_extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "rdmaflow", "mount", path, "--model", decl, *extra],
-                              env=dict(env, **env_extra), capture_output=True, text=True, timeout=120, check=False)
+    from rdmaflow.fileview import mount as mount_cli
+
+    decl = declaration(tmp_path / "model.json")
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RDMAFLOW_JOB_SECRET": "x",
+           "RDMAFLOW_PS_TIMEOUT": "3"}
+    out = subprocess.run([sys.executable, "-m", "rdmaflow", "mount", str(tmp_path / "missing"), "--model", decl],
+                         env=base_env(env), capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 1 and "rdmaflow mount: mountpoint" in out.stderr and "does not exist" in out.stderr, (
+        out.stderr)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    parser = argparse.ArgumentParser()
+    mount_cli.add_arguments(parser)
+
+    def refused(path: str, *extra: str, model: str = decl) -> str:
+        capsys.readouterr()
+        assert mount_cli.run(parser.parse_args([path, "--model", model, *extra])) == 1
+        return capsys.readouterr().err
 
     for path, why in ((str(tmp_path / "missing"), "does not exist"), (decl, "is not a directory")):
-        out = mount(path)
-        assert out.returncode != 0 and why in out.stderr, out.stderr
+        assert why in refused(path)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    out = mount(str(tmp_path / "full"))
-    assert out.returncode != 0 and "is not empty" in out.stderr, out.stderr
+    assert "is not empty" in refused(str(tmp_path / "full"))
     (tmp_path / "mnt").mkdir()
-    out = mount(str(tmp_path / "mnt"))
-    assert out.returncode != 0 and "cannot reach the job's c10d store" in out.stderr, out.stderr
+    assert "cannot reach the job's c10d store" in refused(str(tmp_path / "mnt"))
     assert not is_mounted(tmp_path / "mnt")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"variables": [{"name": "w", "shape": [2], "dtype": "int8"}]}))
-    out = subprocess.run([sys.executable, "-m", "rdmaflow", "mount", str(tmp_path / "mnt"), "--model", str(bad)],
-                         env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode != 0 and "dtype 'int8'" in out.stderr, out.stderr
+    assert "dtype 'int8'" in refused(str(tmp_path / "mnt"), model=str(bad))
     # Settings that every process would refuse once joined are refused before, by the shard too
     # (it used to wait for the worker that had failed until its timeout, without the reason).
-    shard = {"RANK": "0", "LOCAL_RANK": "0"}
     for extra, why in ((["--mode", "bounded", "--staleness", "-3"], "staleness must be >= 0"),
                        (["--block-bytes", "0"], "block size 0 is not a positive multiple")):
-        for role_env in ({}, shard):
-            out = mount(str(tmp_path / "mnt"), *extra, **role_env)
-            assert out.returncode != 0 and why in out.stderr, out.stderr
+        for rank in ("1", "0"):  # a worker, a shard
+            monkeypatch.setenv("RANK", rank)
+            monkeypatch.setenv("LOCAL_RANK", rank)
+            assert why in refused(str(tmp_path / "mnt"), *extra)
 
 
 def test_bench_file_runs_and_writes_its_outputs(tmp_path):
