@@ -812,14 +812,14 @@ PYBIND11_MODULE(_core, m) {
       .def("unpublish", &Device::unpublish, py::arg("name"))
       .def(
           "lookup",
-          [](Device& d, const std::string& ep, const std::string& name, double timeout) {
+          [](Device& d, const std::string& ep, const std::string& name, double timeout, bool claim) {
             std::string v;
             {
               py::gil_scoped_release nogil;
-              v = d.lookup(ep, name, timeout);
+              v = d.lookup(ep, name, timeout, claim);
             }
             return py::bytes(v);
           },
-          py::arg("remote_endpoint"), py::arg("name"), py::arg("timeout") = -1.0)
+          py::arg("remote_endpoint"), py::arg("name"), py::arg("timeout") = -1.0, py::arg("claim") = false)
       .def("ucx_info", &Device::ucx_info);
 }

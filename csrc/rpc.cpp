@@ -136,15 +136,17 @@ void Device::publish(const std::string& name, const std::string& value) {
                                         std::to_string(value.size()) + " bytes)");
   std::lock_guard<std::mutex> lk(m_);
   published_[name] = value;
+  claimed_.erase(name);  // a new value: claimable again
 }
 
 void Device::unpublish(const std::string& name) {
   std::lock_guard<std::mutex> lk(m_);
   published_.erase(name);
+  claimed_.erase(name);
 }
 
 std::string Device::lookup(const std::string& remote_endpoint, const std::string& name,
-                           double timeout) {
+                           double timeout, bool claim) {
   if (std::isnan(timeout)) throw Error(ErrorKind::Invalid, "timeout must be a number of seconds, got nan");
   if (timeout < 0) timeout = cfg_.rpc_timeout;
   const auto t0 = std::chrono::steady_clock::now();
@@ -152,21 +154,30 @@ std::string Device::lookup(const std::string& remote_endpoint, const std::string
   timeout = std::max(0.0, timeout - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   Writer w;
   w.str(name);
+  w.u32(claim);
   return call(p->link, LOOKUP, w.s, "connection is closed", timeout,
               "looking up '" + name + "' at " + remote_endpoint, ErrorKind::Invalid,
-              [&](const std::string&) {
-                return "the device at " + remote_endpoint + " has published nothing named '" +
-                       name + "'";
-              });
+              [](const std::string& why) { return why; });  // the owner's words
 }
 
-// Server side: the value published under name, if any.
-void Device::answer_lookup(Link* l, uint64_t req, const std::string& name) {
+// Server side: the value published under name, if any; a claim takes it for the asker once.
+void Device::answer_lookup(Link* l, uint64_t req, const std::string& name, bool claim) {
   Writer w;
   std::lock_guard<std::mutex> lk(m_);
   auto it = published_.find(name);
-  w.u32(it != published_.end());
-  w.str(it != published_.end() ? it->second : "");
+  if (it == published_.end()) {
+    w.u32(0);
+    w.str("the device at " + endpoint_ + " has published nothing named '" + name + "'");
+  } else if (claim && claimed_.count(name)) {
+    w.u32(0);
+    w.str("'" + name + "' at " + endpoint_ + " was already claimed by " + claimed_[name] +
+          ": it pairs with one sender for its life (a retry after a timed-out claim counts as a "
+          "second one); publish it anew to pair with another");
+  } else {
+    if (claim) claimed_[name] = l->remote_endpoint.empty() ? "another device" : l->remote_endpoint;
+    w.u32(1);
+    w.str(it->second);
+  }
   send_ctrl(l, LOOKUP_REPLY, req, w.s);
 }
 

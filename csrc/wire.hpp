@@ -6,7 +6,7 @@
 //   CHALLENGE(nonce_s[16], uuid u64, mac[32])                    server -> client
 //   AUTH(mac[32]) / WELCOME(n u32, n x worker address str)       client -> server -> client
 //   REJECT(reason, raw bytes)                                    either way
-//   LOOKUP(name str) / LOOKUP_REPLY(ok u32, value str)
+//   LOOKUP(name str, claim u32) / LOOKUP_REPLY(ok u32, value str, or why not)
 //   VALIDATE(region u64, addr u64, len u64) / VALIDATE_REPLY(ok u32, reason str)
 //   REVOKE(region u64) / REVOKE_ACK()                            owner -> holder -> owner
 //   OPEN_CHANNEL(qp u32, worker address str) / OPEN_CHANNEL_REPLY(ok u32, reason str)
@@ -26,7 +26,7 @@ namespace rdmaflow {
 
 constexpr uint16_t kAmId = 0x5246;  // "RF"
 constexpr uint32_t kCtrlMagic = 0x52464331;  // "RFC1"
-constexpr uint32_t kProtoVersion = 2;  // 2: OPEN_CHANNEL
+constexpr uint32_t kProtoVersion = 3;  // 2: OPEN_CHANNEL; 3: LOOKUP's claim
 constexpr char kDescMagic[4] = {'R', 'F', 'D', '1'};
 constexpr size_t kMacLen = 16;
 constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block follows the rkey

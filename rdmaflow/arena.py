@@ -64,16 +64,24 @@ def byte_count(value, what: str) -> int:
 
 def shape_of(shape) -> tuple[int, ...]:
     """``shape`` (an integer or a sequence of them) as a tuple; InvalidArgumentError for anything
-    else or a negative dimension. Integers only: int() would take "3" and cut 2.7 to 2."""
+    else (a bool too: True is no size), a negative dimension or one past 64 bits. Integers
+    only: int() would take "3" and cut 2.7 to 2."""
+    given = shape
     try:
+        if isinstance(shape, bool):
+            raise TypeError
         shape = (operator.index(shape),)
     except TypeError:
         try:
+            if isinstance(shape, (str, bytes)) or any(isinstance(s, bool) for s in shape):
+                raise TypeError
             shape = tuple(operator.index(s) for s in shape)
         except TypeError:
-            raise InvalidArgumentError(f"a shape is an integer or a sequence of integers, got {shape!r}") from None
+            raise InvalidArgumentError(f"a shape is an integer or a sequence of integers, got {given!r}") from None
     if any(s < 0 for s in shape):
         raise InvalidArgumentError(f"shape {shape} has a negative dimension")
+    if any(s >= 1 << 63 for s in shape):
+        raise InvalidArgumentError(f"shape {shape} has a dimension past 64 bits")
     return shape
 
 

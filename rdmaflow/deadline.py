@@ -14,6 +14,25 @@ from rdmaflow._core import InvalidArgumentError
 MAX_SECONDS = 1e8
 
 
+class _EndpointTimeout:
+    """The default of a transfer call's ``timeout``: the endpoint's own, given at its
+    construction. A sentinel, not a number, so that every number a caller passes means itself
+    (a negative one: look without waiting)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ENDPOINT_TIMEOUT"
+
+
+ENDPOINT_TIMEOUT = _EndpointTimeout()
+
+
+def call_timeout(timeout, endpoint_timeout: float | None) -> float | None:
+    """A transfer call's ``timeout``: the endpoint's for ENDPOINT_TIMEOUT, else checked."""
+    return endpoint_timeout if timeout is ENDPOINT_TIMEOUT else checked_timeout(timeout)
+
+
 def checked_timeout(timeout, what: str = "timeout") -> float | None:
     """``timeout`` as seconds (a float), or None for no limit: None, infinity and anything over
     MAX_SECONDS. Raises InvalidArgumentError for what is not a number of seconds (NaN, a bool, a

@@ -224,6 +224,7 @@ def test_a_send_that_found_no_credit_is_not_overtaken_by_the_next_of_its_sender(
 
     class Sender:
         depth, seq, acked = 1, 1, 0  # transfer 1 unacknowledged: no credit for the next yet
+        receiver_closed = False
 
         def __init__(self):
             self.sent = []

@@ -339,9 +339,11 @@ def test_receiver_construction_errors(job_secret):
             DynamicReceiver(d, "b", depth=0)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="negative"):
             StaticReceiver(d, "c", (4, -2), torch.float32)
-        for shape in ("ab", None, 2.7, (2.7,), ("3",)):
+        for shape in ("ab", None, 2.7, (2.7,), ("3",), True, (True,), (2, False), b"\x04"):  # True is no size
             with pytest.raises(rdmaflow.InvalidArgumentError, match="a shape is an integer or a sequence of integers"):
                 StaticReceiver(d, "d", shape, torch.float32)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="past 64 bits"):
+            StaticReceiver(d, "d", (2**64, 1), torch.float32)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="cannot be transferred"):
             StaticReceiver(d, "e", (4,), torch.uint16)
         with pytest.raises(ArenaFullError):
@@ -869,13 +871,15 @@ def test_send_and_recv_timeouts(tpeer, dev):
     assert "never overwrites" in str(e), str(e)
     raises_within(rdmaflow.TimeoutError, 10, ds.send, dynamic_tensor(53, 1))
     raises_within(rdmaflow.TimeoutError, 10, s.wait_consumed, timeout=0.3)
-    # A negative timeout is a look that does not wait (to the core, a negative wait had no end);
-    # NaN or a word is refused; a transfer not sent cannot be waited for.
-    raises_within(rdmaflow.TimeoutError, 10, s.send, x1, timeout=-5)
-    raises_within(rdmaflow.TimeoutError, 10, ds.send, dynamic_tensor(53, 1), timeout=-5)
-    raises_within(rdmaflow.TimeoutError, 10, rs.recv, timeout=-5)
-    raises_within(rdmaflow.TimeoutError, 10, rd.recv, timeout=-5)
-    raises_within(rdmaflow.TimeoutError, 10, s.wait_consumed, timeout=-5)
+    # A negative timeout is a look that does not wait (to the core, a negative wait had no end),
+    # -1 too (it once stood for the endpoint's own timeout, 60 s for rs and s); NaN or a word is
+    # refused; a transfer not sent cannot be waited for.
+    for look in (-5, -1, -1.0):
+        raises_within(rdmaflow.TimeoutError, 10, s.send, x1, timeout=look)
+        raises_within(rdmaflow.TimeoutError, 10, ds.send, dynamic_tensor(53, 1), timeout=look)
+        raises_within(rdmaflow.TimeoutError, 10, rs.recv, timeout=look)
+        raises_within(rdmaflow.TimeoutError, 10, rd.recv, timeout=look)
+        raises_within(rdmaflow.TimeoutError, 10, s.wait_consumed, timeout=look)
     for bad in (float("nan"), "1"):
         for call, args in ((s.send, (x1,)), (ds.send, (dynamic_tensor(53, 1),)), (rs.recv, ()), (rd.recv, ()),
                            (s.wait_consumed, ())):
@@ -1005,20 +1009,6 @@ def test_sparse_and_nested_tensors_are_refused(job_secret):
             s.send(eye, timeout=5)
         assert torch.equal(rs.recv(timeout=5), eye) and torch.equal(rd.recv(timeout=5), eye)
 
-def test_second_sender_is_detected(job_secret):
-    """A receiver pairs with one sender: another one introducing itself is an error, not a silent takeover."""
-    with local_device() as a, local_device() as b, local_device() as c:
-        for d in (a, b, c):
-            d.create_arena(MiB)
-        r = StaticReceiver(b, "one", (4,), torch.float32)
-        first = StaticSender(a, b.endpoint, "one")
-        first.send(torch.ones(4), timeout=5)
-        assert torch.equal(r.recv(timeout=5), torch.ones(4))
-        StaticSender(c, b.endpoint, "one")  # introduces itself over the first one
-        with pytest.raises(rdmaflow.RdmaflowError, match="second sender"):
-            r.recv(timeout=5)
-
-
 def test_closed_receiver_stops_its_sender(job_secret):
     with local_device() as a, local_device() as b:
         a.create_arena(MiB)
@@ -1035,14 +1025,27 @@ def test_closed_receiver_stops_its_sender(job_secret):
         assert b.arena.used > 0
 
 
-def _pair_of_kind(kind: str, a, b, name: str):
-    """A receiver on ``b`` and its sender on ``a``, of ``kind``, for 4 float32 values."""
+def _receiver_of_kind(kind: str, b, name: str, depth: int = 2):
+    """A receiver of ``kind`` on ``b`` for 4 float32 values."""
     if kind == "static":
-        return StaticReceiver(b, name, (4,), torch.float32, depth=2), StaticSender(a, b.endpoint, name)
+        return StaticReceiver(b, name, (4,), torch.float32, depth=depth)
     if kind == "bounded":
-        return (BoundedReceiver(b, name, [4], torch.float32, depth=2),
-                BoundedSender(a, b.endpoint, name, [4], torch.float32))
-    return DynamicReceiver(b, name, depth=2), DynamicSender(a, b.endpoint, name)
+        return BoundedReceiver(b, name, [4], torch.float32, depth=depth)
+    return DynamicReceiver(b, name, depth=depth)
+
+
+def _sender_of_kind(kind: str, a, b, name: str):
+    """The sender of ``kind`` on ``a`` to ``b``'s receiver ``name``."""
+    if kind == "static":
+        return StaticSender(a, b.endpoint, name)
+    if kind == "bounded":
+        return BoundedSender(a, b.endpoint, name, [4], torch.float32)
+    return DynamicSender(a, b.endpoint, name)
+
+
+def _pair_of_kind(kind: str, a, b, name: str, depth: int = 2):
+    """A receiver on ``b`` and its sender on ``a``, of ``kind``, for 4 float32 values."""
+    return _receiver_of_kind(kind, b, name, depth), _sender_of_kind(kind, a, b, name)
 
 
 @pytest.mark.parametrize("kind", ["static", "bounded", "dynamic"])
@@ -1074,6 +1077,68 @@ def test_closed_sender_ends_its_receivers_waits(transport, kind, job_secret):
         s0.close()
         with pytest.raises(rdmaflow.PeerError, match="closed after sending 0 transfers: transfer 1"):
             r0.recv(timeout=30)
+
+
+@pytest.mark.parametrize("kind", ["static", "bounded", "dynamic"])
+@pytest.mark.parametrize("transport", ["tcp", "sm"], indirect=True)
+def test_a_receiver_pairs_with_one_sender_for_its_life(transport, kind, job_secret):
+    """The receiver's device hands its name to the first sender that claims it: every later
+    one, from any device, before or after the first receive, while a received tensor is held,
+    after the first sender closed, is refused at construction, before it writes a byte; what the
+    first one sends arrives intact. A sender refused for its declaration claims nothing. A
+    receiver published anew under the name pairs with a new sender."""
+    with local_device() as a, local_device() as b, local_device() as c:
+        for d in (a, b, c):
+            d.create_arena(MiB)
+        r = _receiver_of_kind(kind, b, "one", depth=1)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="receiver, not a"):
+            (DynamicSender if kind == "static" else StaticSender)(a, b.endpoint, "one")
+        first = _sender_of_kind(kind, a, b, "one")
+        for d in (c, a):  # before the first receive: it would have latched the second one
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="already claimed by " + a.endpoint):
+                _sender_of_kind(kind, d, b, "one")
+        first.send(torch.full((4,), 1.0), timeout=5)
+        held = r.recv(timeout=5)  # depth 1, not released: a second sender would write this slot
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="pairs with one sender"):
+            _sender_of_kind(kind, c, b, "one")
+        assert torch.equal(held.cpu(), torch.full((4,), 1.0))
+        r.release()
+        first.send(torch.full((4,), 2.0), timeout=5)
+        assert torch.equal(r.recv(timeout=5).cpu(), torch.full((4,), 2.0))
+        first.close()
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="already claimed"):
+            _sender_of_kind(kind, c, b, "one")
+        with pytest.raises(rdmaflow.PeerError, match="closed after sending 2"):
+            r.recv(timeout=30)
+        r.close()
+        r2 = _receiver_of_kind(kind, b, "one", depth=1)
+        second = _sender_of_kind(kind, c, b, "one")
+        second.send(torch.full((4,), 3.0), timeout=5)
+        assert torch.equal(r2.recv(timeout=5).cpu(), torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("kind", ["static", "bounded", "dynamic"])
+@pytest.mark.parametrize("transport", ["tcp", "sm"], indirect=True)
+def test_a_closed_receiver_consumes_no_more(transport, kind, job_secret):
+    """A receiver that closes after receiving one of three transfers leaves that count: the
+    sender's consumed() says 1, wait_consumed(1) returns, and a wait for transfer 2 or 3 (or
+    for all) ends in PeerError well before its timeout; it does not report them consumed."""
+    with local_device() as a, local_device() as b:
+        a.create_arena(MiB)
+        b.create_arena(MiB)
+        r, s = _pair_of_kind(kind, a, b, "cc", depth=3)
+        for i in range(3):
+            s.send(torch.full((4,), float(i)), timeout=5)
+        assert torch.equal(r.recv(timeout=5).cpu(), torch.zeros(4))
+        assert not s.receiver_closed
+        r.close()
+        s.wait_consumed(1, timeout=30)
+        assert s.receiver_closed and s.consumed() == 1
+        for k in (2, 3, None):
+            e = raises_within(rdmaflow.PeerError, 20, s.wait_consumed, k, timeout=60)
+            assert "closed after receiving 1 transfers" in str(e), str(e)
+        with pytest.raises(rdmaflow.PeerError, match="was closed"):
+            s.send(torch.ones(4), timeout=5)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "sm"], indirect=True)

@@ -137,7 +137,7 @@ class Executor:
             return False
         if op.kind == "send":
             due = self._due[id(op.sender)]
-            if due[0] is not op or not op.credit() and op.sender.consumed() < (1 << 62):
+            if due[0] is not op or not op.credit() and not op.sender.receiver_closed:
                 queue.append(op)
                 return False
             due.popleft()

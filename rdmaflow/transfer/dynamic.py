@@ -26,7 +26,7 @@ import torch
 
 from rdmaflow import READ, Future, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.arena import CUDA_ARENA_NAME, CUDA_IPC_NAME, arena_of, map_gpu_ipc
-from rdmaflow.deadline import Deadline, checked_timeout
+from rdmaflow.deadline import ENDPOINT_TIMEOUT, Deadline, call_timeout
 from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor, keep_until_device_closes, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, dtype_code
 from rdmaflow.transfer.pair import Receiver, Sender
@@ -101,13 +101,13 @@ class DynamicReceiver(Receiver):
             raise InvalidArgumentError(f"malformed metadata record for transfer {k} on '{self.name}': {bad}")
         return dtype, tuple(dims[:rank]), nbytes, src_off, sender_arena, gpu
 
-    def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
+    def recv(self, timeout: float | None = ENDPOINT_TIMEOUT) -> torch.Tensor:
         """Waits for the next transfer, allocates its tensor in the arena and READs the data in.
         A CUDA tensor sent lands in this device's GPU arena (on the current CUDA device when the
         device has none yet) as a CUDA tensor."""
         if self.closed:
             raise InvalidArgumentError(f"recv: receiver '{self.name}' is closed")
-        deadline = Deadline(self.timeout if timeout == -1.0 else timeout)
+        deadline = Deadline(call_timeout(timeout, self.timeout))
         k = self.seq + 1
         slot = self._wait_flag(k, deadline)
         channel = self._connect_sender(deadline)[0]
@@ -145,13 +145,13 @@ class DynamicSender(Sender):
         for k in [k for k in self._held if k <= done]:
             del self._held[k]
 
-    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0) -> Future:
+    def send(self, tensor: torch.Tensor, timeout: float | None = ENDPOINT_TIMEOUT) -> Future:
         """Writes the metadata record of ``tensor`` and its flag; the receiver READs the data.
 
         The buffer read by the receiver is held until it acknowledges. With zero copy that is
         the tensor itself: do not modify it before ``wait_consumed()``.
         """
-        timeout = self.timeout if timeout == -1.0 else checked_timeout(timeout)
+        timeout = call_timeout(timeout, self.timeout)
         if self.closed:
             raise InvalidArgumentError(f"send: the sender to '{self.name}' is closed")
         check_tensor(tensor)

@@ -13,8 +13,10 @@ From then on every transfer is one-sided:
                                ◀──────────────  WRITE k -> sender's ack word, once consumed
 
 Either side's close() tells the other, behind everything it wrote before: a receiver writes
-CLOSED into the sender's ack word; a sender writes CLOSED + the transfers it sent into the
-control block's closing word, so that a wait for a transfer it never sent ends in PeerError.
+CLOSED + the transfers it received into the sender's ack word; a sender writes CLOSED + the
+transfers it sent into the control block's closing word, so that a wait for a transfer it
+never sent ends in PeerError. A receiver pairs with one sender for its life: its device hands
+the published name to the first sender that claims it, and refuses every later one.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.arena import arena_of, gpu_ipc_info, map_gpu_ipc
-from rdmaflow.deadline import Deadline, time_left
+from rdmaflow.deadline import ENDPOINT_TIMEOUT, Deadline, call_timeout, time_left
 from rdmaflow.transfer.common import (
     CTL_BYTES,
     CTL_CLOSED,
@@ -51,7 +53,8 @@ from rdmaflow.transfer.flag import (
 )
 
 ACK_CELLS = 16
-CLOSED = 1 << 62  # ack value a closing receiver leaves for its sender; a closing sender's word is CLOSED + k
+CLOSED = 1 << 62  # a closing receiver leaves CLOSED + the transfers it received in its sender's ack word;
+#                   a closing sender leaves CLOSED + the transfers it sent in the receiver's closing word
 MAX_DEPTH = 1 << 16  # slots of a pair, as a sender accepts from a header
 
 
@@ -313,7 +316,7 @@ class Receiver(Endpoint):
         _unpublish(self.device, self.name, self._token)
         if self._sender is not None and not self._sender[0].failed:
             try:
-                self._ack(CLOSED, Deadline(1.0))
+                self._ack(CLOSED + self.seq, Deadline(1.0))  # done with all it received
             except RdmaflowError:
                 pass
         for f in self._ack_futures:
@@ -383,6 +386,16 @@ class Sender(Endpoint):
         self.ack = Word.at(raw, 0)
         self.seq = 0
         self._pending: list = [None] * self.depth  # per slot: (future, what must stay alive)
+        # Only now, with everything checked and allocated, claim the receiver: its device hands
+        # it to one sender for its life, so a second one is refused here, before it writes.
+        left = deadline.left()
+        try:
+            claimed = device.lookup(remote_endpoint, name, -1.0 if left is None else left, True)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"connecting a sender to '{name}': {e}") from None
+        if claimed != value:
+            raise RdmaflowError(f"'{name}' at {remote_endpoint} was published anew while this sender "
+                                "connected to it: connect again")
         self._introduce(deadline)
         # Same host: the receiver's region written by this thread (DirectWindow), no progress
         # thread; sends on it are complete when they return, so they all share one done future.
@@ -411,7 +424,7 @@ class Sender(Endpoint):
 
     def _wait_credit(self, k: int, deadline: Deadline) -> int:
         if self.ack.get() >= CLOSED:
-            raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
+            raise self._closed_receiver()
         need = k - self.depth
         if need > 0 and self.ack.get() < need:  # (the message is built only for a wait)
             wait_flag(self.ack, need, deadline,
@@ -419,7 +432,7 @@ class Sender(Endpoint):
                       f"(a sender never overwrites a slot its receiver has not consumed)", peer=self.channel,
                       drive=True)
             if self.ack.get() >= CLOSED:
-                raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
+                raise self._closed_receiver()
         return (k - 1) % self.depth
 
     def _arena_offset(self, tensor: torch.Tensor, nbytes: int) -> int | None:
@@ -476,19 +489,33 @@ class Sender(Endpoint):
                 f"hands back), got {type(release).__name__}"
             )
 
-    def consumed(self) -> int:
-        """How many transfers the receiver has acknowledged."""
-        return self.ack.get()
+    def _closed_receiver(self) -> PeerError:
+        return PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed")
 
-    def wait_consumed(self, k: int | None = None, timeout: float | None = -1.0) -> None:
+    @property
+    def receiver_closed(self) -> bool:
+        """Whether the receiver was closed (it consumes nothing more). Never blocks."""
+        return self.ack.get() >= CLOSED
+
+    def consumed(self) -> int:
+        """How many transfers the receiver has consumed; once it was closed, how many it had
+        received by then (it is done with those). Never blocks."""
+        v = self.ack.get()
+        return v - CLOSED if v >= CLOSED else v
+
+    def wait_consumed(self, k: int | None = None, timeout: float | None = ENDPOINT_TIMEOUT) -> None:
         """Waits until the receiver has consumed transfer ``k`` (default: every transfer sent),
-        at most ``timeout`` seconds (default: the sender's)."""
+        at most ``timeout`` seconds (default -1: the sender's; None: no limit). Raises PeerError
+        when the receiver was closed before receiving ``k``: it never will."""
         k = self.seq if k is None else k
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.seq:
             raise InvalidArgumentError(f"wait_consumed: transfer {k!r} of '{self.name}' was not sent "
                                        f"({self.seq} were)")
-        deadline = Deadline(self.timeout if timeout == -1.0 else timeout)
+        deadline = Deadline(call_timeout(timeout, self.timeout))
         wait_flag(self.ack, k, deadline, f"waiting for '{self.name}' to consume transfer {k}", peer=self.channel)
+        if self.consumed() < k:  # the word is CLOSED + what the receiver took before it closed
+            raise PeerError(f"receiver '{self.name}' at {self.remote_endpoint} was closed after receiving "
+                            f"{self.consumed()} transfers: transfer {k} will not be consumed")
 
     def close(self) -> None:
         """Waits (up to a second each) for the transfers in flight, then leaves the receiver

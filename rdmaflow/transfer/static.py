@@ -20,7 +20,7 @@ import torch
 
 from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
 from rdmaflow.arena import arena_of, shape_of
-from rdmaflow.deadline import Deadline, checked_timeout, time_left
+from rdmaflow.deadline import ENDPOINT_TIMEOUT, Deadline, call_timeout, time_left
 from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
 from rdmaflow.transfer.flag import OK, PEER_FAILED, RECEIVER_CLOSED, WAIT_SLICE, first_slice, peer_failed
@@ -67,12 +67,9 @@ class StaticReceiver(Receiver):
             start = first + i * self.slot_stride + self.header_bytes
             self._views.append(raw[start : start + self.nbytes].view(dtype).view(self.shape))
 
-    def recv(self, timeout: float | None = -1.0) -> torch.Tensor:
+    def recv(self, timeout: float | None = ENDPOINT_TIMEOUT) -> torch.Tensor:
         """Waits for the next transfer and returns the tensor it landed in (no copy)."""
-        if timeout == -1.0:
-            timeout = self.timeout
-        else:
-            timeout = checked_timeout(timeout)
+        timeout = call_timeout(timeout, self.timeout)
         if self.closed:
             raise InvalidArgumentError(f"recv: receiver '{self.name}' is closed")
         k = self.seq + 1
@@ -160,7 +157,7 @@ class StaticSender(Sender):
                 f"this sender declared {describe(d_shape or self.shape, d_dtype or self.dtype)}"
             )
 
-    def send(self, tensor: torch.Tensor, timeout: float | None = -1.0, release: Receiver | None = None) -> Future:
+    def send(self, tensor: torch.Tensor, timeout: float | None = ENDPOINT_TIMEOUT, release: Receiver | None = None) -> Future:
         """Writes ``tensor`` into the receiver's next slot, then its flag.
 
         Returns a future that completes when both are visible at the receiver. With zero copy
@@ -176,10 +173,7 @@ class StaticSender(Sender):
         it now). Either way it goes first when this send has to wait for a credit. Blocks like
         ``send``; not thread-safe with ``release``'s own calls.
         """
-        if timeout == -1.0:
-            timeout = self.timeout
-        else:
-            timeout = checked_timeout(timeout)
+        timeout = call_timeout(timeout, self.timeout)
         if self.closed:
             raise InvalidArgumentError(f"send: the sender to '{self.name}' is closed")
         try:
