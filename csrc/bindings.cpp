@@ -812,14 +812,18 @@ PYBIND11_MODULE(_core, m) {
       .def("unpublish", &Device::unpublish, py::arg("name"))
       .def(
           "lookup",
-          [](Device& d, const std::string& ep, const std::string& name, double timeout, bool claim) {
-            std::string v;
+          [](Device& d, const std::string& ep, const std::string& name, double timeout,
+             std::optional<py::bytes> claim) {
+            std::string v, expected = claim ? std::string(*claim) : std::string();
             {
               py::gil_scoped_release nogil;
-              v = d.lookup(ep, name, timeout, claim);
+              v = d.lookup(ep, name, timeout, claim ? &expected : nullptr);
             }
             return py::bytes(v);
           },
-          py::arg("remote_endpoint"), py::arg("name"), py::arg("timeout") = -1.0, py::arg("claim") = false)
+          py::arg("remote_endpoint"), py::arg("name"), py::arg("timeout") = -1.0, py::arg("claim") = py::none(),
+          "The value the device at remote_endpoint published under name (timeout < 0: rpc_timeout). "
+          "claim: the value looked up before; the name is also claimed, once for its life, if it "
+          "still holds that value (InvalidArgumentError otherwise, or once claimed).")
       .def("ucx_info", &Device::ucx_info);
 }

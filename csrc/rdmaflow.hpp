@@ -558,11 +558,13 @@ class Device : public std::enable_shared_from_this<Device> {
   void unpublish(const std::string& name);
   // timeout < 0: rpc_timeout. Connecting first, if need be, counts against it (bounded by
   // connect_timeout too). Throws Invalid when the peer published nothing under name.
-  // claim: the lookup also claims the name, atomically at its owner; the first claim of a
-  // published value succeeds, every later one throws Invalid until the name is published or
-  // unpublished again (a transfer receiver pairs with the one sender that claimed it).
+  // claim (non-null): the lookup also claims the name, atomically at its owner, if the name
+  // still holds *claim (the value the caller looked up and checked; else Invalid, "published
+  // anew", and nothing is claimed). The first claim of a published value succeeds, every later
+  // one throws Invalid until the name is published anew or unpublished (a transfer receiver
+  // pairs with the one sender that claimed it).
   std::string lookup(const std::string& remote_endpoint, const std::string& name, double timeout,
-                     bool claim = false);
+                     const std::string* claim = nullptr);
 
   const std::string& endpoint() const { return endpoint_; }
   uint64_t uuid() const { return uuid_; }
@@ -656,7 +658,8 @@ class Device : public std::enable_shared_from_this<Device> {
   void fail_rpcs_for(Link* l, const std::string& why);
   void fail_all_rpcs(const std::string& why);
   void ensure_validated(const std::shared_ptr<Peer>& peer, RemoteRegion& r);
-  void answer_lookup(Link* l, uint64_t req, const std::string& name, bool claim);
+  void answer_lookup(Link* l, uint64_t req, const std::string& name, bool claim,
+                     const std::string& expected);
   void answer_validate(Link* l, uint64_t req, uint64_t id, uint64_t addr, uint64_t len);
   // channel.cpp: the two ends of opening a channel (docs/architecture.md, "Opening a channel").
   void open_channel(const std::shared_ptr<Peer>& p, const std::shared_ptr<Channel>& ch);

@@ -146,7 +146,7 @@ void Device::unpublish(const std::string& name) {
 }
 
 std::string Device::lookup(const std::string& remote_endpoint, const std::string& name,
-                           double timeout, bool claim) {
+                           double timeout, const std::string* claim) {
   if (std::isnan(timeout)) throw Error(ErrorKind::Invalid, "timeout must be a number of seconds, got nan");
   if (timeout < 0) timeout = cfg_.rpc_timeout;
   const auto t0 = std::chrono::steady_clock::now();
@@ -154,20 +154,27 @@ std::string Device::lookup(const std::string& remote_endpoint, const std::string
   timeout = std::max(0.0, timeout - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   Writer w;
   w.str(name);
-  w.u32(claim);
+  w.u32(claim != nullptr);
+  w.str(claim ? *claim : std::string());
   return call(p->link, LOOKUP, w.s, "connection is closed", timeout,
               "looking up '" + name + "' at " + remote_endpoint, ErrorKind::Invalid,
               [](const std::string& why) { return why; });  // the owner's words
 }
 
-// Server side: the value published under name, if any; a claim takes it for the asker once.
-void Device::answer_lookup(Link* l, uint64_t req, const std::string& name, bool claim) {
+// Server side: the value published under name, if any; a claim takes it for the asker once,
+// if it still holds the value the asker expects.
+void Device::answer_lookup(Link* l, uint64_t req, const std::string& name, bool claim,
+                           const std::string& expected) {
   Writer w;
   std::lock_guard<std::mutex> lk(m_);
   auto it = published_.find(name);
   if (it == published_.end()) {
     w.u32(0);
     w.str("the device at " + endpoint_ + " has published nothing named '" + name + "'");
+  } else if (claim && it->second != expected) {
+    w.u32(0);
+    w.str("'" + name + "' at " + endpoint_ + " was published anew since it was looked up: nothing "
+          "claimed, look it up again");
   } else if (claim && claimed_.count(name)) {
     w.u32(0);
     w.str("'" + name + "' at " + endpoint_ + " was already claimed by " + claimed_[name] +

@@ -6,7 +6,7 @@
 //   CHALLENGE(nonce_s[16], uuid u64, mac[32])                    server -> client
 //   AUTH(mac[32]) / WELCOME(n u32, n x worker address str)       client -> server -> client
 //   REJECT(reason, raw bytes)                                    either way
-//   LOOKUP(name str, claim u32) / LOOKUP_REPLY(ok u32, value str, or why not)
+//   LOOKUP(name str, claim u32, expected value str) / LOOKUP_REPLY(ok u32, value str, or why not)
 //   VALIDATE(region u64, addr u64, len u64) / VALIDATE_REPLY(ok u32, reason str)
 //   REVOKE(region u64) / REVOKE_ACK()                            owner -> holder -> owner
 //   OPEN_CHANNEL(qp u32, worker address str) / OPEN_CHANNEL_REPLY(ok u32, reason str)

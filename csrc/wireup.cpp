@@ -258,8 +258,9 @@ void Device::handle_as_server(Link* l, uint32_t type, uint64_t req, const std::s
       if (type == LOOKUP) {
         std::string name = rd.str(4096);
         uint32_t claim = rd.num<uint32_t>();
+        std::string expected = rd.str(1024 * 1024);
         rd.end();
-        answer_lookup(l, req, name, claim != 0);
+        answer_lookup(l, req, name, claim != 0, expected);
         return;
       }
       if (type == OPEN_CHANNEL) {

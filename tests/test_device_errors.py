@@ -284,23 +284,26 @@ def test_lookup_of_unpublished_name(pair):
 
 
 def test_a_claiming_lookup_takes_the_name_once(job_secret):
-    """lookup(..., claim=True) hands a published value to one claimant: a second claim, from
-    any device, is refused with its first claimant named; plain lookups still read it; the
-    owner publishing the name anew (or unpublishing it) makes it claimable again."""
+    """lookup(..., claim=value) hands a published value to one claimant: a second claim, from
+    any device, is refused with its first claimant named; plain lookups still read it; a claim
+    of a value the name no longer holds (published anew since) takes nothing; the owner
+    publishing the name anew (or unpublishing it) makes it claimable again."""
     with local_device() as owner, local_device() as a, local_device() as b:
         owner.publish("n", b"v1")
-        assert a.lookup(owner.endpoint, "n", 5.0, True) == b"v1"
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="published anew since it was looked up"):
+            b.lookup(owner.endpoint, "n", 5.0, b"v0")
+        assert a.lookup(owner.endpoint, "n", 5.0, b"v1") == b"v1"
         for d in (a, b):
             with pytest.raises(rdmaflow.InvalidArgumentError, match=f"already claimed by {a.endpoint}"):
-                d.lookup(owner.endpoint, "n", 5.0, True)
+                d.lookup(owner.endpoint, "n", 5.0, b"v1")
         assert b.lookup(owner.endpoint, "n", 5.0) == b"v1"
         owner.publish("n", b"v2")
-        assert b.lookup(owner.endpoint, "n", 5.0, True) == b"v2"
+        assert b.lookup(owner.endpoint, "n", 5.0, b"v2") == b"v2"
         owner.unpublish("n")
         with pytest.raises(rdmaflow.InvalidArgumentError, match="published nothing named 'n'"):
-            a.lookup(owner.endpoint, "n", 5.0, True)
+            a.lookup(owner.endpoint, "n", 5.0, b"v2")
         owner.publish("n", b"v3")
-        assert a.lookup(owner.endpoint, "n", 5.0, True) == b"v3"
+        assert a.lookup(owner.endpoint, "n", 5.0, b"v3") == b"v3"
 
 
 def test_dead_peer_mid_transfer(spawn_peer):

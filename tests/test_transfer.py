@@ -1099,8 +1099,11 @@ def test_a_receiver_pairs_with_one_sender_for_its_life(transport, kind, job_secr
                 _sender_of_kind(kind, d, b, "one")
         first.send(torch.full((4,), 1.0), timeout=5)
         held = r.recv(timeout=5)  # depth 1, not released: a second sender would write this slot
+        used = c.arena.used
         with pytest.raises(rdmaflow.InvalidArgumentError, match="pairs with one sender"):
             _sender_of_kind(kind, c, b, "one")
+        gc.collect()
+        assert c.arena.used == used, "a refused sender kept its arena memory"
         assert torch.equal(held.cpu(), torch.full((4,), 1.0))
         r.release()
         first.send(torch.full((4,), 2.0), timeout=5)

@@ -379,23 +379,21 @@ class Sender(Endpoint):
         total = self._intro_off + CTL_BYTES
         self.block = self.arena.allocate(total)
         self._arena_lo, self._arena_hi = self.arena.base, self.arena.base + self.arena.nbytes
-        keep_until_device_closes(device, self.block)  # its ack word: the receiver writes it until it learns
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=total)
         raw.zero_()
         self._raw = raw
         self.ack = Word.at(raw, 0)
         self.seq = 0
         self._pending: list = [None] * self.depth  # per slot: (future, what must stay alive)
-        # Only now, with everything checked and allocated, claim the receiver: its device hands
-        # it to one sender for its life, so a second one is refused here, before it writes.
+        # Only now, with everything checked and allocated, claim the receiver (the header checked
+        # above, not one published anew since): its device hands it to one sender for its life,
+        # so a second one is refused here, before it writes a byte.
         left = deadline.left()
         try:
-            claimed = device.lookup(remote_endpoint, name, -1.0 if left is None else left, True)
+            device.lookup(remote_endpoint, name, -1.0 if left is None else left, value)
         except InvalidArgumentError as e:
             raise InvalidArgumentError(f"connecting a sender to '{name}': {e}") from None
-        if claimed != value:
-            raise RdmaflowError(f"'{name}' at {remote_endpoint} was published anew while this sender "
-                                "connected to it: connect again")
+        keep_until_device_closes(device, self.block)  # its ack word: the receiver writes it until it learns
         self._introduce(deadline)
         # Same host: the receiver's region written by this thread (DirectWindow), no progress
         # thread; sends on it are complete when they return, so they all share one done future.
@@ -505,7 +503,7 @@ class Sender(Endpoint):
 
     def wait_consumed(self, k: int | None = None, timeout: float | None = ENDPOINT_TIMEOUT) -> None:
         """Waits until the receiver has consumed transfer ``k`` (default: every transfer sent),
-        at most ``timeout`` seconds (default -1: the sender's; None: no limit). Raises PeerError
+        at most ``timeout`` seconds (default: the sender's; None: no limit). Raises PeerError
         when the receiver was closed before receiving ``k``: it never will."""
         k = self.seq if k is None else k
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.seq:
