@@ -154,6 +154,29 @@ def test_split_spec_conventions_agree():
     assert strip == [(e.direction, e.shape, e.cls, e.producer, e.consumer) for e in call.edges]
 
 
+class Tied(torch.nn.Module):
+    """An embedding and an output head that share their weight, as a language model's do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.mid(self.emb(idx))))
+
+
+def test_tied_weights_across_stages_are_refused_naming_both():
+    """A parameter used by two stages would be trained by neither stage's optimizer alone:
+    refused at capture, with both of the names the user knows it by."""
+    idx = torch.randint(0, 10, (MB, 3))
+    with pytest.raises(graph.CaptureError, match=r"'(emb|head)\.weight' \(also '(emb|head)\.weight'\) is used by "
+                                                 r"stages \[0, 1\]: a tensor shared across stages \(tied weights\)"):
+        graph.pipeline(Tied(), (idx,), split_spec={"mid": graph.SplitPoint.BEGINNING})
+
+
 def test_bad_split_specs():
     with pytest.raises(graph.CaptureError, match="'nope', which is not a submodule"):
         graph.pipeline(TwoLinear(), (torch.randn(MB, 8),), split_spec={"nope": graph.SplitPoint.BEGINNING})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import operator
 import traceback
 from dataclasses import dataclass, field
@@ -171,8 +172,8 @@ def _assign_partitions(gm: torch.fx.GraphModule) -> tuple[dict, int]:
             users = sorted({part[u] for u in n.users})
             if len(users) > 1:
                 raise CaptureError(
-                    f"parameter or buffer '{n.target}' is used by stages {users}: a tensor shared across "
-                    f"stages (tied weights) cannot be trained by each stage's own optimizer"
+                    f"parameter or buffer {_aliases(gm, n.target)} is used by stages {users}: a tensor shared "
+                    f"across stages (tied weights) cannot be trained by each stage's own optimizer"
                 )
             part[n] = users[0] if users else 0
     return part, stage + 1
@@ -285,6 +286,15 @@ def _read_top_graph(gm, top, inputs, num_stages):
         raise CaptureError(f"stage {', '.join(map(str, empty)) or '?'} of {num_stages} has no computation: two split "
                            "points are adjacent, or one is at the very beginning or end of the model")
     return stages, outputs, inputs
+
+
+def _aliases(gm: torch.nn.Module, fqn: str) -> str:
+    """``'fqn'``, and the other names the model gives that tensor (tied weights: export keeps
+    one name, often not the one the user tied), for messages."""
+    t = _attr(gm, fqn)
+    named = itertools.chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False))
+    others = sorted({name for name, p in named if p is t and name != fqn})
+    return f"'{fqn}'" + (f" (also {', '.join(repr(o) for o in others)})" if others else "")
 
 
 def _attr(gm: torch.nn.Module, fqn: str) -> torch.Tensor:
