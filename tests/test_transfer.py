@@ -36,6 +36,7 @@ from rdmaflow.arena import ALIGNMENT
 from rdmaflow.deadline import Deadline, time_left
 from rdmaflow.transfer import Arena, DynamicReceiver, DynamicSender, StaticReceiver, StaticSender, wait_any
 from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
+from rdmaflow.transfer.common import unpack_header
 
 KiB, MiB = 1 << 10, 1 << 20
 ArenaFullError = rdmaflow.ArenaFullError
@@ -1008,6 +1009,25 @@ def test_sparse_and_nested_tensors_are_refused(job_secret):
         for s in senders:  # each still sends its dense form
             s.send(eye, timeout=5)
         assert torch.equal(rs.recv(timeout=5), eye) and torch.equal(rd.recv(timeout=5), eye)
+
+def test_a_ready_word_rewritten_behind_the_claim_is_detected(job_secret):
+    """The claim keeps a second sender out; a peer that writes the receiver's ready word
+    anyway (one that bypasses the library) is still caught by the generation check at the
+    receiver's next wait, not taken as its sender."""
+    with local_device() as a, local_device() as b, local_device() as c:
+        for d in (a, b, c):
+            d.create_arena(MiB)
+        r = StaticReceiver(b, "one", (4,), torch.float32)
+        first = StaticSender(a, b.endpoint, "one")
+        first.send(torch.ones(4), timeout=5)
+        assert torch.equal(r.recv(timeout=5), torch.ones(4))
+        meta, desc = unpack_header(c.lookup(b.endpoint, "one", 5.0), "one")
+        word = c.empty(1, torch.int64).fill_(12345)
+        c.channel(b.endpoint).memcpy(c.arena.region, c.arena.offset_of(word), rdmaflow.RemoteRegion.from_descriptor(desc),
+                                     meta["base"] + meta["ctl"], 8, rdmaflow.WRITE).result(5)
+        with pytest.raises(rdmaflow.RdmaflowError, match="second sender"):
+            r.recv(timeout=5)
+
 
 def test_closed_receiver_stops_its_sender(job_secret):
     with local_device() as a, local_device() as b:
