@@ -11,10 +11,14 @@ worker failures (iRDMA §IV-D): rdmaflow launch then starts this node's processe
 the same variables torchrun sets (static rendezvous: rank = node rank x processes per node +
 local rank), keeps the others running when a worker dies, and stops them all when a shard
 fails. The shards go on while at least N workers live (RDMAFLOW_MIN_WORKERS).
+
+Either way a SIGTERM, SIGINT or SIGHUP sent to this process alone stops every process of the
+node (docs/parameter-server.md, "Stopping a job").
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import shlex
@@ -85,11 +89,6 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     procs = []
-    for lr in range(local):
-        penv = dict(env, RANK=str(ns.node_rank * local + lr), LOCAL_RANK=str(lr), WORLD_SIZE=str(ns.nnodes * local),
-                    LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(ns.node_rank), MASTER_ADDR=ns.master_addr,
-                    MASTER_PORT=str(ns.master_port))
-        procs.append(subprocess.Popen([sys.executable, "-u", ns.script, *ns.args], env=penv, start_new_session=True))
 
     def stop_all(sig=signal.SIGTERM):
         for p in procs:
@@ -100,7 +99,13 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
                     pass
 
     status = 0
-    try:
+    try:  # from the first start on: a signal while starting stops the ones already started
+        for lr in range(local):
+            penv = dict(env, RANK=str(ns.node_rank * local + lr), LOCAL_RANK=str(lr),
+                        WORLD_SIZE=str(ns.nnodes * local), LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(ns.node_rank),
+                        MASTER_ADDR=ns.master_addr, MASTER_PORT=str(ns.master_port))
+            procs.append(subprocess.Popen([sys.executable, "-u", ns.script, *ns.args], env=penv,
+                                          start_new_session=True))
         while any(p.poll() is None for p in procs):
             for lr, p in enumerate(procs):
                 rc = p.poll()
@@ -128,6 +133,43 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
     return status
 
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_GRACE = 60.0  # seconds torchrun has, after the first signal passed on, to stop its processes (its own: 30)
+
+
+def run_torchrun(argv: list[str], env: dict) -> int:
+    """Runs torchrun in a session of its own and passes SIGTERM, SIGINT and SIGHUP sent to this
+    process on to it, once each; torchrun stops every process of the node on any of them. A
+    scheduler signals the launcher's pid, not its group: without this, the launcher died and
+    torchrun and the ranks ran on. Ctrl-C reaches torchrun once, through here. If torchrun has
+    not ended STOP_GRACE seconds after the first signal, its session is killed. Returns its exit
+    status (128 + the signal when a signal ended it, as a shell reports)."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    signalled: list[float] = []
+
+    def forward(signum, frame):
+        if proc.poll() is None:
+            signalled.append(time.monotonic())
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if signalled and time.monotonic() - signalled[0] > STOP_GRACE:
+                    print(f"rdmaflow launch: torchrun did not stop within {STOP_GRACE:.0f} s of the signal; "
+                          "killing its processes", file=sys.stderr, flush=True)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 - rc if rc < 0 else rc
+
+
 def run(ns: argparse.Namespace) -> int:
     argv, env = command(ns)
     if ns.dry_run:
@@ -135,7 +177,7 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     if ns.min_workers is not None:
         return supervise(ns, env)
-    return subprocess.call(argv, env=env)
+    return run_torchrun(argv, env)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,6 +131,15 @@ def local_device(**kw):
         d.close()
 
 
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (dead, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def processes_with_env(marker: str) -> list[int]:
     """The pids of processes whose environment holds RDMAFLOW_TEST_MARK=<marker> (what a test
     started, however deep), to check that nothing is left behind."""

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from conftest import pid_alive
 
 from rdmaflow.bench import harness as h
 from rdmaflow.bench import plots, processes
@@ -34,15 +35,6 @@ ECHO = textwrap.dedent("""
         else:
             print(json.dumps({"ok": True, "echo": cmd["x"]}), flush=True)
 """)
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_child_process_json_lines():
@@ -95,18 +87,18 @@ def test_child_process_dies_with_its_parent():
                          start_new_session=True)
     try:
         child = int(p.stdout.readline())
-        assert _alive(child)
+        assert pid_alive(child)
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
         deadline = time.monotonic() + 10
-        while _alive(child) and time.monotonic() < deadline:
+        while pid_alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(child), "the child outlived its parent"
+        assert not pid_alive(child), "the child outlived its parent"
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
-        if "child" in locals() and _alive(child):
+        if "child" in locals() and pid_alive(child):
             os.kill(child, signal.SIGKILL)  # only when the test failed
 
 

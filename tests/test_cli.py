@@ -1,15 +1,19 @@
 """The ``rdmaflow`` command: ``info`` and ``bench device``, run as real subprocesses."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+from conftest import pid_alive
 from conftest import processes_with_env as _processes_with_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,6 +245,43 @@ def test_launch_refuses_an_impossible_job_at_once(tmp_path):
                        ([str(tmp_path / "missing.py")], "missing.py does not exist")]:
         with pytest.raises(SystemExit, match=re.escape(said)):
             launch.command(launch.build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, []), (signal.SIGINT, []),
+                                        (signal.SIGTERM, ["--min-workers", "1"])])
+def test_a_signal_to_the_launcher_stops_every_process_of_the_job(tmp_path, sig, extra):
+    """A scheduler stops a job by signalling the launcher's pid, not its process group. The
+    launcher passes the signal on (to torchrun, or to each process it supervises) and exits
+    non-zero; no rank runs on (they did: the launcher died alone, torchrun and the ranks were
+    orphaned)."""
+    from rdmaflow.bench.processes import free_port
+
+    script = tmp_path / "wait.py"
+    script.write_text("import os, pathlib, sys, time\n"
+                      f"pathlib.Path({str(tmp_path)!r}, 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+                      "time.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "rdmaflow", "launch", "--nproc-per-node", "1",
+                                 "--master-port", str(free_port()), *extra, str(script)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("pid*"))) < 2:  # a worker and a shard
+            assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)  # (each wrote its pid right before sleeping)
+        pids += [int(p.read_text()) for p in tmp_path.glob("pid*")]
+        launcher.send_signal(sig)  # this pid alone
+        assert launcher.wait(90) != 0
+        deadline = time.monotonic() + 30
+        while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"ranks {alive} outlived the launcher"
+    finally:  # whatever outlived it (torchrun ends once its ranks are gone)
+        for pid in [launcher.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait(10)
 
 
 def test_a_reader_that_went_away_is_no_traceback():
