@@ -169,12 +169,63 @@ class Tied(torch.nn.Module):
 
 
 def test_tied_weights_across_stages_are_refused_naming_both():
-    """A parameter used by two stages would be trained by neither stage's optimizer alone:
-    refused at capture, with both of the names the user knows it by."""
+    """A trained parameter used by two stages would be trained by neither stage's optimizer
+    alone: refused at capture, with both of the names the user knows it by."""
     idx = torch.randint(0, 10, (MB, 3))
-    with pytest.raises(graph.CaptureError, match=r"'(emb|head)\.weight' \(also '(emb|head)\.weight'\) is used by "
-                                                 r"stages \[0, 1\]: a tensor shared across stages \(tied weights\)"):
+    with pytest.raises(graph.CaptureError, match=r"parameter '(emb|head)\.weight' \(also '(emb|head)\.weight'\) is "
+                                                 r"trained and used by stages \[0, 1\]: a tensor shared across stages "
+                                                 r"\(tied weights\)"):
         graph.pipeline(Tied(), (idx,), split_spec={"mid": graph.SplitPoint.BEGINNING})
+
+
+def test_frozen_tied_weights_are_held_by_each_stage():
+    """Nothing trains a frozen parameter, so each stage holds the model's own tensor under its
+    name (training with a constant buffer and a frozen parameter shared: test_graph_jobs.py)."""
+    model = Tied()
+    model.emb.weight.requires_grad_(False)
+    pipe = graph.pipeline(model, (torch.randint(0, 10, (MB, 3)),), split_spec={"mid": graph.SplitPoint.BEGINNING})
+    held = [s.params for s in pipe.stages]
+    shared = set(held[0]) & set(held[1])
+    assert len(shared) == 1 and all(h[next(iter(shared))] is model.emb.weight for h in held)
+
+
+class CountsCalls(torch.nn.Module):
+    """A buffer stage 0 reads and stage 1 updates in place: stage 0's process never sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        h = self.a(x) * self.calls
+        graph.pipe_split()
+        self.calls[()].add_(1)  # through a view
+        return self.b(h)
+
+
+class ReadsRunningMean(torch.nn.Module):
+    """Stage 0's batch norm updates its running mean, which stage 1 reads (batch_norm's schema
+    does not say it writes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.b = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.bn(self.a(x))
+        graph.pipe_split()
+        return self.b(h) + self.bn.running_mean[:4]
+
+
+@pytest.mark.parametrize("model,name", [(CountsCalls, "calls"), (ReadsRunningMean, "bn.running_mean")])
+def test_a_buffer_updated_in_place_and_used_by_two_stages_is_refused(model, name):
+    with pytest.raises(graph.CaptureError, match=rf"buffer '{name}' is updated in place by the model and used by "
+                                                 r"stages \[0, 1\]: each stage runs in its own process"):
+        graph.pipeline(model(), (torch.randn(MB, 8),))
 
 
 def test_bad_split_specs():

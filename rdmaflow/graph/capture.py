@@ -4,8 +4,9 @@ Split points follow torch.distributed.pipelining: ``pipe_split()`` calls inside 
 or a ``split_spec`` of ``{module_fqn: SplitPoint.BEGINNING | SplitPoint.END}``, which wraps
 the named module's forward with a ``pipe_split()`` before or after it while exporting. Every
 node goes to the stage numbered by the split points that precede it in program order;
-``torch.fx.passes.split_module`` cuts the graph there and records what crosses. Parameters
-stay with the one stage that uses them.
+``torch.fx.passes.split_module`` cuts the graph there and records what crosses. A trained
+parameter stays with the one stage that uses it; a constant buffer or a frozen parameter used by
+several stages is held by each of them.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import inspect
 import itertools
 import operator
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -161,22 +163,48 @@ def _check_arguments(model, mb_args: tuple, mb_kwargs, split_spec, dynamic_shape
                                        f"{arg.dim()} (0 to {arg.dim() - 1}, or counted from the end)")
 
 
-def _assign_partitions(gm: torch.fx.GraphModule) -> tuple[dict, int]:
+def _assign_partitions(gm: torch.fx.GraphModule, ep: torch.export.ExportedProgram) -> tuple[dict, int]:
     part, stage = {}, 0
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target == PIPE_SPLIT:
             stage += 1
         part[n] = stage
+    mutated = None
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             users = sorted({part[u] for u in n.users})
             if len(users) > 1:
-                raise CaptureError(
-                    f"parameter or buffer {_aliases(gm, n.target)} is used by stages {users}: a tensor shared "
-                    f"across stages (tied weights) cannot be trained by each stage's own optimizer"
-                )
+                mutated = _mutated(ep) if mutated is None else mutated
+                _check_shareable(gm, n.target, users, mutated)
             part[n] = users[0] if users else 0
     return part, stage + 1
+
+
+def _check_shareable(gm: torch.fx.GraphModule, fqn: str, users: list[int], mutated: set[str]) -> None:
+    """A tensor used by several stages is replicated into each (every rank holds the whole
+    model), which is right only while no stage changes it: a constant buffer (a causal mask, a
+    rotary table) or a frozen parameter. One that is trained or written in place is refused."""
+    t = _attr(gm, fqn)
+    if fqn in mutated:
+        raise CaptureError(
+            f"{'parameter' if isinstance(t, torch.nn.Parameter) else 'buffer'} {_aliases(gm, fqn)} is updated in "
+            f"place by the model and used by stages {users}: each stage runs in its own process, so one stage's "
+            f"update would not reach the others; give each stage its own")
+    if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+        raise CaptureError(
+            f"parameter {_aliases(gm, fqn)} is trained and used by stages {users}: a tensor shared across "
+            f"stages (tied weights) cannot be trained by each stage's own optimizer; untie it, or freeze it "
+            f"(requires_grad=False) to have each stage hold a copy")
+
+
+def _mutated(ep: torch.export.ExportedProgram) -> set[str]:
+    """The parameters and buffers the model writes in place. The exported graph keeps in-place
+    ops, and not every op's schema says what it writes (batch_norm's running statistics):
+    functionalizing the program lists them all."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations, inside its copy
+        sig = ep.run_decompositions({}).graph_signature
+    return set(sig.buffers_to_mutate.values()) | set(sig.parameters_to_mutate.values())
 
 
 def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[Ref], list[torch.fx.Node]]:
@@ -188,7 +216,7 @@ def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[
     for n in list(graph.nodes):
         if n.op == "call_module" and n.target == "_guards_fn":  # input guards: checked per microbatch
             graph.erase_node(n)
-    part, num_stages = _assign_partitions(gm)
+    part, num_stages = _assign_partitions(gm, ep)
     for n in list(graph.nodes):
         if n.op == "call_function" and n.target == PIPE_SPLIT:
             graph.erase_node(n)

@@ -4,7 +4,8 @@ test process rebuilds for its single-process reference.
 Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
 
     model       "mlp" | "cnn" | "transformer" (sequence length changes per step, Dim(16, 512)) |
-                "masked" (stage 0 sends the rows a boolean mask selects: a data-dependent shape)
+                "masked" (stage 0 sends the rows a boolean mask selects: a data-dependent shape) |
+                "shared" (a constant buffer and a frozen parameter used by both stages)
                                          stages      2 | 3 (split points of that model)
     schedule    "gpipe" | "1f1b"         inference   true: forward only, no loss
     microbatches, batch, steps, lr, seed, zero_copy (allocation-site placement: true/"auto", "always", false)
@@ -91,6 +92,22 @@ class Masked(torch.nn.Module):
         return self.b(rows).mean(0, keepdim=True)
 
 
+class Shared(torch.nn.Module):
+    """A constant buffer (as a causal mask or a rotary table is) and a frozen parameter, each
+    used by both stages: each stage holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(IN, HIDDEN)
+        self.b = torch.nn.Linear(HIDDEN, OUT)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, HIDDEN))
+        self.shift = torch.nn.Parameter(torch.randn(HIDDEN), requires_grad=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x) * self.scale + self.shift)
+        return self.b(h) * self.scale[:OUT] + self.shift[:OUT]
+
+
 # split_spec of each model for 2 and 3 stages
 SPLITS = {
     "mlp": {2: {"layers.2": graph.SplitPoint.BEGINNING}, "alt": {"layers.4": graph.SplitPoint.BEGINNING},
@@ -100,6 +117,7 @@ SPLITS = {
     "transformer": {2: {"blocks.1": graph.SplitPoint.BEGINNING},
                     3: {"blocks.1": graph.SplitPoint.BEGINNING, "blocks.2": graph.SplitPoint.BEGINNING}},
     "masked": {2: {"b": graph.SplitPoint.BEGINNING}},
+    "shared": {2: {"b": graph.SplitPoint.BEGINNING}},
 }
 # models whose loss over a batch is the mean of their microbatches' losses, not one loss of the batch
 PER_MICROBATCH = {"masked"}
@@ -107,7 +125,8 @@ PER_MICROBATCH = {"masked"}
 
 def make_model(name: str, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "masked": Masked}[name]()
+    return {"mlp": MLP, "cnn": CNN, "transformer": Transformer, "masked": Masked,
+            "shared": Shared}[name]()
 
 
 def seq_length(seed: int, step: int) -> int:
