@@ -83,8 +83,10 @@ class Rendezvous:
         self.store.set(f"{self.prefix}{name}/{self.rank}", "1")
         self.store.wait([f"{self.prefix}{name}/{r}" for r in range(self.world_size)])
 
-    def abort(self, reason: str) -> None:
-        self.store.abort(reason)
+    def abort(self, reason: str) -> str | None:
+        """Records ``reason`` unless one is on record; returns the one on record (None: the
+        store is gone)."""
+        return self.store.abort(reason)
 
     def aborted(self) -> str | None:
         return self.store.aborted()

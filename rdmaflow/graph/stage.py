@@ -232,7 +232,12 @@ class PipelineStage:
         try:
             return self._run_step(order, args, kwargs, target, losses, loss_fn)
         except BaseException as e:
-            self.rdv.abort(f"stage {self.stage_index} (rank {self.rank}): {type(e).__name__}: {e}")
+            mine = f"stage {self.stage_index} (rank {self.rank}): {type(e).__name__}: {e}"
+            first = self.rdv.abort(mine)
+            # A peer that failed records why before it closes its pairs (a `with` or finally
+            # block): the channel error it left here says only that the peer went away.
+            if isinstance(e, rdmaflow.PeerError) and first not in (None, mine) and str(e) != self._aborted(first):
+                raise rdmaflow.PeerError(self._aborted(first)) from e
             raise
 
     def _run_step(self, order, args, kwargs, target, losses, loss_fn):
@@ -271,7 +276,10 @@ class PipelineStage:
     def _check_abort(self) -> None:
         reason = self.rdv.aborted()
         if reason:
-            raise rdmaflow.PeerError(f"stage {self.stage_index}: the job was aborted: {reason}")
+            raise rdmaflow.PeerError(self._aborted(reason))
+
+    def _aborted(self, reason: str) -> str:
+        return f"stage {self.stage_index}: the job was aborted: {reason}"
 
     def _split(self, x, what: str) -> list:
         M = self.plan.n_microbatches

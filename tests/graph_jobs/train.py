@@ -187,34 +187,36 @@ def main() -> int:
     if cfg.get("slow_start") and stage.is_first:
         time.sleep(cfg["slow_start"])
     losses, outputs = [], []
-    for t in range(cfg.get("steps", 3)):
-        x, y = make_batch(name, seed, t, batch)
-        if cfg.get("bad_input") and rank == 0 and t == 1:
-            x = x.double() if cfg["bad_input"] == "dtype" else x[:, :-1]
-        if cfg.get("too_long", {}).get("step") == t and rank == 0:
-            x = torch.randn(x.shape[0], cfg["too_long"]["length"], *x.shape[2:])
-        opt.zero_grad()
-        target = {} if cfg.get("no_target") and stage.is_last and t == 1 else {"target": y}
-        out = schedule.step(x, losses=losses, **target)
-        if inference:
-            outputs.append(out)
-        else:
-            opt.step()
-        print(f"rank {rank} step {t}", flush=True)
-    result = {
-        "params": {k: v.detach().clone() for k, v in stage.submod.named_parameters()},
-        "losses": [float(v) for v in losses],
-        "outputs": outputs,
-        "stats": stage.send_stats,
-        "explain": stage.explain(),
-        "trace": stage.trace,
-        "placed": stage.placement.placed,
-        "second_outputs": second_outputs,
-    }
-    torch.save(result, os.path.join(cfg["out"], f"rank{rank}.pt"))
-    stage.close()
-    if second is not None:
-        second.close()
+    try:  # closed on the way out of a failed step too, as `with`/finally code does
+        for t in range(cfg.get("steps", 3)):
+            x, y = make_batch(name, seed, t, batch)
+            if cfg.get("bad_input") and rank == 0 and t == 1:
+                x = x.double() if cfg["bad_input"] == "dtype" else x[:, :-1]
+            if cfg.get("too_long", {}).get("step") == t and rank == 0:
+                x = torch.randn(x.shape[0], cfg["too_long"]["length"], *x.shape[2:])
+            opt.zero_grad()
+            target = {} if cfg.get("no_target") and stage.is_last and t == 1 else {"target": y}
+            out = schedule.step(x, losses=losses, **target)
+            if inference:
+                outputs.append(out)
+            else:
+                opt.step()
+            print(f"rank {rank} step {t}", flush=True)
+        result = {
+            "params": {k: v.detach().clone() for k, v in stage.submod.named_parameters()},
+            "losses": [float(v) for v in losses],
+            "outputs": outputs,
+            "stats": stage.send_stats,
+            "explain": stage.explain(),
+            "trace": stage.trace,
+            "placed": stage.placement.placed,
+            "second_outputs": second_outputs,
+        }
+        torch.save(result, os.path.join(cfg["out"], f"rank{rank}.pt"))
+    finally:
+        stage.close()
+        if second is not None:
+            second.close()
     return 0
 
 
