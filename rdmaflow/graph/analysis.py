@@ -120,14 +120,18 @@ def _shape_list(val) -> list:
     return [d if isinstance(d, int) else str(d) for d in val.shape]
 
 
-def dim_ranges(val) -> list[list]:
-    """[min, max] of each dimension of a FakeTensor (max None: no declared maximum)."""
+def dim_ranges(val, declared: dict | None = None) -> list[list]:
+    """[min, max] of each dimension of a FakeTensor (max None: no declared maximum).
+
+    ``declared``: the exported program's ``range_constraints``, which hold a model input's
+    ``Dim`` as the user declared it; the tracer's own ranges start at 2 (it specializes sizes 0
+    and 1), so a ``Dim(min=1)`` would read as 2 there."""
     out = []
     for d in val.shape:
         if isinstance(d, int):
             out.append([d, d])
             continue
-        r = d.node.shape_env.bound_sympy(d.node.expr)
+        r = (declared or {}).get(d.node.expr) or d.node.shape_env.bound_sympy(d.node.expr)
         lo = int(r.lower) if r.lower not in (-int_oo, -sympy.oo) and r.lower.is_finite else 0
         out.append([max(lo, 0), None if r.upper in (int_oo, sympy.oo) else int(r.upper)])
     return out
@@ -254,7 +258,7 @@ class Plan:
     """What every rank agrees on before execution: edges, classes, mechanisms, arena sizes."""
 
     def __init__(self, stages: list[StageGraph], outputs: list[Ref], inputs: list, n_microbatches: int,
-                 training: bool, zero_copy: bool, schedule: str):
+                 training: bool, zero_copy: bool, schedule: str, declared: dict | None = None):
         if schedule not in SCHEDULES:
             raise InvalidArgumentError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if not isinstance(training, bool) or not isinstance(zero_copy, bool):
@@ -265,7 +269,7 @@ class Plan:
         self.zero_copy = zero_copy
         self.schedule = schedule
         self.inputs = [(_shape_list(n.meta["val"]), _dtype_name(n.meta["val"].dtype)) for n in inputs]
-        self.input_ranges = [dim_ranges(n.meta["val"]) for n in inputs]
+        self.input_ranges = [dim_ranges(n.meta["val"], declared) for n in inputs]
         self.input_vals = [n.meta["val"] for n in inputs]
         self.edges: list[Edge] = []
         self._stage_summary = [self._summarize(st) for st in stages]

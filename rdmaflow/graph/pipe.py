@@ -29,7 +29,8 @@ class Pipe:
     def plan(self, n_microbatches: int, training: bool = True, zero_copy: bool = True,
              schedule: str = "gpipe") -> Plan:
         """The RDMA-aware analysis for ``n_microbatches`` microbatches in flight."""
-        return Plan(self.stages, self.outputs, self.inputs, n_microbatches, training, zero_copy, schedule)
+        return Plan(self.stages, self.outputs, self.inputs, n_microbatches, training, zero_copy, schedule,
+                    self.exported.range_constraints)
 
     def build_stage(self, stage_index: int | None = None, *, zero_copy: bool | str = True,
                     timeout: float | None = None, trace: bool = False):
