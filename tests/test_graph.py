@@ -262,6 +262,21 @@ def test_uncapturable_model_names_the_op():
     assert "item" in msg and "test_graph.py" in msg, msg
 
 
+class FixedView(Seq):
+    """Reshapes to a fixed batch of 4: a Dim on the batch is specialized away."""
+
+    def forward(self, x):
+        return self.b(self.a(x)).view(4, 2, 2)
+
+
+def test_a_capture_error_keeps_what_torch_export_explained():
+    """torch.export's first line says only "Constraints violated"; the lines after it say which
+    Dim was specialized and the fix (they were cut off)."""
+    with pytest.raises(graph.CaptureError, match=r"(?s)Constraints violated \(b\)!.*\n\s+- You marked b as dynamic but "
+                                                 r"your code specialized it to be a constant \(4\).*\n\s+b = 4"):
+        graph.pipeline(FixedView(), (torch.randn(MB, 8),), dynamic_shapes=({0: Dim("b", max=64)},))
+
+
 class Heads(torch.nn.Module):
     """Stage 1 reshapes by the sequence length, a size read off the model input in stage 0."""
 

@@ -132,11 +132,25 @@ def export(model: torch.nn.Module, mb_args: tuple, split_spec: dict | None = Non
     except CaptureError:
         raise
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         op = f"op {_op_name(mode.failed)}" if mode.failed is not None else "the model"
         raise CaptureError(
-            f"torch.export cannot capture the model: {op}{_user_frame(e)} failed: {type(e).__name__}: {first}"
+            f"torch.export cannot capture the model: {op}{_user_frame(e)} failed: {type(e).__name__}: {_said(e)}"
         ) from e
+
+
+def _said(e: Exception, lines: int = 8) -> str:
+    """What torch.export said: its first line, then the detail that follows it (which Dim was
+    specialized, and the fix it suggests), without its closing boilerplate."""
+    said = []
+    for line in str(e).strip().splitlines():
+        if line.startswith("The error above occurred when calling torch.export.export"):
+            break
+        if line.strip():
+            said.append(line.rstrip())
+    if not said:
+        return type(e).__name__
+    more = said[1:lines]
+    return "\n".join(said[:1] + ["  " + line for line in more] + (["  ..."] if len(said) > lines else []))
 
 
 def _check_arguments(model, mb_args: tuple, mb_kwargs, split_spec, dynamic_shapes) -> None:

@@ -22,6 +22,8 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
     slow_start     seconds stage 0 sleeps before its first step (others wait on receives)
     too_long       {"step": t, "length": n}: rank 0's batch of step t has sequence length n
     no_target      the last rank calls step() of step 1 without its target=
+    rank_steps     {rank: n}: that rank runs n steps, not steps
+    timeout        the stages' own waits, in seconds (else the test's $RDMAFLOW_GRAPH_TIMEOUT)
     second_pipeline  every rank also builds a forward-only pipeline of a fresh copy of the model
                    while the first one lives, runs batch 0 through it before training, and
                    closes it last (rank{r}.pt's "second_outputs": the last stage's output)
@@ -161,7 +163,8 @@ def main() -> int:
     model = make_model(name, seed)
     x0, _ = make_batch(name, seed, 0, batch)
     pipe = graph.pipeline(model, (x0[: batch // M],), split_spec=split, dynamic_shapes=dynamic_shapes(name))
-    stage = pipe.build_stage(zero_copy=cfg.get("zero_copy", True), trace=cfg.get("trace", False))
+    stage = pipe.build_stage(zero_copy=cfg.get("zero_copy", True), trace=cfg.get("trace", False),
+                             timeout=cfg.get("timeout"))
     sched_cls = graph.Schedule1F1B if cfg.get("schedule") == "1f1b" else graph.ScheduleGPipe
     inference = cfg.get("inference", False)
     schedule = sched_cls(stage, M, loss_fn=None if inference else loss_fn)
@@ -188,7 +191,7 @@ def main() -> int:
         time.sleep(cfg["slow_start"])
     losses, outputs = [], []
     try:  # closed on the way out of a failed step too, as `with`/finally code does
-        for t in range(cfg.get("steps", 3)):
+        for t in range(cfg.get("rank_steps", {}).get(str(rank), cfg.get("steps", 3))):
             x, y = make_batch(name, seed, t, batch)
             if cfg.get("bad_input") and rank == 0 and t == 1:
                 x = x.double() if cfg["bad_input"] == "dtype" else x[:, :-1]
