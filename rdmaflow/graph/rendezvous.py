@@ -83,6 +83,16 @@ class Rendezvous:
         self.store.set(f"{self.prefix}{name}/{self.rank}", "1")
         self.store.wait([f"{self.prefix}{name}/{r}" for r in range(self.world_size)])
 
+    def closing(self, steps: int) -> None:
+        """Says this rank is done after ``steps`` steps, then waits for every rank to be."""
+        self.store.set(f"{self.prefix}closing/{self.rank}", str(steps))
+        self.store.wait([f"{self.prefix}closing/{r}" for r in range(self.world_size)])
+
+    def closed(self) -> dict[int, int]:
+        """{rank: steps} of the other ranks that are done (``closing``); never waits long."""
+        keys = {r: f"{self.prefix}closing/{r}" for r in range(self.world_size) if r != self.rank}
+        return {r: int(self.store.get(k)) for r, k in keys.items() if self.store.check(k)}
+
     def abort(self, reason: str) -> str | None:
         """Records ``reason`` unless one is on record; returns the one on record (None: the
         store is gone)."""

@@ -9,6 +9,7 @@ polling-async executor.
 """
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from rdmaflow.transfer import (
 # Placement.settle); "always": every site that can be placed is; False: copy mode.
 ZERO_COPY = (True, False, "auto", "always")
 
+CLOSED_CHECK = 0.5  # seconds between looks (while waiting) for a stage that closed early
 TIMEOUT_ENV = "RDMAFLOW_GRAPH_TIMEOUT"
 DEFAULT_TIMEOUT = 60.0
 
@@ -154,6 +156,7 @@ class PipelineStage:
         self.receivers: dict[int, object] = {}
         self.stats: dict[int, EdgeStats] = {}
         self.steps = 0
+        self._next_closed_check = 0.0
         self.closed = False
         self._learned: set[str] = set()
 
@@ -275,9 +278,20 @@ class PipelineStage:
         return None
 
     def _check_abort(self) -> None:
+        """Raises if the job was aborted, or if another stage closed without running this step
+        (ranks that run different numbers of steps: this one would wait out its timeout)."""
         reason = self.rdv.aborted()
         if reason:
             raise rdmaflow.PeerError(self._aborted(reason))
+        now = time.monotonic()
+        if now < self._next_closed_check:  # the executor calls this as often as every 200 us
+            return
+        self._next_closed_check = now + CLOSED_CHECK
+        for r, steps in self.rdv.closed().items():
+            if steps <= self.steps:
+                raise rdmaflow.PeerError(
+                    f"stage {self.stage_index}: stage {r} (rank {r}) closed after {steps} steps while this stage "
+                    f"runs step {self.steps + 1}: every stage must run the same number of steps")
 
     def _aborted(self, reason: str) -> str:
         return f"stage {self.stage_index}: the job was aborted: {reason}"
@@ -479,10 +493,10 @@ class PipelineStage:
         Raises nothing; a RuntimeWarning says when the others did not all close in time."""
         if self.plan is not None and self.device is not None and not self.rdv.aborted():
             try:
-                self.rdv.barrier("closing")
+                self.rdv.closing(self.steps)
             except rdmaflow.RdmaflowError as e:  # close() raises nothing: it says so
                 warnings.warn(f"stage {self.stage_index} closes after {self.steps} steps without every stage of "
-                              f"the job closing (did another run more steps?): {e}", RuntimeWarning, stacklevel=2)
+                              f"the job closing: {e}", RuntimeWarning, stacklevel=2)
         for x in list(self.senders.values()) + list(self.receivers.values()):
             try:
                 x.close()

@@ -23,7 +23,6 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
     too_long       {"step": t, "length": n}: rank 0's batch of step t has sequence length n
     no_target      the last rank calls step() of step 1 without its target=
     rank_steps     {rank: n}: that rank runs n steps, not steps
-    timeout        the stages' own waits, in seconds (else the test's $RDMAFLOW_GRAPH_TIMEOUT)
     second_pipeline  every rank also builds a forward-only pipeline of a fresh copy of the model
                    while the first one lives, runs batch 0 through it before training, and
                    closes it last (rank{r}.pt's "second_outputs": the last stage's output)
@@ -163,8 +162,7 @@ def main() -> int:
     model = make_model(name, seed)
     x0, _ = make_batch(name, seed, 0, batch)
     pipe = graph.pipeline(model, (x0[: batch // M],), split_spec=split, dynamic_shapes=dynamic_shapes(name))
-    stage = pipe.build_stage(zero_copy=cfg.get("zero_copy", True), trace=cfg.get("trace", False),
-                             timeout=cfg.get("timeout"))
+    stage = pipe.build_stage(zero_copy=cfg.get("zero_copy", True), trace=cfg.get("trace", False))
     sched_cls = graph.Schedule1F1B if cfg.get("schedule") == "1f1b" else graph.ScheduleGPipe
     inference = cfg.get("inference", False)
     schedule = sched_cls(stage, M, loss_fn=None if inference else loss_fn)
