@@ -383,6 +383,15 @@ def test_uneven_microbatches_give_the_whole_batchs_gradient(one_rank, rows):
             torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
 
 
+def test_a_batch_the_microbatches_do_not_take_says_so(one_rank):
+    """Without a Dim on the batch, each microbatch has the rows pipeline() captured: a batch of
+    another size is refused naming the rows (it said only that microbatch 0 had the wrong shape)."""
+    said = r"input 0 has 10 rows: 4 microbatches of the 4 rows pipeline\(\) captured take 16 \(a Dim on dimension 0"
+    with graph.pipeline(Seq(), (torch.randn(MB, 8),)).build_stage(timeout=10) as stage, \
+            pytest.raises(rdmaflow.InvalidArgumentError, match=said):
+        graph.ScheduleGPipe(stage, 4).step(torch.randn(10, 8))
+
+
 def test_inference_of_one_stage_returning_its_input_and_a_scalar(one_rank):
     """A one-stage model that returns its own input returns it (no edge from stage 0 to itself,
     on which nothing would ever be sent: that waited out the timeout); a scalar output comes

@@ -334,6 +334,11 @@ class PipelineStage:
         per_input = [self._split(a, f"input {i}") for i, a in enumerate(flat)]
         for i, chunks in enumerate(per_input):
             shape, dtype = plan.inputs[i]
+            rows, M = flat[i].shape[0], plan.n_microbatches
+            if shape and isinstance(shape[0], int) and rows != M * shape[0]:
+                raise rdmaflow.InvalidArgumentError(
+                    f"input {i} has {rows} rows: {M} microbatches of the {shape[0]} rows pipeline() captured take "
+                    f"{M * shape[0]} (a Dim on dimension 0 in pipeline()'s dynamic_shapes takes other batch sizes)")
             for m, c in enumerate(chunks):
                 _check_input(c, f"microbatch {m} of input {i}", shape, plan.input_ranges[i], dtype)
         return [[chunks[m] for chunks in per_input] for m in range(plan.n_microbatches)]
