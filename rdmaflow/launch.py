@@ -43,7 +43,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "rdmaflow launch then supervises the processes itself instead of torchrun)")
     p.add_argument("--resume", action="store_true",
                    help="restart from the latest checkpoint (sets RDMAFLOW_RESUME=1 for the job)")
-    p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands that would run the job (the variables it sets, then torchrun or, with "
+                        "--min-workers, each process) and exit")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the training script")
     return p
@@ -58,7 +60,8 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
         raise SystemExit(f"rdmaflow launch: --master-addr {ns.master_addr!r} --master-port {ns.master_port}: "
                          "an address and a port in [1, 65535]")
     if not os.path.isfile(ns.script):
-        raise SystemExit(f"rdmaflow launch: the script {ns.script} does not exist")
+        what = "is a directory, not a script" if os.path.isdir(ns.script) else "does not exist"
+        raise SystemExit(f"rdmaflow launch: the script {ns.script} {what}")
     env = dict(os.environ)
     if not env.get("RDMAFLOW_JOB_SECRET"):
         if ns.nnodes > 1:
@@ -80,6 +83,36 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
     return argv, env
 
 
+def supervised_env(ns: argparse.Namespace, lr: int) -> dict:
+    """What torchrun would set for local rank ``lr`` of this node."""
+    local = ns.nproc_per_node + ns.shards_per_node
+    return {"RANK": str(ns.node_rank * local + lr), "LOCAL_RANK": str(lr), "WORLD_SIZE": str(ns.nnodes * local),
+            "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(ns.node_rank), "MASTER_ADDR": ns.master_addr,
+            "MASTER_PORT": str(ns.master_port)}
+
+
+def supervised_argv(ns: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-u", ns.script, *ns.args]
+
+
+def dry_run(ns: argparse.Namespace, argv: list[str], env: dict) -> str:
+    """The shell commands that run the job as ``run`` would: the variables the launcher sets
+    (a secret it would make is made by the shell), then torchrun, or with --min-workers each
+    process it supervises."""
+    set_here = {k: v for k, v in env.items() if k.startswith("RDMAFLOW_") and os.environ.get(k) != v}
+    assigns = [shlex.join([f"{k}={v}"]) for k, v in sorted(set_here.items()) if k != "RDMAFLOW_JOB_SECRET"]
+    if "RDMAFLOW_JOB_SECRET" in set_here:
+        assigns.insert(0, "RDMAFLOW_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(16))')")
+    lines = [f"export {' '.join(assigns)}"] if assigns else []
+    if ns.min_workers is None:
+        return "\n".join(lines + [shlex.join(argv)])
+    lines.append("# --min-workers: rdmaflow launch runs and supervises these processes itself (no torchrun)")
+    for lr in range(ns.nproc_per_node + ns.shards_per_node):
+        per = " ".join(f"{k}={shlex.quote(v)}" for k, v in supervised_env(ns, lr).items())
+        lines.append(f"{per} {shlex.join(supervised_argv(ns))} &")
+    return "\n".join(lines + ["wait"])
+
+
 def supervise(ns: argparse.Namespace, env: dict) -> int:
     """Runs this node's processes; a dead worker is reported and the rest go on."""
     spn, local = ns.shards_per_node, ns.nproc_per_node + ns.shards_per_node
@@ -87,7 +120,9 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
     def on_term(signum, frame):
         raise KeyboardInterrupt  # stop the job's processes as on Ctrl-C
 
-    signal.signal(signal.SIGTERM, on_term)
+    # SIGHUP too: UCX's debug handler (UCX_DEBUG_SIGNO) took it, and the job ran on.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_term)
     procs = []
 
     def stop_all(sig=signal.SIGTERM):
@@ -101,10 +136,7 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
     status = 0
     try:  # from the first start on: a signal while starting stops the ones already started
         for lr in range(local):
-            penv = dict(env, RANK=str(ns.node_rank * local + lr), LOCAL_RANK=str(lr),
-                        WORLD_SIZE=str(ns.nnodes * local), LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(ns.node_rank),
-                        MASTER_ADDR=ns.master_addr, MASTER_PORT=str(ns.master_port))
-            procs.append(subprocess.Popen([sys.executable, "-u", ns.script, *ns.args], env=penv,
+            procs.append(subprocess.Popen(supervised_argv(ns), env=dict(env, **supervised_env(ns, lr)),
                                           start_new_session=True))
         while any(p.poll() is None for p in procs):
             for lr, p in enumerate(procs):
@@ -173,7 +205,7 @@ def run_torchrun(argv: list[str], env: dict) -> int:
 def run(ns: argparse.Namespace) -> int:
     argv, env = command(ns)
     if ns.dry_run:
-        print(shlex.join(argv))
+        print(dry_run(ns, argv, env))
         return 0
     if ns.min_workers is not None:
         return supervise(ns, env)

@@ -242,13 +242,45 @@ def test_launch_refuses_an_impossible_job_at_once(tmp_path):
     for argv, said in [(["--min-workers", "1", "--node-rank", "-1", str(script)], "--node-rank -1 is not in"),
                        (["--master-port", "99999", str(script)], "a port in [1, 65535]"),
                        (["--master-addr", "", str(script)], "an address and a port"),
-                       ([str(tmp_path / "missing.py")], "missing.py does not exist")]:
+                       ([str(tmp_path / "missing.py")], "missing.py does not exist"),
+                       ([str(tmp_path)], f"{tmp_path} is a directory, not a script")]:
         with pytest.raises(SystemExit, match=re.escape(said)):
             launch.command(launch.build_parser().parse_args(argv))
 
 
+@pytest.mark.parametrize("extra", [[], ["--min-workers", "1"]])
+def test_a_dry_run_prints_commands_that_run_the_same_job(tmp_path, extra):
+    """What --dry-run prints, run by a shell, starts the processes the launcher starts, with the
+    same job variables (it printed torchrun's line alone: no shards per node, no resume, no
+    secret, and torchrun even where --min-workers does without it)."""
+    from rdmaflow.bench.processes import free_port
+
+    script = tmp_path / "env.py"
+    script.write_text("import json, os, pathlib, sys\n"
+                      "keep = {k: v for k, v in os.environ.items() if k.startswith('RDMAFLOW_') or k in "
+                      "('RANK', 'WORLD_SIZE', 'LOCAL_RANK')}\n"
+                      "pathlib.Path(sys.argv[1], os.environ['RANK'] + '.json').write_text(json.dumps(keep))\n")
+    seen = {}
+    for how in ("launcher", "dry-run"):
+        out = tmp_path / how
+        out.mkdir()
+        args = [sys.executable, "-m", "rdmaflow", "launch", "--shards-per-node", "2", "--resume",
+                "--master-port", str(free_port()), *extra, str(script), str(out)]
+        if how == "dry-run":
+            printed = subprocess.run([*args[:4], "--dry-run", *args[4:]], cwd=ROOT, capture_output=True, text=True,
+                                     timeout=60, check=True).stdout
+            args = ["bash", "-c", printed]
+        subprocess.run(args, cwd=ROOT, capture_output=True, timeout=120, check=True)
+        envs = [json.loads((out / f"{r}.json").read_text()) for r in range(3)]
+        assert len({e.pop("RDMAFLOW_JOB_SECRET") for e in envs}) == 1, envs  # one secret, made per job
+        seen[how] = envs
+    assert seen["dry-run"] == seen["launcher"]
+    assert seen["launcher"][0]["RDMAFLOW_SHARDS_PER_NODE"] == "2" and seen["launcher"][0]["RDMAFLOW_RESUME"] == "1"
+
+
 @pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, []), (signal.SIGINT, []),
-                                        (signal.SIGTERM, ["--min-workers", "1"])])
+                                        (signal.SIGTERM, ["--min-workers", "1"]),
+                                        (signal.SIGHUP, ["--min-workers", "1"])])
 def test_a_signal_to_the_launcher_stops_every_process_of_the_job(tmp_path, sig, extra):
     """A scheduler stops a job by signalling the launcher's pid, not its process group. The
     launcher passes the signal on (to torchrun, or to each process it supervises) and exits
