@@ -630,6 +630,12 @@ def test_batched_request_is_checked_and_cut_by_shard():
     assert parts == {1: [0, 2], 0: [1]}, "keys 11 and 1 on shard 1, key 2 on shard 0"
     assert req.element_positions(torch.tensor([1])).tolist() == [1, 2], "key 2's two elements"
     assert req.element_positions(torch.tensor([0, 2])).tolist() == [0, 3]
+    # Keys in any collection, as the declaration takes them (a range was read as one key)
+    import numpy as np
+    for coll in (range(2), np.array([0, 1]), (k for k in [0, 1])):
+        listed = Request(spec, coll, [torch.ones(()), torch.ones(())], "push")
+        assert not listed.single and listed.keys.tolist() == [0, 1]
+    assert Request(spec, np.int64(3), torch.ones(()), "push").single
     single = Request(spec, torch.tensor([10]), torch.ones(3), "push")
     assert [(s, p) for s, p in single.by_shard()] == [(0, None)], "one shard: the whole request"
     # Stored values are packed per shard in key order: shard 0 holds 0, 2, 10 (1 + 2 + 3 elements).

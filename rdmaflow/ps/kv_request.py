@@ -1,12 +1,14 @@
 """One push or pull of the key-value API as the worker checks it and cuts it by shard, before
 any byte moves. Two forms:
 
-- per key: ``keys`` a list (or one key) and one tensor per key, of the key's declared shape;
+- per key: ``keys`` a list or any collection (or one key) and one tensor per key, of the key's declared shape;
 - batched: ``keys`` a 1-D integer tensor and one flat tensor holding the keys' values
   concatenated in that order (ps-lite's ``keys``/``vals`` arrays); a pull then returns one
   flat tensor. Checking it costs a few tensor operations whatever the number of keys.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -36,7 +38,9 @@ class Request:
         else:
             if isinstance(keys, torch.Tensor) and keys.dim() == 1:
                 keys = keys.tolist()
-            self.single = not isinstance(keys, (list, tuple))
+            # One key, or any collection of them (a range, a numpy array), as the declaration takes
+            self.single = isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable) or (
+                getattr(keys, "ndim", 1) == 0)
             keys = [keys] if self.single else list(keys)
             self.keys = torch.tensor([key_of(k) for k in keys], dtype=torch.int64)
         self.j = self._index()
