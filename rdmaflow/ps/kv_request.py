@@ -1,7 +1,8 @@
 """One push or pull of the key-value API as the worker checks it and cuts it by shard, before
 any byte moves. Two forms:
 
-- per key: ``keys`` a list or any collection (or one key) and one tensor per key, of the key's declared shape;
+- per key: ``keys`` a list or any collection (or one key) and one tensor per key, of the key's
+  declared shape;
 - batched: ``keys`` a 1-D integer tensor and one flat tensor holding the keys' values
   concatenated in that order (ps-lite's ``keys``/``vals`` arrays); a pull then returns one
   flat tensor. Checking it costs a few tensor operations whatever the number of keys.
