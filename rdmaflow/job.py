@@ -37,6 +37,7 @@ from rdmaflow.errors import InvalidArgumentError, PeerError, TimeoutError
 
 POLL = 0.02  # seconds between looks at keys not yet set
 LINGER = 15.0  # at most this long the serving process outlives the others at exit
+PART_BYTES = 4 << 20  # set_large's parts: half of what torch's TCPStore takes in one message
 # (store address, namespace, rank) that this process counted out of / waited for: once each,
 # however many JobStores it holds (a pipeline's stages, a parameter-server context).
 _counted_out: set[tuple[str, str, int]] = set()
@@ -121,6 +122,20 @@ class JobStore:
 
     def set(self, key: str, value: str) -> None:
         self._do("set", self.tcp.set, self.ns + key, value)
+
+    def set_large(self, key: str, value: str) -> None:
+        """``set`` for a value of any size: torch's TCPStore drops a message over 8 MiB (and the
+        connection with it), so the value goes in parts, then their count under ``key``."""
+        data = value.encode()
+        parts = [data[i : i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
+        for i, part in enumerate(parts):
+            self._do("set", self.tcp.set, f"{self.ns}{key}/{i}", part)
+        self.set(key, str(len(parts)))
+
+    def get_large(self, key: str, timeout: float | None = None) -> str:
+        """A value ``set_large`` stored, once it is set (``wait``)."""
+        n = int(self.get(key, timeout))
+        return b"".join(self._do("get", self.tcp.get, f"{self.ns}{key}/{i}") for i in range(n)).decode()
 
     def check(self, key: str) -> bool:
         """Whether ``key`` is set; never waits."""

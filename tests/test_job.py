@@ -90,6 +90,18 @@ def test_fail_with_records_the_first_failure_and_the_dead_process(store_env):
     assert host.check("dead/shard/1") and host._gone() == 1
 
 
+def test_a_value_larger_than_a_store_message_goes_in_parts(store_env):
+    """A key-value declaration of a million keys is about 15 MB of JSON: torch's TCPStore drops
+    a message over 8 MiB, and the connection with it (every process then waited out its setup
+    timeout)."""
+    host, other = stores(2)
+    value = "".join(chr(ord("a") + i % 26) for i in range(20 << 20))
+    other.set_large("spec", value)
+    assert host.get_large("spec") == value
+    other.set_large("empty", "")
+    assert host.get_large("empty") == ""
+
+
 def test_namespaces_keep_the_layers_keys_apart(store_env):
     """The parameter server and the pipeline share the job's store, each under its own keys,
     also in one process of the serving rank."""

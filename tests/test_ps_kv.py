@@ -314,6 +314,103 @@ except _core.RdmaflowError as e:
     sys.exit(3)
 """
 
+# 2 workers x 2 shards (key 0 on shard 0, key 1 on shard 1), every wait bounded at 1 s. Shard 1
+# takes 3 s over worker 0's first push: its next push times out waiting for shard 1's ack, and
+# must have sent shard 0 nothing (it had: a retry added key 0's part twice). Then worker 0's
+# barriers time out while worker 1 sleeps: each retry must wait for the same barrier (it entered
+# a new one, and was ahead of worker 1 from then on).
+TIMEOUTS = COMMON + """
+def handler(key, stored, pushed):
+    if key == 1 and float(pushed[0]) == 7.0:
+        time.sleep(3)
+    stored.add_(pushed)
+
+ctx = ps.init(kv_handler=handler)
+w = ctx.role.index
+kv = ps.KVStore([0, 1], [(2,), (2,)], timeout=1.0)
+res = {"worker": w}
+if w == 0:
+    kv.push([0, 1], [torch.full((2,), 7.0), torch.full((2,), 7.0)])
+    try:
+        kv.push([0, 1], [torch.ones(2), torch.ones(2)])
+        res["push_timed_out"] = False
+    except _core.TimeoutError:
+        res["push_timed_out"] = True
+    time.sleep(3)
+    kv.wait(kv.push([0, 1], [torch.ones(2), torch.ones(2)]), timeout=30)  # the retry
+    res["barrier_timeouts"] = 0
+    while True:
+        try:
+            kv.barrier(timeout=1.0)
+            break
+        except _core.TimeoutError:
+            res["barrier_timeouts"] += 1
+    kv.wait(kv.push(0, torch.full((2,), 100.0)), timeout=30)  # between the barriers
+    kv.barrier(timeout=30)
+else:
+    time.sleep(9)
+    kv.barrier(timeout=30)
+    kv.barrier(timeout=30)
+res["values"] = [t.tolist() for t in kv.wait(kv.pull([0, 1]), timeout=30)]
+kv.barrier(timeout=30)
+kv.close()
+report(**res)
+"""
+
+# 2 workers x 2 shards; the test kills shard 1 while worker 0 waits in a barrier (shard 0 relays
+# it) and worker 1 pulls from shard 0 only.
+SHARD_DIES_IN_BARRIER = COMMON + """
+ctx = ps.init()
+w = ctx.role.index
+kv = ps.KVStore([0, 1], [(2,), (2,)])
+print("READY", flush=True)
+try:
+    if w == 0:
+        kv.barrier()
+    else:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            kv.wait(kv.pull(0))
+            time.sleep(0.01)
+    report(error=None)
+except _core.RdmaflowError as e:
+    report(error=f"{type(e).__name__}: {e}")
+    sys.exit(3)
+"""
+
+# 2 workers x 1 shard: worker 0 makes a KVStore, worker 1 a DistributedOptimizer.
+MIXED_API = COMMON + """
+ctx = ps.init()
+w = ctx.role.index
+try:
+    if w == 0:
+        ps.KVStore([0], [(2,)]).close()
+    else:
+        model = torch.nn.Linear(2, 1)
+        ps.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    report(error=None)
+except _core.RdmaflowError as e:
+    report(error=f"{type(e).__name__}: {e}")
+    sys.exit(3)
+"""
+
+# 2 workers x 1 shard; the test kills worker 1 once both are ready.
+WORKER_DIES = COMMON + """
+ctx = ps.init()
+w = ctx.role.index
+kv = ps.KVStore([0], [(2,)])
+print("READY", flush=True)
+try:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60:
+        kv.wait(kv.pull(0))
+        time.sleep(0.01)
+    report(error=None)
+except _core.RdmaflowError as e:
+    report(error=f"{type(e).__name__}: {e}")
+    sys.exit(3)
+"""
+
 JOBS = {
     # name: (script, workers, shards, UCX transport: tcp puts are applied by the target's
     # progress thread, sm ones by the sender's kernel call; whether rank 0 serves the store)
@@ -325,6 +422,10 @@ JOBS = {
     "batched": (BATCHED, 3, 2, "sm", False),
     "ordered": (ORDERED, 2, 2, "tcp", False),
     "shard_dies_all": (SHARD_DIES_ALL, 2, 2, "sm", False),
+    "timeouts": (TIMEOUTS, 2, 2, "tcp", False),
+    "shard_dies_in_barrier": (SHARD_DIES_IN_BARRIER, 2, 2, "sm", False),
+    "mixed_api": (MIXED_API, 2, 1, "tcp", False),
+    "worker_dies": (WORKER_DIES, 2, 1, "tcp", False),
 }
 
 
@@ -549,6 +650,45 @@ def test_dead_shard_fails_the_worker_wait(jobs):
     assert job.procs[2].returncode == 3
     assert job.procs[0].returncode == 1, "shard 0 should have been told the job failed"
     assert "the job was aborted: shard 1 at" in job.output(0)
+
+
+def test_a_push_that_times_out_sends_nothing_and_a_barrier_that_times_out_is_waited_again(jobs):
+    w0, w1 = sorted(finished_ok(jobs("timeouts")), key=lambda r: r["worker"])
+    assert w0["push_timed_out"], w0
+    assert w0["barrier_timeouts"] >= 1, w0
+    # key 0: 7, the retried push once, then 100 (seen by worker 1 after the second barrier); key 1: 7 + 1
+    for r in (w0, w1):
+        assert r["values"] == [[108.0, 108.0], [8.0, 8.0]], r
+
+
+def test_a_shard_that_dies_during_a_barrier_is_named(jobs):
+    """Shard 0 relays the barrier; shard 1's death is seen by the worker waiting in it (it waited
+    out its step timeout, and said only that), and the job is aborted for the other worker."""
+    job = jobs("shard_dies_in_barrier", wait=False)
+    kill_shard_1_when_ready(jobs, job, [2, 3])
+    w0, w1 = job.results()
+    assert w0["error"].startswith("PeerError: shard 1 at ") and "barrier" in w0["error"], w0
+    assert "shard 1" in w1["error"], w1
+
+
+def test_workers_of_one_job_must_use_one_api(jobs):
+    job = jobs("mixed_api")
+    (_, w1) = [r["error"] for r in job.results()]
+    assert w1 == ("WorkerFailure: worker 1 made a DistributedOptimizer, but worker 0 runs a KVStore job: every "
+                  "worker of a job must use the same API"), job.output()
+
+
+def test_a_shard_declares_a_worker_it_finds_dead(jobs):
+    """So that the process serving the store does not wait at exit (15 s) for the dead one."""
+    job = jobs("worker_dies", wait=False)
+    while "READY" not in job.logs[1].read_text() or "READY" not in job.logs[2].read_text():
+        assert all(p.poll() is None for p in job.procs), job.output()
+        assert time.monotonic() < jobs.deadline, job.output()
+        time.sleep(0.1)
+    job.kill([2])
+    job.wait(jobs.deadline)
+    assert "worker 1 at" in job.output(0) and "died" in job.output(0), job.output()
+    assert job.store.check(["rdmaflow/ps/dead/worker/1"]), job.output()
 
 
 # -- in this process: the declaration -------------------------------------------------------------

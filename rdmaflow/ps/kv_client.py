@@ -120,13 +120,13 @@ class KVStore:
         store, role = self.store, self.role
         store.set(f"ep/worker/{self.id}", self.dev.endpoint)
         if self.id == 0:
-            store.set("kv/spec", dumps(dict(decl, init=init is not None)))
+            store.set_large("kv/spec", dumps(dict(decl, init=init is not None)))  # ~15 bytes a key
             store.set("config", dumps({"kind": "kv"}))
         cfg = json.loads(store.get("config"))
         if cfg.get("kind") != "kv":
             raise WorkerFailure(f"worker {self.id} made a KVStore, but worker 0 runs a DistributedOptimizer job: "
                                 "every worker of a job must use the same API")
-        job = json.loads(store.get("kv/spec"))
+        job = json.loads(store.get_large("kv/spec"))
         job_decl = {"dtype": job["dtype"], "keys": job["keys"]}
         if job_decl != decl:
             raise InvalidArgumentError(
@@ -159,6 +159,7 @@ class KVStore:
         self.push_seq = [0] * ns
         self.pull_seq = [0] * ns
         self.barrier_seq = 0
+        self._in_barrier = False
         self._pending: list[_PullPart | None] = [None] * ns
         self._unflushed: list = []  # futures of push flags not yet known to be visible
         self._held: list = []  # (last flag future of a push, the arena tensors it sends from)
@@ -220,11 +221,16 @@ class KVStore:
             self.store.count_out()
         return reason
 
-    def _wait_word(self, words: torch.Tensor, j: int, value: int, s: int, what: str, deadline: Deadline) -> None:
+    def _wait_word(self, words: torch.Tensor, j: int, value: int, s: int, what: str, deadline: Deadline,
+                   watch=None) -> None:
+        """Waits for shard s to write ``value`` into ``words[j]``; the channels of the shards in
+        ``watch`` (default: s) are checked while waiting."""
         def timed_out():
             raise TimeoutError(f"worker {self.id} waited {deadline.timeout:g} s for {what} (shard {s}) in vain")
 
-        wait_flag(Word(words[j : j + 1]), value, deadline, what, give_up=lambda: self._shard_gave_up(s, what),
+        watched = [s] if watch is None else list(watch)
+        wait_flag(Word(words[j : j + 1]), value, deadline, what,
+                  give_up=lambda: any(self._shard_gave_up(w, what) for w in watched),
                   abort_reason=self._abort_reason, aborted=WorkerFailure, on_timeout=timed_out)
 
     def _wait_futures(self, futs, deadline: Deadline, what: str) -> None:
@@ -262,8 +268,13 @@ class KVStore:
         req = self._request(keys, tensors, "push")
         h = KVHandle("push", req)
         deadline = Deadline(self.timeout)
-        for s, positions in req.by_shard():
-            self._push_to(s, req, positions, h, deadline)
+        parts = list(req.by_shard())
+        # One push request per shard in flight: the staging and the shard's area are free once
+        # acked. Every shard's ack first, so that a push that times out has sent nothing.
+        for s, _ in parts:
+            self._wait_word(self.ack, s, self.push_seq[s], s, f"shard {s}'s acknowledgement of the last push", deadline)
+        for s, positions in parts:
+            self._push_to(s, req, positions, h)
         self.stats["pushes"] += len(req)
         if len(self._unflushed) > 4096:
             self._unflushed = [p for p in self._unflushed if not p[1].done()]
@@ -275,12 +286,11 @@ class KVStore:
             self._held.append((h._futs[-1][1], list(h._keep)))
         return h
 
-    def _push_to(self, s: int, req: Request, positions, h: KVHandle, deadline: Deadline) -> None:
+    def _push_to(self, s: int, req: Request, positions, h: KVHandle) -> None:
         """Stages the part of ``req`` for shard s (header, key indices, values copied in request
-        order; arena tensors last, sent from where they are) and WRITEs it, then its flag."""
+        order; arena tensors last, sent from where they are) and WRITEs it, then its flag. Shard
+        s has acknowledged this worker's last push."""
         spec, L = self.spec, self.layout
-        # One push request per shard in flight: the staging and the shard's area are free once acked.
-        self._wait_word(self.ack, s, self.push_seq[s], s, f"shard {s}'s acknowledgement of the last push", deadline)
         sel = positions if positions is not None else torch.arange(len(req))
         direct: list[tuple[int, int]] = []  # (request position, arena offset) of tensors sent in place
         if req.flat is not None:
@@ -336,9 +346,11 @@ class KVStore:
         deadline = Deadline(self.timeout)
         spec, L = self.spec, self.layout
         h._result = req.flat if req.flat is not None else torch.empty(req.elements, dtype=self.dtype)
-        for s, positions in req.by_shard():
-            if self._pending[s] is not None:  # the landing area is reused: finish the earlier pull first
+        parts = list(req.by_shard())
+        for s, _ in parts:  # landing areas are reused: earlier pulls first, before anything is sent
+            if self._pending[s] is not None:
                 self._complete(self._pending[s], deadline)
+        for s, positions in parts:
             sel = positions if positions is not None else torch.arange(len(req))
             stage = L.pull_stage[s]
             nbytes = self._stage_indices(stage, spec.local_tensor.index_select(0, req.j.index_select(0, sel)))
@@ -413,17 +425,23 @@ class KVStore:
 
     def barrier(self, timeout: float | None = None) -> None:
         """Returns once every live worker entered this barrier; pushes any worker made before
-        it are visible to pulls made after it. One-sided, through shard 0."""
+        it are visible to pulls made after it. One-sided, through shard 0. After a TimeoutError
+        this worker is still in the barrier: the next call waits for that one again."""
         if self._closed:
             raise InvalidArgumentError("barrier: this KVStore is closed")
         deadline = Deadline(self.timeout if timeout is None else timeout)
-        self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
-        self._unflushed = []
-        self.barrier_seq += 1
-        self.barrier_src[0] = self.barrier_seq
-        shard0 = self.spec.shards[0]
-        self._write(0, self.base + self.layout.barrier_src, shard0.word(shard0.barrier, self.id), U64, "barrier")
-        self._wait_word(self.barrier_word, 0, self.barrier_seq, 0, f"barrier {self.barrier_seq}", deadline)
+        if not self._in_barrier:
+            self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
+            self._unflushed = []
+            self.barrier_seq += 1
+            self.barrier_src[0] = self.barrier_seq
+            shard0 = self.spec.shards[0]
+            self._write(0, self.base + self.layout.barrier_src, shard0.word(shard0.barrier, self.id), U64, "barrier")
+            self._in_barrier = True  # entered: a call after a TimeoutError waits for this one again
+        # Shard 0 relays the barrier, but every shard's pushes must reach it: all are watched.
+        self._wait_word(self.barrier_word, 0, self.barrier_seq, 0, f"barrier {self.barrier_seq}", deadline,
+                        watch=range(len(self.shards)))
+        self._in_barrier = False
         self.stats["barriers"] += 1
 
     @property

@@ -67,7 +67,7 @@ class KVShard:
     def setup(self) -> None:
         store, role = self.store, self.role
         store.set(f"ep/shard/{self.id}", self.dev.endpoint)
-        job = json.loads(store.get("kv/spec"))
+        job = json.loads(store.get_large("kv/spec"))
         spec = self.spec = KVLayout({"dtype": job["dtype"], "keys": job["keys"]}, role.num_shards, role.num_workers)
         self.js = spec.shard_keys[self.id]      # i -> j
         self.n, self.nw = len(self.js), role.num_workers
@@ -272,6 +272,8 @@ class KVShard:
                 reason = self.store.abort_reason()  # a worker that gave up says why before it leaves
                 if reason:
                     raise ShardFailure(f"the job was aborted: {reason}")
+                # Declared dead, so that the process serving the store does not wait at exit for it
+                self.store.declare_dead("worker", w)
                 raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.id} lost its connection)")
 
     def serve(self) -> None:

@@ -161,11 +161,14 @@ class Worker:
         if self.id == 0:
             store.set("config", json.dumps(mine))
             store.set("spec", json.dumps(spec))
+        cfg = json.loads(store.get("config"))
+        if cfg.get("kind", "model") != "model":  # worker 0 made a KVStore: it sets no "spec"
+            raise WorkerFailure(f"worker {self.id} made a DistributedOptimizer, but worker 0 runs a KVStore job: "
+                                "every worker of a job must use the same API")
         job_spec = json.loads(store.get("spec"))
         if spec != job_spec:
             raise WorkerFailure(f"worker {self.id}'s model differs from the job's: "
                                 f"{describe_difference(spec_entries(spec), spec_entries(job_spec))}")
-        cfg = json.loads(store.get("config"))
         for k in ("mode", "policy", "overlap", "shard_device"):
             if cfg[k] != mine[k]:
                 raise WorkerFailure(f"worker {self.id} asks for {k}={mine[k]}; the job runs {k}={cfg[k]}")
