@@ -312,6 +312,17 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         np.testing.assert_allclose(flat[:2], -LR * 2.0)  # SGD from zero: -lr x the gradient (2.0)
         with open(f"{m}/vars/bias.weights", "rb") as f:
             np.testing.assert_array_equal(np.frombuffer(f.read(), np.float32), flat[N_OUT * N_IN :])
+        # A forked child (a DataLoader worker) that exits closes its copy of the descriptor: that
+        # pushes nothing (it pushed the parent's half-written step); the parent's fsync does.
+        assert os.pwrite(grad, one, 0) == 8
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0
+        np.testing.assert_array_equal(np.frombuffer(os.pread(weights, size, 0), np.float32), flat)
+        os.fsync(grad)
+        # SGD with momentum: the second step moves by lr x (momentum x 2.0 + 1.0)
+        np.testing.assert_allclose(np.frombuffer(os.pread(weights, 8, 0), np.float32), -LR * (3.0 + MOMENTUM * 2.0))
         # The shard dies: the next push fails with EIO, and so does everything after it.
         j.proc("shard0").kill()
         j.wait(DETECT_TIMEOUT, [j.proc("shard0")])
@@ -445,6 +456,7 @@ def test_declarations_that_cannot_be_built_are_refused_by_name():
     w = {"name": "w", "shape": [2]}
     for doc, said in [({"variables": [w], "optimizer": {"name": 5}}, "optimizer 5 is not a torch.optim class"),
                       ({"variables": [w], "optimizer": {"name": "lr_scheduler"}}, "is not a torch.optim class"),
+                      ({"variables": [w], "optimizer": {"name": "LBFGS"}}, "on its shards; LBFGS is not supported"),
                       ({"variables": [dict(w, dtype=["float32"])]}, r"dtype \['float32'\] is not one of"),
                       ({"variables": [dict(w, shape=[True, 2])]}, "shape must be a list of non-negative integers"),
                       ({"variables": [dict(w, shape=[10**5] * 3)]}, "more than this host's memory"),

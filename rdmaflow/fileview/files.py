@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mfusepy import FuseOSError, Operations
+from mfusepy import FuseOSError, Operations, fuse_get_context
 
 from rdmaflow import RdmaflowError
 from rdmaflow.fileview.flat import FlatModel
@@ -52,6 +52,7 @@ class ModelFiles(Operations):
         self._fh = itertools.count(1)
         self._wrote: dict[int, int] = {}  # file handle -> the step it last wrote into
         self._dsync: set[int] = set()     # file handles opened O_SYNC or O_DSYNC: writes go through
+        self._opener: dict[int, int | None] = {}  # file handle -> the process (thread group) that opened it
         self._t = time.time_ns()
         n = flat.nbytes
         self.nodes = {"/model.json": Node("meta", 0, len(metadata)), "/grad": Node("grad", 0, n),
@@ -103,6 +104,7 @@ class ModelFiles(Operations):
         fh = next(self._fh)
         if flags & os.O_DSYNC:  # O_SYNC includes it
             self._dsync.add(fh)
+        self._opener[fh] = _caller_process()
         return fh
 
     def create(self, path, mode, fi=None):
@@ -114,6 +116,7 @@ class ModelFiles(Operations):
     def release(self, path, fh):
         self._wrote.pop(fh, None)
         self._dsync.discard(fh)
+        self._opener.pop(fh, None)
 
     # -- data --------------------------------------------------------------------------------
     def read_into(self, path, dest: int, size: int, offset: int, fh) -> int:
@@ -162,9 +165,13 @@ class ModelFiles(Operations):
             self._step(path)
 
     def flush(self, path, fh):
-        # Closing a gradient file that wrote into this step pushes it (every close calls flush).
+        # Closing a gradient file that wrote into this step pushes it (every close calls flush),
+        # when the process that opened it closes it: not a forked child (a DataLoader worker)
+        # closing its inherited copy, in the middle of the parent's step.
         if self._node(path).kind == "grad" and self._wrote.get(fh) == self.steps:
-            self._step(path)
+            opener, caller = self._opener.get(fh), _caller_process()
+            if opener is None or caller is None or opener == caller:
+                self._step(path)
 
     def _step(self, path: str) -> None:
         with self.gate.exclusive(self.step_timeout, "a push"):
@@ -180,3 +187,14 @@ class ModelFiles(Operations):
                 self.fail(f"step {self.steps + 1} failed: {e}")
                 raise FuseOSError(errno.EIO) from None
             self.steps += 1
+
+
+def _caller_process() -> int | None:
+    """The process (thread group id) of the thread calling the current FUSE operation; None if
+    unknown. FUSE gives the calling thread's id."""
+    try:
+        tid = fuse_get_context()[2]
+        with open(f"/proc/{tid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None

@@ -23,6 +23,7 @@ import torch
 
 from rdmaflow import InvalidArgumentError
 from rdmaflow.ps.layout import make_plan
+from rdmaflow.ps.optim import describe_optimizer
 from rdmaflow.transfer import FLOAT_DTYPES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -75,6 +76,7 @@ class Declaration:
             opt = cls(model.parameters(), **hyper)
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(f"the declaration's optimizer {name}({hyper}) is invalid: {e}") from None
+        describe_optimizer(opt)  # one the shards run (checked here, before joining the job)
         return model, opt
 
     def metadata(self, num_shards: int, policy: str, block_bytes: int, mode: str) -> bytes:
