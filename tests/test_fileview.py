@@ -307,6 +307,10 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         assert os.pwrite(grad, b"\0\0\0", 4) == 3
         assert _oserror(lambda: os.fsync(grad)) == errno.EINVAL
         assert os.pwrite(grad, b"\0", 7) == 1
+        # Whole elements over bytes of an element still incomplete: refused too (they were added)
+        assert os.pwrite(grad, b"\0", 8) == 1
+        assert _oserror(lambda: os.pwrite(grad, b"\0" * 8, 4)) == errno.EINVAL
+        assert os.pwrite(grad, b"\0\0\0", 9) == 3
         os.fsync(grad)
         flat = np.frombuffer(os.pread(weights, size, 0), np.float32)
         np.testing.assert_allclose(flat[:2], -LR * 2.0)  # SGD from zero: -lr x the gradient (2.0)

@@ -95,6 +95,12 @@ class FlatModel:
         data = memoryview(data).cast("B")
         isz = self.itemsize
         head = min((-offset) % isz, len(data))
+        whole = (offset + head) // isz, (offset + head) // isz + (len(data) - head) // isz
+        if self._partials:  # whole elements over bytes of one still incomplete: refused, as partial ones are
+            with self._partial_lock:
+                hit = next((e for e in self._partials if whole[0] <= e < whole[1]), None)
+            if hit is not None:
+                raise OSError(errno.EINVAL, f"bytes of element {hit} written twice before the element was complete")
         if head:
             self._add_partial(offset, data[:head])
         n = (len(data) - head) // isz
