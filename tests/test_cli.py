@@ -219,6 +219,17 @@ def test_bench_device_quick_tcp_csv(tmp_path):
             assert float(r["ratio_vs_perftest"]) > 0
 
 
+def test_bench_file_refuses_bad_arguments_before_a_job_starts():
+    """They started the job and then failed as tracebacks (ValueError, ZeroDivisionError), or
+    were taken (--depths 0)."""
+    for args, said in ((["--sizes", "0"], "must be >= 1"), (["--steps", "0"], "must be >= 1"),
+                       (["--depths", "0"], "must be >= 1"), (["--depths", "x"], "error: --sizes, --depths"),
+                       (["--model-bytes", "2"], "--model-bytes >= 4"), (["--transport", "foo"], "invalid choice")):
+        p = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "file", *args, "--out", "/nonexistent/x"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+        assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
 def test_bench_device_rejects_bad_sizes():
     for sizes, said in (("0", "positive"), ("abc", "error: --sizes: invalid size 'abc'")):
         p = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "device", "--sizes", sizes],

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=5, help="steps per measurement (default 5)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per cell (default 3)")
     p.add_argument("--depths", default="1,32", help="queue depths (default 1,32)")
-    p.add_argument("--transport", default="tcp", help="UCX transport of the jobs (default tcp)")
+    p.add_argument("--transport", choices=("tcp", "sm"), default="tcp", help="UCX transport of the jobs (default tcp)")
     p.add_argument("--no-plain", action="store_true",
                    help="leave out the plain client (queue depth 1, no O_DSYNC: writes return once posted)")
     p.add_argument("--out", default="bench-results/file", help="directory for CSV, JSON and plot")
@@ -151,9 +151,17 @@ def measure_files(mnt: str, nbytes: int, sizes: list[int], depths: list[int], st
 
 
 def run(args) -> int:
-    sizes = h.parse_sizes(args.sizes)
-    depths = [int(d) for d in args.depths.split(",")]
-    nbytes = h.parse_size(args.model_bytes) // 4 * 4
+    try:  # refused here, before a job starts (they failed after it, as tracebacks)
+        sizes = h.parse_sizes(args.sizes)
+        depths = [int(d) for d in args.depths.split(",") if d.strip()]
+        nbytes = h.parse_size(args.model_bytes) // 4 * 4
+    except ValueError as e:
+        print(f"error: --sizes, --depths, --model-bytes: {e}", file=sys.stderr)
+        return 2
+    if not sizes or min(sizes) < 1 or not depths or min(depths) < 1 or nbytes < 4 or args.steps < 1 \
+            or args.repeats < 1:
+        print("error: --sizes, --depths, --steps and --repeats must be >= 1, --model-bytes >= 4", file=sys.stderr)
+        return 2
     from rdmaflow.fileview import fuse_problem, unmount
 
     problem = fuse_problem() or (aio_problem() if any(d > 1 for d in depths) else None)
