@@ -751,6 +751,8 @@ def test_roles_from_an_impossible_launcher_environment_are_refused(monkeypatch):
                         "RDMAFLOW_NUM_SHARDS": 1, "RDMAFLOW_NUM_WORKERS": 1}, r"\$RDMAFLOW_ROLE_INDEX=9"),
                       ({"RDMAFLOW_ROLE": "shard", "RDMAFLOW_ROLE_INDEX": 0, "RDMAFLOW_NUM_SHARDS": 0,
                         "RDMAFLOW_NUM_WORKERS": -1}, "must both be at least 1"),
+                      ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_ROLE": "worker", "RDMAFLOW_ROLE_INDEX": 0,  # waited
+                        "RDMAFLOW_NUM_SHARDS": 1, "RDMAFLOW_NUM_WORKERS": 2}, r"make 3 processes; \$WORLD_SIZE=2"),
                       ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_SHARDS_PER_NODE": 0}, r"SHARDS_PER_NODE=0 must be"),
                       ({}, "run by hand, set RANK, WORLD_SIZE")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=said):

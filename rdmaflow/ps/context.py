@@ -55,6 +55,9 @@ def resolve_role() -> Role:
         _check(role.num_shards >= 1 and role.num_workers >= 1, f"$RDMAFLOW_NUM_SHARDS={role.num_shards} and "
                f"$RDMAFLOW_NUM_WORKERS={role.num_workers} must both be at least 1")
         _check(0 <= role.index < count, f"$RDMAFLOW_ROLE_INDEX={role.index} is not in [0, {count}) {kind}s")
+        _check(role.num_shards + role.num_workers == world, f"$RDMAFLOW_NUM_SHARDS={role.num_shards} and "
+               f"$RDMAFLOW_NUM_WORKERS={role.num_workers} make {role.num_shards + role.num_workers} processes; "
+               f"$WORLD_SIZE={world}")
         return role
     local_world = env_int("LOCAL_WORLD_SIZE", world)
     _check(1 <= local_world <= world and world % local_world == 0,
