@@ -396,14 +396,19 @@ def format_text(info: dict[str, Any]) -> str:
         lines.append(f"A temporary rdmaflow Device ({d['endpoint']}) enabled: {res or 'nothing'}")
         names = {r["transport"] for r in d["transports"]}
         if "tcp" not in names and not names & set(VERBS_TRANSPORTS):
+            nets = os.environ.get("UCX_NET_DEVICES")
+            fix = (f"UCX_NET_DEVICES={nets} names no network device tcp can use: name one of this host's "
+                   f"({', '.join(_net_devices()) or 'none found'}), e.g. UCX_NET_DEVICES=lo, or unset it"
+                   if nets and "tcp" in {r["transport"] for r in info["transports"]} else
+                   "add tcp to UCX_TLS (e.g. UCX_TLS=cma,posix,self,tcp)")
             lines.append("  warning: no tcp among them: rdmaflow devices connect through UCX's "
-                         "sockaddr connection manager and will not reach their peers; add tcp "
-                         "to UCX_TLS (e.g. UCX_TLS=cma,posix,self,tcp)")
+                         f"sockaddr connection manager and will not reach their peers; {fix}")
         lines.append("Same-host fast path (peers on this host map regions, one memcpy): " +
                      ("on" if d.get("same_host_mapping") else
                       "off (RDMAFLOW_SAME_HOST=0, or UCX_TLS rules out shared memory)"))
     else:
-        lines.append(f"A temporary rdmaflow Device could not be created: {d['error']}")
+        lines.append(f"A temporary rdmaflow Device could not be created: {d['error']} (check the UCX_* "
+                     "settings above: UCX_TLS and UCX_NET_DEVICES must name transports and devices this host has)")
     for w in info["warnings"]:
         if not w.startswith("a temporary rdmaflow Device"):
             lines.append(f"warning: {w}")
@@ -415,12 +420,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Prints the report; exits 1 when no rdmaflow Device can be made here (scripts check it)."""
     info = gather()
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         print(format_text(info))
-    return 0
+    return 0 if info["device"]["ok"] else 1
+
+
+def _net_devices() -> list[str]:
+    try:
+        return sorted(os.listdir("/sys/class/net"))
+    except OSError:
+        return []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,6 +46,18 @@ def test_info_text():
     assert "A temporary rdmaflow Device (" in out
 
 
+def test_info_names_the_setting_that_leaves_no_way_to_connect():
+    """UCX_NET_DEVICES naming no device: the remedy is that variable (it said to add tcp to
+    UCX_TLS, which was unset). A UCX_TLS that leaves no device: exit status 1 (it was 0)."""
+    out = run_cli("info", timeout=30, env_extra={"UCX_NET_DEVICES": "nosuchdev"}).stdout
+    assert "UCX_NET_DEVICES=nosuchdev names no network device tcp can use" in out and "lo" in out, out
+    env = dict(os.environ, UCX_TLS="bogus")
+    p = subprocess.run([sys.executable, "-m", "rdmaflow", "info"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=30, check=False)
+    assert p.returncode == 1 and "could not be created" in p.stdout and "UCX_TLS and UCX_NET_DEVICES" in p.stdout, \
+        p.stdout + p.stderr
+
+
 def test_info_json_and_masked_secret():
     import rdmaflow
 
