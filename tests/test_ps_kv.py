@@ -35,6 +35,14 @@ from rdmaflow import _core
 
 def report(**res):
     print("RESULT " + json.dumps(res), flush=True)
+
+def report_error(body):  # runs body(); reports error=None, or the library error it raised (exit 3)
+    try:
+        body()
+        report(error=None)
+    except _core.RdmaflowError as e:
+        report(error=f"{type(e).__name__}: {e}")
+        sys.exit(3)
 """
 
 # 3 workers x 2 shards: overlapping pushes, read-your-writes, bad input, zero copy, init values.
@@ -199,16 +207,15 @@ ctx = ps.init()
 kv = ps.KVStore([0, 1], [(2,), (2,)])
 kv.wait(kv.push([0, 1], [torch.ones(2), torch.ones(2)]))
 print("READY", flush=True)
-t0 = time.monotonic()
-try:
+
+def body():
+    t0 = time.monotonic()
     while time.monotonic() - t0 < 60:
         kv.push(1, torch.ones(2))
         kv.wait(kv.pull(1))
         time.sleep(0.005)
-    report(error=None)
-except _core.RdmaflowError as e:
-    report(error=f"{type(e).__name__}: {e}")
-    sys.exit(3)
+
+report_error(body)
 """
 
 # 3 workers x 2 shards, batched requests at scale, every value checked: whole requests (the keys
@@ -364,7 +371,8 @@ ctx = ps.init()
 w = ctx.role.index
 kv = ps.KVStore([0, 1], [(2,), (2,)])
 print("READY", flush=True)
-try:
+
+def body():
     if w == 0:
         kv.barrier()
     else:
@@ -372,26 +380,23 @@ try:
         while time.monotonic() - t0 < 60:
             kv.wait(kv.pull(0))
             time.sleep(0.01)
-    report(error=None)
-except _core.RdmaflowError as e:
-    report(error=f"{type(e).__name__}: {e}")
-    sys.exit(3)
+
+report_error(body)
 """
 
 # 2 workers x 1 shard: worker 0 makes a KVStore, worker 1 a DistributedOptimizer.
 MIXED_API = COMMON + """
 ctx = ps.init()
 w = ctx.role.index
-try:
+
+def body():
     if w == 0:
         ps.KVStore([0], [(2,)]).close()
     else:
         model = torch.nn.Linear(2, 1)
         ps.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    report(error=None)
-except _core.RdmaflowError as e:
-    report(error=f"{type(e).__name__}: {e}")
-    sys.exit(3)
+
+report_error(body)
 """
 
 # 2 workers x 1 shard; the test kills worker 1 once both are ready.
@@ -400,15 +405,14 @@ ctx = ps.init()
 w = ctx.role.index
 kv = ps.KVStore([0], [(2,)])
 print("READY", flush=True)
-try:
+
+def body():
     t0 = time.monotonic()
     while time.monotonic() - t0 < 60:
         kv.wait(kv.pull(0))
         time.sleep(0.01)
-    report(error=None)
-except _core.RdmaflowError as e:
-    report(error=f"{type(e).__name__}: {e}")
-    sys.exit(3)
+
+report_error(body)
 """
 
 JOBS = {
