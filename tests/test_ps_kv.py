@@ -415,6 +415,36 @@ def body():
 report_error(body)
 """
 
+# 1 worker x 2 shards: one KVStore used from four threads at once (pushes, pulls, waits).
+THREADS = COMMON + """
+import threading
+ctx = ps.init()
+kv = ps.KVStore([0, 1, 2], [(3,), (), (50,)])
+N, T = 200, 4
+errors = []
+
+def run(t):
+    try:
+        for i in range(N):
+            h = kv.push([0, 1, 2], [torch.ones(3), torch.tensor(1.0), torch.full((50,), float(t))])
+            if i % 10 == 9:
+                kv.wait(h)
+                kv.wait(kv.pull([0, 1]))
+    except Exception as e:
+        errors.append(f"thread {t}: {type(e).__name__}: {e}")
+
+threads = [threading.Thread(target=run, args=(t,)) for t in range(T)]
+for th in threads:
+    th.start()
+for th in threads:
+    th.join(60)
+kv.barrier()
+got = kv.wait(kv.pull([0, 1, 2]))
+report(errors=errors, alive=[th.is_alive() for th in threads], sums=[g.tolist() for g in got],
+       expect=[[N * T] * 3, N * T, [N * sum(range(T))] * 50])
+kv.close()
+"""
+
 JOBS = {
     # name: (script, workers, shards, UCX transport: tcp puts are applied by the target's
     # progress thread, sm ones by the sender's kernel call; whether rank 0 serves the store)
@@ -430,6 +460,7 @@ JOBS = {
     "shard_dies_in_barrier": (SHARD_DIES_IN_BARRIER, 2, 2, "sm", False),
     "mixed_api": (MIXED_API, 2, 1, "tcp", False),
     "worker_dies": (WORKER_DIES, 2, 1, "tcp", False),
+    "threads": (THREADS, 1, 2, "tcp", False),
 }
 
 
@@ -558,6 +589,12 @@ def test_concurrent_pushes_sum_exactly_and_pulls_see_them(jobs):
             assert values == [r["expect"][k]], f"worker {r['worker']} key {k}: {values} != {r['expect'][k]}"
         assert r["outs_returned"], "wait() must return the tensors given to pull()"
         assert r["zero_copy"] > 0, "arena tensors should be pushed without a copy"
+
+
+def test_one_kvstore_used_from_several_threads(jobs):
+    res = finished_ok(jobs("threads"))[0]
+    assert res["errors"] == [] and not any(res["alive"]), res
+    assert res["sums"] == res["expect"], "every thread's pushes are applied exactly once"
 
 
 def test_pulls_never_see_half_applied_values(jobs):

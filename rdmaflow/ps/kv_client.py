@@ -2,7 +2,9 @@
 handles it returns. The protocol is described in kv.py."""
 from __future__ import annotations
 
+import functools
 import json
+import threading
 
 import torch
 
@@ -53,10 +55,24 @@ class _PullPart:
         self.done = False
 
 
+def _serialized(method):
+    """Runs ``method`` holding the store's lock: calls from several threads take turns."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class KVStore:
     """The worker's end of the key-value API. Construct it on every worker with the same
     declaration (``keys``, ``shapes``, ``dtype``); ``init`` (worker 0 only, others ignore it)
-    gives the initial values, else they are zeros. One KVStore per job; not thread-safe."""
+    gives the initial values, else they are zeros. One KVStore per job.
+
+    Thread-safe: push, pull, wait, barrier and close may be called from several threads; each
+    call holds the store for its whole duration (a ``wait`` or ``barrier`` too, until it
+    returns), so calls take turns and a push's sequence numbers and staging area are never
+    shared by two calls at once."""
 
     def __init__(self, keys, shapes, dtype: torch.dtype = torch.float32, *, init=None, ctx=None,
                  timeout: float | None = None):
@@ -77,6 +93,7 @@ class KVStore:
         self.store, self.dev = ctx.store, ctx.device
         self.timeout = ctx.step_timeout if timeout is None else checked_timeout(timeout)
         self._closed = False
+        self._lock = threading.RLock()
         self.stats = {"pushes": 0, "pulls": 0, "barriers": 0, "zero_copy": 0}
         ctx.kv_state = "open"
         try:  # a bad declaration aborts the job too: the other processes would wait for this one
@@ -259,6 +276,7 @@ class KVStore:
             raise InvalidArgumentError(f"{op}: this KVStore is closed")
         return Request(self.spec, keys, values, op, **kw)
 
+    @_serialized
     def push(self, keys, tensors) -> KVHandle:
         """Sends ``tensors`` to their keys' shards, which apply the handler to them: one request
         per shard, applied there as one unit. Returns at once with a handle; the tensors may be
@@ -336,6 +354,7 @@ class KVStore:
         h._futs.append(pair)
         self._unflushed.append(pair)
 
+    @_serialized
     def pull(self, keys, outs=None) -> KVHandle:
         """Asks the keys' shards for their values, one request per shard; ``wait`` copies them into
         ``outs`` (or into new tensors when ``outs`` is None) and returns them. A pull sees this
@@ -385,6 +404,7 @@ class KVStore:
             else:
                 part.values.index_copy_(0, part.positions, got)
 
+    @_serialized
     def wait(self, handle: KVHandle, timeout: float | None = None):
         """Waits until ``handle`` completed. A push: its values are at the shards (visible to
         every later pull). A pull: returns the list of pulled tensors (a tensor if pull was
@@ -418,11 +438,13 @@ class KVStore:
                 out.append(value if given is None else given.copy_(value))
         return out[0] if req.single else out
 
+    @_serialized
     def push_pull(self, keys, tensors, outs=None):
         """Pushes, then pulls the same keys (the pull sees the push); returns the pulled values."""
         self.push(keys, tensors)
         return self.wait(self.pull(keys, outs))
 
+    @_serialized
     def barrier(self, timeout: float | None = None) -> None:
         """Returns once every live worker entered this barrier; pushes any worker made before
         it are visible to pulls made after it. One-sided, through shard 0. After a TimeoutError
@@ -453,6 +475,7 @@ class KVStore:
         """This worker's index among the job's workers."""
         return self.id
 
+    @_serialized
     def close(self) -> None:
         """Finishes outstanding pulls and tells every shard this worker is done."""
         if self._closed:
