@@ -445,6 +445,50 @@ report(errors=errors, alive=[th.is_alive() for th in threads], sums=[g.tolist() 
 kv.close()
 """
 
+# 1 worker x 2 shards over tcp, no same-host mapping: an arena tensor pushed to shard 0 while
+# the test has that shard stopped (its WRITE cannot complete) and a small one to shard 1. The
+# worker drops both and the handle, pushes again, and asks the arena for as many bytes.
+HELD = COMMON + """
+import gc, pathlib
+os.environ["RDMAFLOW_SAME_HOST"] = "0"   # every WRITE through UCX tcp, completed by the peer's reads
+here = pathlib.Path(__file__).parent
+ctx = ps.init()
+ctx.device.create_arena(192 << 20)
+N = 8 << 20                              # 32 MiB: more than loopback's socket buffers hold
+kv = ps.KVStore([0, 1], [(N,), (4,)])
+
+def wait_for(name):
+    t0 = time.monotonic()
+    while not (here / name).exists():
+        assert time.monotonic() - t0 < 60, name
+        time.sleep(0.05)
+
+big = ctx.device.empty(N)
+big.zero_()
+kv.push([0, 1], [big, torch.zeros(4)])   # the regions are known to both shards now,
+kv.wait(kv.pull([0, 1]))                 # and the push applied:
+while int(kv.ack[0]) < kv.push_seq[0]:   # its acknowledgement is in (the next push waits for it)
+    time.sleep(0.01)
+big.fill_(1.0)
+print("READY", flush=True)
+wait_for("held.stopped")
+h = kv.push([0, 1], [big, torch.ones(4)])
+off = kv.arena.offset_of(big)
+del h, big
+time.sleep(0.5)                          # shard 1's WRITEs complete; shard 0's cannot
+kv.push([1], [torch.ones(4)])
+gc.collect()
+again = ctx.device.empty(N)
+reused = kv.arena.offset_of(again) == off
+again.fill_(7.0)                         # what a WRITE still reading that memory would send
+print("CHECKED", flush=True)
+wait_for("held.continued")
+kv.barrier()
+got = kv.wait(kv.pull(0))
+report(reused=reused, values=sorted(set(got.unique().tolist())))
+kv.close()
+"""
+
 JOBS = {
     # name: (script, workers, shards, UCX transport: tcp puts are applied by the target's
     # progress thread, sm ones by the sender's kernel call; whether rank 0 serves the store)
@@ -461,6 +505,7 @@ JOBS = {
     "mixed_api": (MIXED_API, 2, 1, "tcp", False),
     "worker_dies": (WORKER_DIES, 2, 1, "tcp", False),
     "threads": (THREADS, 1, 2, "tcp", False),
+    "held": (HELD, 1, 2, "tcp", False),
 }
 
 
@@ -595,6 +640,30 @@ def test_one_kvstore_used_from_several_threads(jobs):
     res = finished_ok(jobs("threads"))[0]
     assert res["errors"] == [] and not any(res["alive"]), res
     assert res["sums"] == res["expect"], "every thread's pushes are applied exactly once"
+
+
+def test_an_arena_tensor_stays_held_until_each_of_its_writes_completed(jobs):
+    """Its memory is not handed out again while the WRITE to a slower shard still reads it."""
+    job = jobs("held", wait=False)
+    log = job.logs[2]  # the worker (ranks 0 and 1 are the shards)
+
+    def wait_for(text):
+        while text not in log.read_text():
+            assert all(p.poll() is None for p in job.procs), job.output()
+            assert time.monotonic() < jobs.deadline, job.output()
+            time.sleep(0.05)
+
+    wait_for("READY")
+    os.kill(job.procs[0].pid, signal.SIGSTOP)  # shard 0, which holds key 0
+    try:
+        (job.tmp / "held.stopped").touch()
+        wait_for("CHECKED")
+    finally:
+        os.kill(job.procs[0].pid, signal.SIGCONT)
+    (job.tmp / "held.continued").touch()
+    res = finished_ok(jobs("held"))[0]
+    assert not res["reused"], "the arena handed out memory a pending WRITE was reading"
+    assert res["values"] == [1.0], res
 
 
 def test_pulls_never_see_half_applied_values(jobs):

@@ -179,7 +179,7 @@ class KVStore:
         self._in_barrier = False
         self._pending: list[_PullPart | None] = [None] * ns
         self._unflushed: list = []  # futures of push flags not yet known to be visible
-        self._held: list = []  # (last flag future of a push, the arena tensors it sends from)
+        self._held: list = []  # (the futures of a push's WRITEs, the arena tensors it sends from)
         self.dev.publish("ps/kv/worker", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
         store.set(f"ready/worker/{self.id}", "1")
         self.shards = []
@@ -296,12 +296,12 @@ class KVStore:
         self.stats["pushes"] += len(req)
         if len(self._unflushed) > 4096:
             self._unflushed = [p for p in self._unflushed if not p[1].done()]
-        # Tensors sent without a copy stay referenced until their WRITEs completed, even if the
-        # handle is dropped: their arena memory must not be reused while a WRITE reads it.
-        while self._held and self._held[0][0].done():
-            self._held.pop(0)
+        # Tensors sent without a copy stay referenced until every WRITE of the push completed,
+        # even if the handle is dropped: their arena memory must not be reused while a WRITE
+        # reads it. WRITEs to different shards complete in any order.
+        self._held = [(futs, keep) for futs, keep in self._held if not all(f.done() for f in futs)]
         if h._keep:
-            self._held.append((h._futs[-1][1], list(h._keep)))
+            self._held.append(([f for _, f in h._futs], list(h._keep)))
         return h
 
     def _push_to(self, s: int, req: Request, positions, h: KVHandle) -> None:
