@@ -144,7 +144,7 @@ def test_asynchronous_modes_train_through_files(tmp_path, mode):
     steps = 25
     decl = declaration(tmp_path / "model.json")
     with MountJob(tmp_path, {}) as j:
-        j.start_mounts(2, 1, decl, "--mode", mode, "--staleness", "1")
+        j.start_mounts(2, 1, decl, "--mode", mode, *(["--staleness", "1"] if mode == "bounded" else []))
         clients = [subprocess.Popen([sys.executable, CLIENT, "--mount", j.mounts[w], "--worker", str(w),
                                      "--steps", str(steps), "--out", str(tmp_path / f"w{w}.npy")],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for w in range(2)]
@@ -424,6 +424,7 @@ def test_bad_mountpoint_and_unreachable_job(tmp_path, monkeypatch, capsys):
     # Settings that every process would refuse once joined are refused before, by the shard too
     # (it used to wait for the worker that had failed until its timeout, without the reason).
     for extra, why in ((["--mode", "bounded", "--staleness", "-3"], "staleness must be >= 0"),
+                       (["--mode", "sync", "--staleness", "2"], "applies to mode 'bounded' only"),
                        (["--block-bytes", "0"], "block size 0 is not a positive multiple")):
         for rank in ("1", "0"):  # a worker, a shard
             monkeypatch.setenv("RANK", rank)
@@ -465,6 +466,11 @@ def test_declarations_that_cannot_be_built_are_refused_by_name():
                       ({"variables": [dict(w, shape=[True, 2])]}, "shape must be a list of non-negative integers"),
                       ({"variables": [dict(w, shape=[10**5] * 3)]}, "more than this host's memory"),
                       ({"variables": [dict(w, dtype="float16", init=1e10)]}, "does not fit float16"),
-                      ({"variables": [dict(w, init=10**400)]}, "does not fit float32")]:
+                      ({"variables": [dict(w, init=10**400)]}, "does not fit float32"),
+                      # A misspelled key fell back to its default (SGD at lr 0.01, zeros) unsaid.
+                      ({"variables": [w], "optimiser": {"name": "Adam"}},
+                       "unknown key 'optimiser' \\(did you mean 'optimizer'\\?\\)"),
+                      ({"variables": [dict(w, intit=1.0)]}, "variable w has an unknown key 'intit' \\(did you mean 'init'"),
+                      ({"variables": [dict(w, size=[2])]}, r"unknown key 'size'; the keys are \['name'")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=said):
             parse_declaration(doc).build()

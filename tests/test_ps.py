@@ -699,6 +699,9 @@ def test_worker_arguments_are_checked_before_joining():
                      ({"log_every": True}, "log_every")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer"):
             Worker(ctx, model, opt, **kw)
+    for mode in ("sync", "async"):  # a bound these modes would ignore
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=f"applies to mode 'bounded' only; mode '{mode}'"):
+            Worker(ctx, model, opt, mode=mode, staleness=3)
     closed = Worker.__new__(Worker)
     closed._closed = True
     for call, op in [(lambda: closed.push_range(0, 4), "push_range"), (lambda: closed.wait_range(0, 4), "wait_range"),

@@ -14,6 +14,7 @@ before it: the same flat space the placement plan cuts into blocks or variables.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -109,13 +110,28 @@ def _init_tensor(v: Variable, init, numel: int) -> torch.Tensor:
     raise InvalidArgumentError(f"variable {v.name}: init must be a number or a flat list of {numel} numbers")
 
 
+DECLARATION_KEYS = ("variables", "optimizer")
+VARIABLE_KEYS = ("name", "shape", "dtype", "init")
+
+
+def _check_keys(obj: dict, allowed: tuple[str, ...], where: str) -> None:
+    """A misspelled key ("optimiser", "intit") would silently fall back to a default: refused."""
+    for key in obj:
+        if key not in allowed:
+            near = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise InvalidArgumentError(f"{where} has an unknown key {key!r}{hint}; the keys are {list(allowed)}")
+
+
 def parse_declaration(doc: dict, source: str = "the declaration") -> Declaration:
     if not isinstance(doc, dict) or not isinstance(doc.get("variables"), list) or not doc["variables"]:
         raise InvalidArgumentError(f"{source} needs a non-empty list under \"variables\"")
+    _check_keys(doc, DECLARATION_KEYS, source)
     variables, inits, seen, off = [], [], set(), 0
     for i, item in enumerate(doc["variables"]):
         if not isinstance(item, dict):
             raise InvalidArgumentError(f"{source}: variable {i} is not an object")
+        _check_keys(item, VARIABLE_KEYS, f"{source}: variable {item.get('name', i)!s}")
         name, shape, dtype = item.get("name"), item.get("shape"), item.get("dtype", "float32")
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise InvalidArgumentError(f"{source}: variable {i} has no valid name (letters, digits, _ . -): {name!r}")

@@ -70,10 +70,13 @@ def _whole(value, what: str) -> int:
 
 
 def checked_staleness(mode: str, staleness) -> int:
-    """The bound of mode "bounded" (steps ahead of the slowest worker): an integer, >= 0 there."""
+    """The bound of mode "bounded" (steps ahead of the slowest worker): an integer, >= 0 there.
+    Other modes take no bound: a staleness given with them would be ignored, so it is refused."""
     staleness = _whole(staleness, "staleness")
     if mode == "bounded" and staleness < 0:
         raise InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
+    if mode != "bounded" and staleness != 0:
+        raise InvalidArgumentError(f"staleness {staleness} applies to mode 'bounded' only; mode {mode!r} takes none")
     return staleness
 
 
