@@ -798,6 +798,8 @@ def test_a_shard_declares_a_worker_it_finds_dead(jobs):
     job.kill([2])
     job.wait(jobs.deadline)
     assert "worker 1 at" in job.output(0) and "died" in job.output(0), job.output()
+    # A crash and a process that ended without close() look alike to a shard: it names both.
+    assert "if its process ended normally, it did not call close()" in job.output(0), job.output()
     assert job.store.check(["rdmaflow/ps/dead/worker/1"]), job.output()
 
 

@@ -11,7 +11,7 @@ import torch
 from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
-from rdmaflow.ps.protocol import ABORT, DONE
+from rdmaflow.ps.protocol import ABORT, DONE, LEFT_WITHOUT_CLOSE
 from rdmaflow.ps.shard import ShardFailure
 from rdmaflow.transfer.common import pack_header, unpack_header
 
@@ -124,7 +124,8 @@ class KVShard:
         except RdmaflowError as e:
             if int(self.done[w]) >= DONE:
                 return None  # that worker closed and left: nothing it waits for any more
-            raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.id} cannot reach it: {e})") from None
+            raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.id} cannot reach it: {e})"
+                               f"{LEFT_WITHOUT_CLOSE}") from None
 
     def _request(self, area: int) -> torch.Tensor:
         """The local key indices of the request in the area at byte ``area``."""
@@ -274,7 +275,8 @@ class KVShard:
                     raise ShardFailure(f"the job was aborted: {reason}")
                 # Declared dead, so that the process serving the store does not wait at exit for it
                 self.store.declare_dead("worker", w)
-                raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.id} lost its connection)")
+                raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.id} lost its connection)"
+                                   f"{LEFT_WITHOUT_CLOSE}")
 
     def serve(self) -> None:
         """Serves until every worker closed. Being idle is no error (workers may compute for

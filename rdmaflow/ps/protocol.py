@@ -65,6 +65,9 @@ from rdmaflow.ps.layout import MAX_CHUNKS
 FLAG = 64
 DONE = 1 << 62
 ABORT = (1 << 62) + 1
+# Said after "worker w died": a process that ends normally without close() never writes DONE,
+# so its shards cannot tell it from a crash.
+LEFT_WITHOUT_CLOSE = "; if its process ended normally, it did not call close() (KVStore or DistributedOptimizer)"
 ALIGN = 256
 CHUNK_BITS = 16
 

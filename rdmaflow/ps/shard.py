@@ -21,7 +21,16 @@ from rdmaflow.ps import checkpoint
 from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest
 from rdmaflow.ps.optim import build_optimizer
-from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
+from rdmaflow.ps.protocol import (
+    ABORT,
+    DONE,
+    FLAG,
+    LEFT_WITHOUT_CLOSE,
+    ShardLayout,
+    WorkerLayout,
+    progress,
+    write_runs_then_flag,
+)
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 from rdmaflow.transfer.common import stream_done
 
@@ -226,7 +235,8 @@ class Shard:
         reason = self.store.abort_reason()
         if reason:
             raise ShardFailure(f"the job was aborted: {reason}")
-        msg = f"worker {w} at {self.workers[w]['ep']} died (shard {self.id} lost its connection)"
+        msg = (f"worker {w} at {self.workers[w]['ep']} died (shard {self.id} lost its connection)"
+               f"{LEFT_WITHOUT_CLOSE}")
         self.dead.add(w)
         live = self.nw - len(self.dead)
         if live < self.min_workers:
