@@ -46,7 +46,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands that would run the job (the variables it sets, then torchrun or, with "
                         "--min-workers, each process) and exit")
-    p.add_argument("script", help="the training script")
+    # Optional to argparse so that a missing script gets its own message (argparse named "script, args").
+    p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the training script")
     return p
 
@@ -59,6 +60,8 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
     if not 1 <= ns.master_port <= 65535 or not ns.master_addr.strip():
         raise SystemExit(f"rdmaflow launch: --master-addr {ns.master_addr!r} --master-port {ns.master_port}: "
                          "an address and a port in [1, 65535]")
+    if ns.script is None:
+        raise SystemExit("rdmaflow launch: no training script given: rdmaflow launch [options] train.py [its arguments]")
     if not os.path.isfile(ns.script):
         what = "is a directory, not a script" if os.path.isdir(ns.script) else "does not exist"
         raise SystemExit(f"rdmaflow launch: the script {ns.script} {what}")

@@ -266,7 +266,9 @@ def test_launch_refuses_an_impossible_job_at_once(tmp_path):
                        (["--master-port", "99999", str(script)], "a port in [1, 65535]"),
                        (["--master-addr", "", str(script)], "an address and a port"),
                        ([str(tmp_path / "missing.py")], "missing.py does not exist"),
-                       ([str(tmp_path)], f"{tmp_path} is a directory, not a script")]:
+                       ([str(tmp_path)], f"{tmp_path} is a directory, not a script"),
+                       # argparse said "the following arguments are required: script, args".
+                       (["--nproc-per-node", "2"], "no training script given: rdmaflow launch [options] train.py")]:
         with pytest.raises(SystemExit, match=re.escape(said)):
             launch.command(launch.build_parser().parse_args(argv))
 
