@@ -489,6 +489,13 @@ report(reused=reused, values=sorted(set(got.unique().tolist())))
 kv.close()
 """
 
+# 1 worker x 1 shard, started as `rdmaflow launch --resume` starts a job.
+RESUME = COMMON + """
+os.environ["RDMAFLOW_RESUME"] = "1"
+ctx = ps.init()
+report_error(lambda: ps.KVStore([0], [(2,)]))
+"""
+
 JOBS = {
     # name: (script, workers, shards, UCX transport: tcp puts are applied by the target's
     # progress thread, sm ones by the sender's kernel call; whether rank 0 serves the store)
@@ -506,6 +513,7 @@ JOBS = {
     "worker_dies": (WORKER_DIES, 2, 1, "tcp", False),
     "threads": (THREADS, 1, 2, "tcp", False),
     "held": (HELD, 1, 2, "tcp", False),
+    "resume": (RESUME, 1, 1, "sm", False),
 }
 
 
@@ -664,6 +672,15 @@ def test_an_arena_tensor_stays_held_until_each_of_its_writes_completed(jobs):
     res = finished_ok(jobs("held"))[0]
     assert not res["reused"], "the arena handed out memory a pending WRITE was reading"
     assert res["values"] == [1.0], res
+
+
+def test_resume_is_refused_for_a_kv_job(jobs):
+    """A KVStore job has no checkpoints: --resume restarted its values from zero, unsaid."""
+    job = jobs("resume")
+    (res,) = job.results()
+    assert res["error"].startswith("InvalidArgumentError: rdmaflow launch --resume"), res
+    assert "a KVStore job has none" in res["error"], res
+    assert job.procs[0].returncode != 0 and "the job was aborted" in job.output(0), job.output()
 
 
 def test_pulls_never_see_half_applied_values(jobs):

@@ -21,6 +21,12 @@ import torch
 from rdmaflow import InvalidArgumentError
 
 _STEP = re.compile(r"^step-(\d+)$")
+RESUME_ENV = "RDMAFLOW_RESUME"  # set to 1 by ``rdmaflow launch --resume``
+
+
+def resuming() -> bool:
+    """Whether this job was started to resume from its latest checkpoint."""
+    return os.environ.get(RESUME_ENV, "") not in ("", "0")
 
 
 def step_dir(root: str, step: int) -> str:

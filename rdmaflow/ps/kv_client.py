@@ -10,6 +10,7 @@ import torch
 
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.deadline import Deadline, checked_timeout
+from rdmaflow.ps.checkpoint import resuming
 from rdmaflow.ps.context import dumps
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
 from rdmaflow.ps.kv_request import Request, short
@@ -101,6 +102,11 @@ class KVStore:
                 keys = list(keys.tolist() if isinstance(keys, torch.Tensor) else keys)
             except TypeError:
                 raise InvalidArgumentError(f"keys must be a sequence of integers, got {keys!r}") from None
+            if resuming():  # restarting from zeros (or init) would lose what the job had stored
+                raise InvalidArgumentError(
+                    "rdmaflow launch --resume (RDMAFLOW_RESUME=1) restarts a DistributedOptimizer job from its "
+                    "checkpoints; a KVStore job has none. Start it without --resume; to carry values over, "
+                    "pull them before the job ends and give them to the next job's KVStore as init=")
             decl = declaration(keys, shapes, dtype)
             if init is not None and self.id == 0:
                 init = self._check_init(decl, keys, init)

@@ -114,7 +114,7 @@ class Shard:
         # Where this job starts: step 0, or the latest complete checkpoint when resuming.
         if self.id == 0:
             start = 0
-            if os.environ.get("RDMAFLOW_RESUME", "") not in ("", "0"):
+            if checkpoint.resuming():
                 if not self.ckpt_dir:
                     raise ShardFailure("--resume needs a checkpoint directory "
                                        "(DistributedOptimizer(checkpoint_dir=...))")
