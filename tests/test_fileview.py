@@ -298,6 +298,12 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         assert _oserror(lambda: os.pwrite(meta, b"{}", 0)) == errno.EBADF
         weights = os.open(f"{m}/weights", os.O_RDWR)
         assert _oserror(lambda: os.pwrite(weights, b"\0" * 4, 0)) == errno.EBADF
+        # The names and modes are the model's ("Function not implemented" before).
+        for change in (lambda: os.unlink(f"{m}/weights"), lambda: os.rename(f"{m}/grad", f"{m}/g"),
+                       lambda: os.mkdir(f"{m}/d"), lambda: os.rmdir(f"{m}/vars"), lambda: os.chmod(f"{m}/grad", 0o600),
+                       lambda: os.symlink("grad", f"{m}/g"), lambda: os.link(f"{m}/grad", f"{m}/g")):
+            assert _oserror(change) == errno.EPERM
+        mtimes = {name: os.stat(f"{m}/{name}").st_mtime_ns for name in ("grad", "weights")}
         # Writing a range twice adds twice; reading /grad shows this step's sum so far.
         one = np.ones(2, np.float32).tobytes()
         assert os.pwrite(grad, one, 0) == 8 and os.pwrite(grad, one, 0) == 8
@@ -312,6 +318,9 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         assert _oserror(lambda: os.pwrite(grad, b"\0" * 8, 4)) == errno.EINVAL
         assert os.pwrite(grad, b"\0\0\0", 9) == 3
         os.fsync(grad)
+        time.sleep(1.5)  # past the kernel's attribute cache (1 s)
+        for name in ("grad", "weights"):  # written, then pushed: both changed (the times never moved)
+            assert os.stat(f"{m}/{name}").st_mtime_ns > mtimes[name], name
         flat = np.frombuffer(os.pread(weights, size, 0), np.float32)
         np.testing.assert_allclose(flat[:2], -LR * 2.0)  # SGD from zero: -lr x the gradient (2.0)
         with open(f"{m}/vars/bias.weights", "rb") as f:

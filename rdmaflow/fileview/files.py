@@ -10,7 +10,8 @@ each POSIX call does on it. Reads and writes take libfuse's buffer by address
 
 Errors are POSIX: a path that does not exist ``ENOENT``, a write past a file's end ``EINVAL``,
 a write to a read-only file ``EBADF``, a push with elements only partly written ``EINVAL``,
-and once the job failed (a shard died) ``EIO`` on every operation."""
+a new file ``EACCES``, removing, renaming, linking or chmod-ing one ``EPERM``, and once the
+job failed (a shard died) ``EIO`` on every operation."""
 from __future__ import annotations
 
 import ctypes
@@ -54,6 +55,9 @@ class ModelFiles(Operations):
         self._dsync: set[int] = set()     # file handles opened O_SYNC or O_DSYNC: writes go through
         self._opener: dict[int, int | None] = {}  # file handle -> the process (thread group) that opened it
         self._t = time.time_ns()
+        # Modification times: the gradient file's last write, the weights' last push (after it a
+        # read returns the newer weights). Tools that watch mtime (make, rsync, a reloader) see them move.
+        self._mtime = {"meta": self._t, "grad": self._t, "weights": self._t}
         n = flat.nbytes
         self.nodes = {"/model.json": Node("meta", 0, len(metadata)), "/grad": Node("grad", 0, n),
                       "/weights": Node("weights", 0, n)}
@@ -92,7 +96,9 @@ class ModelFiles(Operations):
             return dict(base, st_mode=stat.S_IFDIR | 0o755, st_nlink=2, st_size=0)
         node = self._node(path)
         mode = {"meta": 0o444, "grad": 0o644, "weights": 0o444}[node.kind]
-        return dict(base, st_mode=stat.S_IFREG | mode, st_nlink=1, st_size=node.size)
+        changed = self._mtime[node.kind]
+        return dict(base, st_mode=stat.S_IFREG | mode, st_nlink=1, st_size=node.size, st_mtime=changed,
+                    st_ctime=changed)
 
     def readdir(self, path, fh):
         if path not in self.dirs:
@@ -109,6 +115,11 @@ class ModelFiles(Operations):
 
     def create(self, path, mode, fi=None):
         raise FuseOSError(errno.EACCES)  # the layout is the model's: no new files
+
+    def _fixed(self, *_args):
+        raise FuseOSError(errno.EPERM)  # the names and modes are the model's: rm, mv, mkdir, chmod refused
+
+    unlink = rmdir = mkdir = mknod = rename = link = symlink = chmod = chown = _fixed
 
     def truncate(self, path, length, fh=None):
         self._node(path)  # O_TRUNC changes nothing: a file is as large as its part of the model
@@ -149,6 +160,7 @@ class ModelFiles(Operations):
                 self.fail(f"a write at byte {node.offset + offset} failed: {e}")
                 raise FuseOSError(errno.EIO) from None
             self._wrote[fh] = self.steps
+            self._mtime["grad"] = time.time_ns()
         return size
 
     # mfusepy's own interface, with bytes (BufferFUSE calls the two above instead).
@@ -187,6 +199,7 @@ class ModelFiles(Operations):
                 self.fail(f"step {self.steps + 1} failed: {e}")
                 raise FuseOSError(errno.EIO) from None
             self.steps += 1
+            self._mtime["weights"] = time.time_ns()
 
 
 def _caller_process() -> int | None:
