@@ -96,6 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(module).run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: the subcommands' finally blocks have stopped their processes
+        print("rdmaflow: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (`rdmaflow info --json | head -1`): as a shell tool does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         return 141

@@ -14,6 +14,7 @@ Skipped, with the reason, only where the machine has no FUSE (/dev/fuse, libfuse
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import importlib.util
@@ -483,3 +484,35 @@ def test_declarations_that_cannot_be_built_are_refused_by_name():
                       ({"variables": [dict(w, size=[2])]}, r"unknown key 'size'; the keys are \['name'")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=said):
             parse_declaration(doc).build()
+
+
+def test_ctrl_c_during_bench_file_stops_it_cleanly(tmp_path):
+    """Ctrl-C (SIGINT to the foreground process group) while the mount is measured: the bench
+    exits 130 with one line, no traceback (it printed one, or two), and leaves no mount and no
+    process behind."""
+    out = tmp_path / "out"
+    env = dict(base_env(), TMPDIR=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-m", "rdmaflow", "bench", "file", "--sizes", "64K,1M", "--model-bytes",
+                          "1M", "--steps", "20", "--repeats", "3", "--out", str(out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not any(is_mounted(str(m)) for m in tmp_path.glob("rdmaflow-bench-file-*/mnt")):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "the bench never mounted its model"
+            time.sleep(0.1)
+        os.killpg(p.pid, signal.SIGINT)
+        _, stderr = p.communicate(timeout=90)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130 and "rdmaflow: interrupted" in stderr and "Traceback" not in stderr, stderr
+    assert not any(is_mounted(str(m)) for m in tmp_path.glob("rdmaflow-bench-file-*/mnt"))
+    gone_by = time.monotonic() + 15
+    while True:  # every process of the bench ends
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < gone_by, "processes of the bench outlived it"
+        time.sleep(0.1)
