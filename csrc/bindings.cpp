@@ -161,10 +161,18 @@ py::tuple slot_send(SlotSender& s, uint64_t k, int64_t local_offset, double time
 
 // A wait's timeout from Python, in the core's terms (below 0: no limit): None and infinity
 // are no limit, a negative is a look that does not wait, NaN is refused (it would never expire).
-double wait_seconds(std::optional<double> timeout) {
-  if (!timeout || (std::isinf(*timeout) && *timeout > 0)) return -1.0;
-  if (std::isnan(*timeout)) throw Error(ErrorKind::Invalid, "timeout must be a number of seconds or None, got nan");
-  return std::max(*timeout, 0.0);
+// A timeout argument as seconds (-1: none), checked as the Python layers check theirs: None or
+// a real number; NaN, a bool or a string is refused (pybind11 took True as 1 s, "x" as a TypeError).
+double wait_seconds(const py::object& timeout) {
+  if (timeout.is_none()) return -1.0;
+  if (py::isinstance<py::bool_>(timeout) || py::isinstance<py::str>(timeout) ||
+      py::isinstance<py::bytes>(timeout) || !PyNumber_Check(timeout.ptr()))
+    throw Error(ErrorKind::Invalid, "timeout must be a number of seconds or None, got " +
+                                        py::repr(timeout).cast<std::string>());
+  const double t = timeout.cast<double>();
+  if (std::isnan(t)) throw Error(ErrorKind::Invalid, "timeout must be a number of seconds or None, got nan");
+  if (std::isinf(t) && t > 0) return -1.0;
+  return std::max(t, 0.0);
 }
 
 // Waits in short slices so that Ctrl-C reaches Python while a transfer is pending.
@@ -273,14 +281,14 @@ PYBIND11_MODULE(_core, m) {
       .def("done", &FutureState::done)
       .def(
           "wait",
-          [](const Future& f, std::optional<double> timeout) {
+          [](const Future& f, const py::object& timeout) {
             return wait_future(f, wait_seconds(timeout));
           },
           py::arg("timeout") = py::none(),
           "Waits until done or timeout seconds pass; returns done().")
       .def(
           "result",
-          [](const Future& f, std::optional<double> timeout) {
+          [](const Future& f, const py::object& timeout) {
             const double t = wait_seconds(timeout);
             if (!wait_future(f, t))
               throw Error(ErrorKind::Timeout, "transfer did not complete within " +
@@ -684,7 +692,7 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "wait_u64_at_least",
-      [](uintptr_t addr, uint64_t value, std::optional<double> timeout) {
+      [](uintptr_t addr, uint64_t value, const py::object& timeout) {
         double t = wait_seconds(timeout);
         // Short slices so Ctrl-C reaches Python during a long wait.
         auto t0 = std::chrono::steady_clock::now();

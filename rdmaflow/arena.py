@@ -122,6 +122,9 @@ class Arena:
 
     def allocate(self, nbytes: int) -> _core.ArenaBlock:
         """A raw block of at least ``nbytes``; returned to the arena when it is garbage."""
+        if nbytes >= 1 << 63:  # a shape whose dimensions fit 64 bits each, but not their product
+            raise _core.ArenaFullError(f"arena full: cannot allocate {nbytes} bytes (past 64 bits) in an arena of "
+                                       f"{self.nbytes} bytes")
         return self._arena.allocate(nbytes)
 
     def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -129,12 +132,15 @@ class Arena:
         shape = shape_of(shape)
         if not isinstance(dtype, torch.dtype):
             raise InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if str(dtype).startswith(("torch.qint", "torch.quint")):  # frombuffer makes one with no quantizer
+            raise InvalidArgumentError(f"dtype {dtype} is quantized: an arena holds plain tensors (quantize one "
+                                       "made of its integer values instead)")
         numel = 1
         for s in shape:
             numel *= s
         if numel == 0:
             return torch.empty(shape, dtype=dtype, device=self.cuda_device)  # no bytes to place or send
-        block = self._arena.allocate(numel * dtype.itemsize)
+        block = self.allocate(numel * dtype.itemsize)
         if self.cuda_device is not None:  # the tensor holds the block through its interface
             raw = torch.as_tensor(block, device=self.cuda_device)
             return raw[: numel * dtype.itemsize].view(dtype).view(shape)

@@ -515,3 +515,29 @@ def test_a_region_larger_than_the_host_is_refused_at_once(job_secret):
         with pytest.raises(rdmaflow.ArenaFullError, match="this host has"):
             dev.create_arena(1 << 50)
         assert dev.alloc_region(4096).nbytes == 4096
+
+
+def test_arena_tensors_a_shape_past_64_bits_of_bytes_and_a_quantized_dtype_are_refused(job_secret):
+    """Each dimension of (2^32, 2^32, 16) fits 64 bits but their bytes do not: a raw pybind11
+    TypeError came out of the arena. A quantized tensor made over arena bytes has no quantizer,
+    and printing it killed the process (SIGSEGV)."""
+    with local_device() as dev:
+        for shape in ((1 << 32, 1 << 32, 16), ((1 << 63) - 1,)):
+            with pytest.raises(rdmaflow.ArenaFullError, match=r"bytes \(past 64 bits\)"):
+                dev.empty(shape)
+        for q in (torch.quint8, torch.qint8, torch.qint32):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match=f"dtype {q} is quantized"):
+                dev.empty(4, q)
+        assert dev.empty(4, torch.uint8).numel() == 4
+
+
+def test_a_futures_timeout_is_checked_as_every_other(pair):
+    """Future.wait/result took True as one second and met "x" with pybind11's TypeError."""
+    _, _, local, remote, ch = pair
+    f = ch.memcpy(local, 0, remote, 0, 4096, rdmaflow.WRITE)
+    for bad in ("x", b"1", True, float("nan"), object()):
+        for call in (f.wait, f.result):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="timeout must be a number of seconds or None"):
+                call(bad)
+    f.result(30)
+    assert f.wait(float("inf")) and f.wait(None) and f.wait(0) and f.wait(2)

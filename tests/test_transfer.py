@@ -1260,6 +1260,28 @@ def test_poll_does_not_block_or_consume(tpeer, dev):
         wait_any([])
 
 
+def test_a_closed_receiver_or_one_whose_device_closed_is_not_waited_for(job_secret):
+    """poll() of a closed receiver said False, so wait_any waited for it until its timeout (with
+    None, for ever); a receiver whose device was closed was waited for until the timeout too."""
+    with local_device() as d:
+        r = StaticReceiver(d, "closed", 4, torch.float32)
+        r.close()
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="poll: receiver 'closed' is closed"):
+            r.poll()
+        raises_within(rdmaflow.InvalidArgumentError, 5, wait_any, [r], timeout=30)
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="rank is at most 64, got 65"):
+            StaticReceiver(d, "rank", (1,) * 65, torch.float32)
+        for shape in ((1 << 32, 1 << 32, 16), ((1 << 63) - 1,)):  # a raw pybind11 TypeError before
+            for make in (StaticReceiver, BoundedReceiver):
+                with pytest.raises(rdmaflow.ArenaFullError, match=r"bytes \(past 64 bits\)"):
+                    make(d, "big", shape, torch.float32)
+        orphan = StaticReceiver(d, "orphan", 4, torch.float32)
+        dyn = DynamicReceiver(d, "orphan-dyn")
+    for what in (lambda: orphan.recv(timeout=30), lambda: wait_any([orphan, dyn], timeout=30),
+                 lambda: dyn.recv(timeout=30)):
+        raises_within(rdmaflow.DeviceClosedError, 5, what)
+
+
 def test_wait_any_receives_every_transfer_of_several_senders(tpeer, dev):
     """Two static and two dynamic receivers; the peer sends on them in a shuffled order, with
     pauses, so that wait_any sees them arrive one at a time and sometimes several at once."""

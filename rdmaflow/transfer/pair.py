@@ -26,7 +26,15 @@ import weakref
 
 import torch
 
-from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
+from rdmaflow import (
+    WRITE,
+    DeviceClosedError,
+    InvalidArgumentError,
+    PeerError,
+    RdmaflowError,
+    RemoteRegion,
+    TimeoutError,
+)
 from rdmaflow.arena import arena_of, gpu_ipc_info, map_gpu_ipc
 from rdmaflow.deadline import ENDPOINT_TIMEOUT, Deadline, call_timeout, time_left
 from rdmaflow.transfer.common import (
@@ -287,7 +295,10 @@ class Receiver(Endpoint):
     def _check_sender_open(self, k: int) -> bool:
         """Raises PeerError when transfer ``k`` will never come: its sender was closed after
         sending fewer. Its closing word lands behind its last flag, and a flag that is set counts
-        whatever the word says. Returns False (``wait_flag``'s ``give_up``: keep waiting)."""
+        whatever the word says. Returns False (``wait_flag``'s ``give_up``: keep waiting).
+        Raises DeviceClosedError once this receiver's device is closed: nothing can land then."""
+        if self.device.closed:
+            raise DeviceClosedError(f"'{self.name}' waits for transfer {k}, but its device is closed")
         word = self.ctl_closed.get()
         if word >= CLOSED and word - CLOSED < k and self.flags[(k - 1) % self.depth].get() < k:
             raise PeerError(f"the sender of '{self.name}' was closed after sending {word - CLOSED} transfers: "
@@ -297,7 +308,10 @@ class Receiver(Endpoint):
     def poll(self) -> bool:
         """Whether the next transfer has landed (its flag is set, so ``recv()`` returns at once).
         Never blocks and consumes nothing; raises PeerError when it has not landed and the
-        sender's channel failed or the sender was closed before sending it."""
+        sender's channel failed or the sender was closed before sending it, InvalidArgumentError
+        once this receiver is closed (``wait_any`` would wait for it in vain)."""
+        if self.closed:
+            raise InvalidArgumentError(f"poll: receiver '{self.name}' is closed")
         k = self.seq + 1
         if self.flags[(k - 1) % self.depth].get() >= k:
             return True

@@ -29,6 +29,9 @@ from rdmaflow.transfer.pair import CLOSED, Receiver, Sender
 MODES = ("auto", "zerocopy", "copy")
 
 
+MAX_STATIC_RANK = 64  # the dimensions a header may carry (dynamic and bounded records hold 8)
+
+
 class StaticReceiver(Receiver):
     """Receives tensors of one fixed shape and dtype into preallocated, registered memory.
 
@@ -48,6 +51,8 @@ class StaticReceiver(Receiver):
     def __init__(self, device, name: str, shape: Sequence[int] | int, dtype: torch.dtype,
                  depth: int = 1, timeout: float | None = 60.0, *, cuda=None):
         self.shape = shape_of(shape)
+        if len(self.shape) > MAX_STATIC_RANK:  # no sender would accept its header
+            raise InvalidArgumentError(f"a static receiver's rank is at most {MAX_STATIC_RANK}, got {len(self.shape)}")
         self.dtype = dtype
         dtype_code(dtype)
         self.itemsize = dtype.itemsize
@@ -134,7 +139,7 @@ class StaticSender(Sender):
 
     def _validate(self, meta: dict) -> None:
         shape, code, nbytes = meta.get("shape"), meta.get("dtype"), meta.get("nbytes")
-        if not isinstance(shape, list) or len(shape) > 64 or not all(
+        if not isinstance(shape, list) or len(shape) > MAX_STATIC_RANK or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
         ):
             raise InvalidArgumentError(f"the header published as '{self.name}' has a bad shape: {shape!r}")
