@@ -139,6 +139,17 @@ def test_training_equals_single_process(tmp_path, model, stages, schedule):
     assert all(r["placed"] > 0 for r in res), "no output was born in the arena"
 
 
+@pytest.mark.parametrize("inference", [False, True])
+def test_one_microbatch_per_step(tmp_path, inference):
+    """n_microbatches=1: each edge has one transfer in flight per step. The second step hung
+    until the stages' timeout (a one-slot receiver handed its slot back only once it took the
+    next transfer, which the sender held back for that slot)."""
+    cfg = {"model": "mlp", "stages": 2, "microbatches": 1, "batch": 8, "steps": 3, "inference": inference}
+    with Job(tmp_path, cfg) as j:
+        j.check_ok(start(j, 2).wait())
+        assert_matches_reference(j, 2)
+
+
 def test_a_constant_buffer_and_a_frozen_parameter_used_by_both_stages(tmp_path):
     """Each stage holds its own copy of what no stage changes; training matches one process."""
     cfg = {"model": "shared", "stages": 2, "steps": 3}

@@ -78,6 +78,14 @@ class Edge:
         return f"{'f' if self.direction == 'forward' else 'b'}{self.id}"
 
 
+def edge_depth(n_microbatches: int) -> int:
+    """Slots of an edge's receiver: a microbatch in flight each, and at least two. A receiver
+    hands slot k - 1 back when it takes transfer k, and the executor polls for k before it
+    takes it: with one slot, k's sender waited for the hand-back of k - 1 while the receiver
+    waited for k (the second step of n_microbatches=1 hung)."""
+    return max(2, n_microbatches)
+
+
 def align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
@@ -348,7 +356,7 @@ class Plan:
         nbytes = _numel(maxima) * itemsize if maxima is not None else _example_numel(val) * itemsize
         return Edge(eid, direction, payload, producer, consumer, source, producer_op, use, shape, maxima,
                     _dtype_name(val.dtype), cls, why_cls, nbytes, MECHANISM[cls], zc, why,
-                    depth=self.n_microbatches, requires_grad=requires_grad)
+                    depth=edge_depth(self.n_microbatches), requires_grad=requires_grad)
 
     # -- memory ---------------------------------------------------------------------------------
     def _size(self, stage: int) -> StageMemory:
