@@ -383,6 +383,21 @@ def test_uneven_microbatches_give_the_whole_batchs_gradient(one_rank, rows):
             torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
 
 
+def test_a_training_step_under_no_grad_trains(one_rank):
+    """The forward runs with grad on whatever the caller's mode; the loss's share for backward
+    was taken outside it, so a step under torch.no_grad() (an evaluation loop's context left
+    around it) failed with autograd's "element 0 of tensors does not require grad"."""
+    torch.manual_seed(0)
+    model, ref = Seq(), Seq()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    with graph.pipeline(model, (torch.randn(MB, 8),)).build_stage(timeout=20) as stage, torch.no_grad():
+        graph.ScheduleGPipe(stage, 2, loss_fn=torch.nn.functional.mse_loss).step(x, target=y)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    for name, p in stage.submod.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
+
+
 def test_a_batch_the_microbatches_do_not_take_says_so(one_rank):
     """Without a Dim on the batch, each microbatch has the rows pipeline() captured: a batch of
     another size is refused naming the rows (it said only that microbatch 0 had the wrong shape)."""

@@ -403,7 +403,8 @@ class PipelineStage:
         mb = self._mbs[m]
         tensors, grads = [], []
         if self.is_last:  # the microbatch's share of the batch (1/M when M divides it): the batch's mean loss
-            tensors.append(mb.loss * self._shares[m])
+            with torch.enable_grad():  # as the forward ran: a step called under no_grad trains too
+                tensors.append(mb.loss * self._shares[m])
             grads.append(torch.ones((), dtype=mb.loss.dtype))
         by_tensor: dict[int, list] = {}
         for e in self._bwd_in:
