@@ -14,10 +14,11 @@ process serving the store outlives the others, boundedly. Keys under the namespa
 
     any process                                   the serving process, at exit
     -----------                                   ----------------------------
-    count_out(): left += 1, once (at exit, or     leave(): count_out(), then wait
-      once it has read why the job failed)          until left + dead == world_size
-    declare_dead(kind, index): it found that        or LINGER s have passed,
-      process dead (a dead one never leaves):       looking every POLL s
+    count_out(): left += 1, once (at exit, when   leave(): count_out(), then wait
+      its store is dropped, or once it has read     until left + dead == world_size
+      why the job failed)                           or LINGER s have passed,
+    declare_dead(kind, index): it found that        looking every POLL s (it holds
+      process dead (a dead one never leaves):       its store until then)
       dead/KIND/INDEX += 1; the first to name
       that process adds 1 to dead
 """
@@ -112,7 +113,14 @@ class JobStore:
                                      wait_for_workers=False, multi_tenant=True)
         except Exception as e:  # noqa: BLE001 - torch raises several types here
             raise PeerError(f"cannot reach the job's c10d store at {self.address} within {timeout:.0f} s: {e}") from None
-        atexit.register(_leave_at_exit, weakref.ref(self))
+        # The serving process's store is held until exit, where it lingers for the others: a
+        # pipeline stage dropped when main() returned took the server with it while the other
+        # ranks still read their close barrier. A client counts out at exit, or once dropped
+        # (it cannot be used again): else the serving process lingered its whole LINGER for it.
+        if self.serving:
+            _SERVING.append(self)
+        else:
+            weakref.finalize(self, _count_out, self.tcp, self.ns, self._me)
 
     def _do(self, what: str, fn, *args):
         try:
@@ -213,18 +221,12 @@ class JobStore:
     def count_out(self) -> None:
         """Counts this process out, once, and never waits: it is leaving, or it has read why the
         job failed and needs the store no more. Best effort."""
-        with _once_lock:
-            first = self._me not in _counted_out
-            _counted_out.add(self._me)
-        if first:
-            with contextlib.suppress(RuntimeError):
-                self.tcp.add(self.ns + "left", 1)
+        _count_out(self.tcp, self.ns, self._me)
 
     def leave(self) -> None:
         """``count_out``; the serving process then waits, at most LINGER seconds, until every
-        process has left or was declared dead. Runs at exit, if not called before (the store
-        must still be referenced then: a process that may have dropped it calls this itself);
-        waits once; best effort."""
+        process has left or was declared dead. Runs at exit, if not called before (the serving
+        process holds its store until then); waits once; best effort."""
         self.count_out()
         with _once_lock:
             first = self.serving and self._me not in _waited
@@ -237,7 +239,19 @@ class JobStore:
                 time.sleep(POLL)
 
 
-def _leave_at_exit(ref: weakref.ref) -> None:
-    store = ref()
-    if store is not None:
+_SERVING: list[JobStore] = []  # the stores this process serves, held until exit
+
+
+@atexit.register
+def _leave_at_exit() -> None:
+    for store in _SERVING:
         store.leave()
+
+
+def _count_out(tcp, ns: str, me: tuple) -> None:
+    with _once_lock:
+        first = me not in _counted_out
+        _counted_out.add(me)
+    if first:
+        with contextlib.suppress(RuntimeError):
+            tcp.add(ns + "left", 1)

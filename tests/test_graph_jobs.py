@@ -44,7 +44,7 @@ GRAPH_TIMEOUT = "90"          # the stages' own waits: far longer, so a pass saw
 LIB_ERROR = r"rdmaflow\.(graph\.)?\w*Error: "
 
 
-def start(j: Job, stages: int, hosts=None, transport_env: dict | None = None) -> Job:
+def start(j: Job, stages: int, hosts=None, transport_env: dict | None = None, script: str = TRAIN) -> Job:
     port = free_port() if hosts is None else 29810
     for rank in range(stages):
         extra = {"GRAPH_TEST_CONFIG": json.dumps(j.cfg), "RANK": str(rank), "WORLD_SIZE": str(stages),
@@ -52,7 +52,7 @@ def start(j: Job, stages: int, hosts=None, transport_env: dict | None = None) ->
                      "MASTER_ADDR": "127.0.0.1" if hosts is None else hosts[0].addr,
                      "RDMAFLOW_GRAPH_TIMEOUT": GRAPH_TIMEOUT}
         if hosts is None:
-            j.spawn(f"rank{rank}", [sys.executable, TRAIN], j.env(extra, transport_env=transport_env))
+            j.spawn(f"rank{rank}", [sys.executable, script], j.env(extra, transport_env=transport_env))
         else:
             host = hosts[rank]
             j.spawn(f"rank{rank}", host.argv([sys.executable, TRAIN]),
@@ -148,6 +148,17 @@ def test_one_microbatch_per_step(tmp_path, inference):
     with Job(tmp_path, cfg) as j:
         j.check_ok(start(j, 2).wait())
         assert_matches_reference(j, 2)
+
+
+def test_a_stage_dropped_when_main_returns_closes_with_the_others(tmp_path):
+    """Rank 0 serves the job's store: its stage, dropped when main() returned, took the store
+    server with it while rank 1 still read the close barrier. Rank 1 then warned that not every
+    stage had closed, under c10d's "recvValue failed"."""
+    with Job(tmp_path, {}) as j:
+        j.check_ok(start(j, 2, script=os.path.join(HERE, "graph_jobs", "close_in_main.py")).wait())
+        logs = j.logs()
+    assert "rank 0 closed" in logs and "rank 1 closed" in logs, logs
+    assert "without every stage of the job closing" not in logs and "recvValue failed" not in logs, logs
 
 
 def test_a_constant_buffer_and_a_frozen_parameter_used_by_both_stages(tmp_path):
