@@ -235,6 +235,22 @@ def test_bad_split_specs():
     with pytest.raises(graph.CaptureError, match="stage 0 has no computation"):
         graph.pipeline(TwoLinear(), (torch.randn(MB, 8),), split_spec={"a": graph.SplitPoint.BEGINNING})
 
+    class Layers(torch.nn.Module):  # a ModuleList is iterated, never called
+        def __init__(self):
+            super().__init__()
+            self.ls = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+
+        def forward(self, x):
+            for layer in self.ls:
+                x = torch.relu(layer(x))
+            return x
+
+    # It was ignored: a one-stage pipeline, refused later as a mismatch with WORLD_SIZE.
+    with pytest.raises(graph.CaptureError, match=r"split_spec\['ls'\] put no split point in the model: its forward "
+                                                 r"never ran .* name one of its children, e.g. 'ls.1'"):
+        graph.pipeline(Layers(), (torch.randn(MB, 8),), split_spec={"ls": graph.SplitPoint.BEGINNING})
+    assert graph.pipeline(Layers(), (torch.randn(MB, 8),), split_spec={"ls.1": graph.SplitPoint.BEGINNING}).num_stages == 2
+
 
 def test_capture_arguments_are_refused_by_name():
     """Arguments torch.export would fail on deep inside (the error blamed a line of inspect.py or

@@ -93,8 +93,9 @@ def _op_name(func) -> str:
 @contextlib.contextmanager
 def _split_points(model: torch.nn.Module, split_spec: dict | None):
     """Wraps the forward of each module named in ``split_spec`` with a pipe_split() before
-    (BEGINNING) or after (END) it, for the duration of the export."""
-    patched = []
+    (BEGINNING) or after (END) it, for the duration of the export. A module whose forward never
+    ran put no split point in: refused, or the pipeline had a stage fewer than the user split."""
+    patched, ran = [], dict.fromkeys(split_spec or {}, 0)
     try:
         for fqn, where in (split_spec or {}).items():
             try:
@@ -105,7 +106,8 @@ def _split_points(model: torch.nn.Module, split_spec: dict | None):
                 raise CaptureError(f"split_spec['{fqn}'] must be SplitPoint.BEGINNING or SplitPoint.END, got {where!r}")
             original = mod.forward
 
-            def wrapped(*a, _orig=original, _where=where, **kw):
+            def wrapped(*a, _orig=original, _where=where, _fqn=fqn, **kw):
+                ran[_fqn] += 1
                 if _where == SplitPoint.BEGINNING:
                     pipe_split()
                 out = _orig(*a, **kw)
@@ -116,6 +118,12 @@ def _split_points(model: torch.nn.Module, split_spec: dict | None):
             mod.forward = wrapped
             patched.append(mod)
         yield
+        never = [fqn for fqn, n in ran.items() if n == 0]
+        if never:
+            raise CaptureError(
+                f"split_spec['{never[0]}'] put no split point in the model: its forward never ran during capture "
+                "(a ModuleList or ModuleDict is iterated, not called: name one of its children, e.g. "
+                f"'{never[0]}.1')")
     finally:
         for mod in patched:
             del mod.forward  # back to the class's forward
