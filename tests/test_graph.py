@@ -553,6 +553,16 @@ def test_stage_and_schedule_arguments_are_refused_by_name(one_rank, monkeypatch)
     with pytest.raises(graph.CaptureError, match="it is a parameter or buffer"):
         graph.pipeline(type("Weight", (Seq,), {"forward": lambda self, x: (self.a(x), self.a.weight)})(), (torch.randn(MB, 8),))
 
+    class WeightOfStage0(Seq):  # returned from the last stage: it was called tied weights
+        def forward(self, x):
+            h = self.a(x)
+            graph.pipe_split()
+            return self.b(h), self.a.weight
+
+    with pytest.raises(graph.CaptureError, match=r"model output 'a.weight' is not a tensor computed by a stage "
+                                                 r"\(it is a parameter or buffer"):
+        graph.pipeline(WeightOfStage0(), (torch.randn(MB, 8),))
+
     stage = pipe.build_stage(0, timeout=20)
     for bad in (2.5, "4", None):
         with pytest.raises(rdmaflow.InvalidArgumentError, match="n_microbatches must be a positive integer"):

@@ -194,6 +194,9 @@ def _assign_partitions(gm: torch.fx.GraphModule, ep: torch.export.ExportedProgra
     mutated = None
     for n in gm.graph.nodes:
         if n.op == "get_attr":
+            if any(u.op == "output" for u in n.users):  # before the check of shared tensors, which misnamed it
+                raise CaptureError(f"model output {_aliases(gm, n.target)} is not a tensor computed by a stage "
+                                   "(it is a parameter or buffer: return a computed tensor)")
             users = sorted({part[u] for u in n.users})
             if len(users) > 1:
                 mutated = _mutated(ep) if mutated is None else mutated
