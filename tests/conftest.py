@@ -86,6 +86,18 @@ class PeerProcess:
                 f.close()
 
 
+@pytest.fixture(autouse=True)
+def _stores_served_by_a_test_end_with_it():
+    """A process holds the job stores it serves until it exits (rdmaflow/job.py); this one runs
+    every test, so a test's stores are let go when it ends, as its job's process would exit.
+    Else their sockets outlived it (a later test counts this process's TCP sockets)."""
+    from rdmaflow import job
+
+    before = list(job._SERVING)
+    yield
+    job._SERVING[:] = before
+
+
 @pytest.fixture(params=TRANSPORTS)
 def transport(request, monkeypatch):
     """Restricts this process and its peers to one UCX transport."""
