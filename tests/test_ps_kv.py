@@ -365,11 +365,15 @@ report(**res)
 """
 
 # 2 workers x 2 shards; the test kills shard 1 while worker 0 waits in a barrier (shard 0 relays
-# it) and worker 1 pulls from shard 0 only.
+# it) and worker 1 pulls from shard 0 only. Both pass a first barrier before READY: worker 0's
+# second one starts as the test kills shard 1. Before, it started when worker 0 alone was ready:
+# in a loaded CI run worker 1 got ready so much later that worker 0's barrier reached its 45 s
+# step timeout first.
 SHARD_DIES_IN_BARRIER = COMMON + """
 ctx = ps.init()
 w = ctx.role.index
 kv = ps.KVStore([0, 1], [(2,), (2,)])
+kv.barrier()
 print("READY", flush=True)
 
 def body():
