@@ -325,11 +325,15 @@ except _core.RdmaflowError as e:
 # takes 3 s over worker 0's first push: its next push times out waiting for shard 1's ack, and
 # must have sent shard 0 nothing (it had: a retry added key 0's part twice). Then worker 0's
 # barriers time out while worker 1 sleeps: each retry must wait for the same barrier (it entered
-# a new one, and was ahead of worker 1 from then on).
+# a new one, and was ahead of worker 1 from then on), and say that worker 1 had not entered it.
+# Last, shard 0 takes 5 s over a push: the barrier behind it times out saying that shard 0 has
+# not released it.
 TIMEOUTS = COMMON + """
 def handler(key, stored, pushed):
     if key == 1 and float(pushed[0]) == 7.0:
         time.sleep(3)
+    if key == 0 and float(pushed[0]) == 50.0:
+        time.sleep(5)
     stored.add_(pushed)
 
 ctx = ps.init(kv_handler=handler)
@@ -350,8 +354,9 @@ if w == 0:
         try:
             kv.barrier(timeout=1.0)
             break
-        except _core.TimeoutError:
+        except _core.TimeoutError as e:
             res["barrier_timeouts"] += 1
+            res["barrier_error"] = str(e)
     kv.wait(kv.push(0, torch.full((2,), 100.0)), timeout=30)  # between the barriers
     kv.barrier(timeout=30)
 else:
@@ -360,6 +365,16 @@ else:
     kv.barrier(timeout=30)
 res["values"] = [t.tolist() for t in kv.wait(kv.pull([0, 1]), timeout=30)]
 kv.barrier(timeout=30)
+if w == 0:  # shard 0 takes 5 s over this push: the barriers behind it time out with both workers in
+    kv.push(0, torch.full((2,), 50.0))
+    while True:
+        try:
+            kv.barrier(timeout=1.0)
+            break
+        except _core.TimeoutError as e:
+            res["late_release"] = str(e)
+else:
+    kv.barrier(timeout=30)
 kv.close()
 report(**res)
 """
@@ -787,6 +802,9 @@ def test_a_push_that_times_out_sends_nothing_and_a_barrier_that_times_out_is_wai
     w0, w1 = sorted(finished_ok(jobs("timeouts")), key=lambda r: r["worker"])
     assert w0["push_timed_out"], w0
     assert w0["barrier_timeouts"] >= 1, w0
+    assert w0["barrier_error"] == "worker 0 waited 1 s for barrier 1 (shard 0) in vain: worker 1 had not entered it", w0
+    assert w0["late_release"] == ("worker 0 waited 1 s for barrier 4 (shard 0) in vain: every live worker entered "
+                                  "it, shard 0 has not released it yet"), w0
     # key 0: 7, the retried push once, then 100 (seen by worker 1 after the second barrier); key 1: 7 + 1
     for r in (w0, w1):
         assert r["values"] == [[108.0, 108.0], [8.0, 8.0]], r

@@ -48,7 +48,8 @@ shard's push and pull areas, and a landing area for its replies)::
     push / pull sources u64[s]
     status u64[s], then 512 bytes per shard: a shard that gives up WRITEs its reason, fence,
                    ABORT into its status word (the store may be gone with it)
-    barrier u64: the last barrier shard 0 released, then done / barrier sources
+    barrier u64: the last barrier shard 0 released, then done / barrier sources, then where a
+                 barrier that timed out READs shard 0's done and barrier words
 
 Push number n from worker w to shard s (one push request in flight per worker and shard: the
 next one waits for this one's ack before it touches the staging or the shard's area)::
@@ -85,7 +86,8 @@ visible before the pull's: the worker's own (its fence puts the push flag first:
 read-your-writes) and any other worker's whose ``wait()`` returned before. One push request in
 flight per worker and shard applies a worker's pushes in order. ``barrier()`` waits until this
 worker's push flags were delivered, then WRITEs its barrier number to shard 0, which WRITEs it
-back to every worker once all live workers entered it. ``close()`` WRITEs DONE (after a fence)
+back to every worker once all live workers entered it; one that times out READs shard 0's done
+and barrier words to name the live workers that had not entered it. ``close()`` WRITEs DONE (after a fence)
 into every shard's done word; a shard applies what is left and exits when every worker is done.
 """
 from __future__ import annotations

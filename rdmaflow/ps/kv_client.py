@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
+from rdmaflow import READ, WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.deadline import Deadline, checked_timeout
 from rdmaflow.ps.checkpoint import resuming
 from rdmaflow.ps.context import dumps
@@ -245,11 +245,12 @@ class KVStore:
         return reason
 
     def _wait_word(self, words: torch.Tensor, j: int, value: int, s: int, what: str, deadline: Deadline,
-                   watch=None) -> None:
+                   watch=None, why=None) -> None:
         """Waits for shard s to write ``value`` into ``words[j]``; the channels of the shards in
-        ``watch`` (default: s) are checked while waiting."""
+        ``watch`` (default: s) are checked while waiting. ``why()``, on a timeout, says why."""
         def timed_out():
-            raise TimeoutError(f"worker {self.id} waited {deadline.timeout:g} s for {what} (shard {s}) in vain")
+            raise TimeoutError(f"worker {self.id} waited {deadline.timeout:g} s for {what} (shard {s}) in vain"
+                               + (why() if why is not None else ""))
 
         watched = [s] if watch is None else list(watch)
         wait_flag(Word(words[j : j + 1]), value, deadline, what,
@@ -468,9 +469,26 @@ class KVStore:
             self._in_barrier = True  # entered: a call after a TimeoutError waits for this one again
         # Shard 0 relays the barrier, but every shard's pushes must reach it: all are watched.
         self._wait_word(self.barrier_word, 0, self.barrier_seq, 0, f"barrier {self.barrier_seq}", deadline,
-                        watch=range(len(self.shards)))
+                        watch=range(len(self.shards)), why=self._barrier_stragglers)
         self._in_barrier = False
         self.stats["barriers"] += 1
+
+    def _barrier_stragglers(self) -> str:
+        """For a barrier that timed out: the live workers that had not entered it, as shard 0
+        sees them (one READ of its done and barrier words); empty if that READ fails."""
+        sh, L = self.shards[0], self.spec.shards[0]
+        n = L.barrier - L.done + U64 * L.nw
+        try:
+            sh["channel"].memcpy(self.region, self.base + self.layout.peek, sh["remote"], sh["base"] + L.done,
+                                 n, READ).result(2.0)
+        except RdmaflowError:
+            return ""
+        done = words(self.raw, self.layout.peek, L.nw)
+        entered = words(self.raw, self.layout.peek + L.barrier - L.done, L.nw)
+        late = [w for w in range(L.nw) if int(done[w]) < DONE and int(entered[w]) < self.barrier_seq]
+        if not late:
+            return ": every live worker entered it, shard 0 has not released it yet"
+        return f": worker{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} had not entered it"
 
     @property
     def num_workers(self) -> int:

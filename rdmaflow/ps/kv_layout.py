@@ -203,7 +203,10 @@ class KVClientArea:
         self.barrier = self.reason + aligned(REASON * ns)
         self.done_src = self.barrier + U64
         self.barrier_src = self.barrier + 2 * U64
-        self.total = self.barrier + aligned(4 * U64)
+        # Where a barrier that timed out READs shard 0's done and barrier words (they are adjacent).
+        sh0 = shards[0]
+        self.peek = self.barrier + aligned(4 * U64)
+        self.total = self.peek + sh0.barrier - sh0.done + aligned(U64 * sh0.nw)
 
 
 def words(raw: torch.Tensor, off: int, count: int) -> torch.Tensor:
