@@ -29,9 +29,16 @@ from rdmaflow.testing.stacks import stacks_of
 JOB_DEADLINE = 150.0  # seconds from the start of the jobs until every process must have exited
 
 COMMON = """
-import json, os, sys, time, torch
+import json, os, pathlib, sys, time, torch
 import rdmaflow.ps as ps
 from rdmaflow import _core
+
+def ready():  # says READY once the test said go (Job.go): a job's window after it is the test's
+    go, t0 = pathlib.Path(__file__).with_suffix(".go"), time.monotonic()
+    while not go.exists():
+        assert time.monotonic() - t0 < 150, "the test never said go"
+        time.sleep(0.02)
+    print("READY", flush=True)
 
 def report(**res):
     print("RESULT " + json.dumps(res), flush=True)
@@ -206,7 +213,7 @@ SHARD_DIES = COMMON + """
 ctx = ps.init()
 kv = ps.KVStore([0, 1], [(2,), (2,)])
 kv.wait(kv.push([0, 1], [torch.ones(2), torch.ones(2)]))
-print("READY", flush=True)
+ready()
 
 def body():
     t0 = time.monotonic()
@@ -308,7 +315,7 @@ ctx = ps.init()
 kv = ps.KVStore(torch.arange(64).tolist(), [()] * 64)
 keys = torch.arange(64)
 kv.wait(kv.push(keys, torch.ones(64)))
-print("READY", flush=True)
+ready()
 t0 = time.monotonic()
 try:
     while time.monotonic() - t0 < 60:
@@ -380,16 +387,12 @@ report(**res)
 """
 
 # 2 workers x 2 shards; the test kills shard 1 while worker 0 waits in a barrier (shard 0 relays
-# it) and worker 1 pulls from shard 0 only. Both pass a first barrier before READY: worker 0's
-# second one starts as the test kills shard 1. Before, it started when worker 0 alone was ready:
-# in a loaded CI run worker 1 got ready so much later that worker 0's barrier reached its 45 s
-# step timeout first.
+# it) and worker 1 pulls from shard 0 only.
 SHARD_DIES_IN_BARRIER = COMMON + """
 ctx = ps.init()
 w = ctx.role.index
 kv = ps.KVStore([0, 1], [(2,), (2,)])
-kv.barrier()
-print("READY", flush=True)
+ready()
 
 def body():
     if w == 0:
@@ -423,7 +426,7 @@ WORKER_DIES = COMMON + """
 ctx = ps.init()
 w = ctx.role.index
 kv = ps.KVStore([0], [(2,)])
-print("READY", flush=True)
+ready()
 
 def body():
     t0 = time.monotonic()
@@ -579,6 +582,11 @@ class Job:
             with open(log, "w") as f:
                 self.procs.append(subprocess.Popen([sys.executable, str(self.path)], stdout=f,
                                                    stderr=subprocess.STDOUT, env=env, start_new_session=True))
+
+    def go(self) -> None:
+        """Lets the job's workers say READY (COMMON's ready()): the jobs all start with the module,
+        but a window of 60 s after READY must start when the test that ends it runs."""
+        (self.tmp / f"{self.name}.go").touch()
 
     def wait(self, deadline: float) -> None:
         while any(p.poll() is None for p in self.procs):
@@ -777,6 +785,7 @@ def test_mismatched_declaration_fails_everywhere(jobs):
 def kill_shard_1_when_ready(jobs, job: Job, worker_ranks) -> None:
     """Once every worker of ``job`` printed READY, kills shard 1 and waits for the job: every
     process must have ended within 20 s."""
+    job.go()
     for rank in worker_ranks:
         while "READY" not in job.logs[rank].read_text():
             assert job.procs[rank].poll() is None, job.output()
@@ -830,6 +839,7 @@ def test_workers_of_one_job_must_use_one_api(jobs):
 def test_a_shard_declares_a_worker_it_finds_dead(jobs):
     """So that the process serving the store does not wait at exit (15 s) for the dead one."""
     job = jobs("worker_dies", wait=False)
+    job.go()
     while "READY" not in job.logs[1].read_text() or "READY" not in job.logs[2].read_text():
         assert all(p.poll() is None for p in job.procs), job.output()
         assert time.monotonic() < jobs.deadline, job.output()
