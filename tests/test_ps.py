@@ -246,7 +246,7 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
     worker's batch of each step."""
     seed = cfg["seed"]
     model = job.make_model(seed, cfg.get("model"))
-    opt = job.make_optimizer(model.parameters(), cfg["optim"], cfg["lr"])
+    opt = job.make_optimizer(job.optimized_parameters(model, cfg), cfg["optim"], cfg["lr"])
     for t in range(cfg["steps"]):
         batches = [job.make_batch(seed, w, t, cfg["batch"]) for w in range(workers)]
         x = torch.cat([b[0] for b in batches])
@@ -259,7 +259,9 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
 
 def assert_matches_reference(j: Job, workers: int, shards: int) -> None:
     ref = reference(j.cfg, workers)
-    init = dict(job.make_model(j.cfg["seed"], j.cfg.get("model")).named_parameters())
+    model = job.make_model(j.cfg["seed"], j.cfg.get("model"))
+    init = dict(model.named_parameters())
+    held = {id(p) for p in job.optimized_parameters(model, j.cfg)}
     for w in range(workers):
         res = j.worker_result(w)
         assert res["steps"] == j.cfg["steps"]
@@ -267,6 +269,9 @@ def assert_matches_reference(j: Job, workers: int, shards: int) -> None:
         assert list(got) == list(ref)
         for name in ref:
             assert got[name].dtype == ref[name].dtype and got[name].shape == ref[name].shape
+            if id(init[name]) not in held:  # as torch leaves a parameter its optimizer does not hold
+                assert torch.equal(got[name], init[name]), f"{name} is not in the optimizer, but it moved"
+                continue
             # The job trained: the parameters moved well beyond the tolerance.
             assert not torch.allclose(got[name], init[name], rtol=RTOL, atol=1e-3), f"{name} did not move"
             err = (got[name] - ref[name]).abs().max().item()
@@ -385,6 +390,15 @@ def test_sync_equals_single_process(tmp_path, workers, shards, policy, optim):
         j.start_local(workers, shards)
         j.check_ok(j.wait())
         assert_matches_reference(j, workers, shards)
+
+
+def test_parameters_the_optimizer_does_not_hold_stay_as_they_are(tmp_path):
+    """The first layer requires gradients but is not in the optimizer: torch leaves it as it is
+    (the shards had trained it)."""
+    with Job(tmp_path, dict(sync_cfg("block", "sgd"), head_only=True)) as j:
+        j.start_local(2, 1)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 1)
 
 
 def test_sync_through_rdmaflow_launch(tmp_path):
@@ -699,6 +713,8 @@ def test_worker_arguments_are_checked_before_joining():
                      ({"log_every": True}, "log_every")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer"):
             Worker(ctx, model, opt, **kw)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="the optimizer holds 1 tensor"):
+        Worker(ctx, model, torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1))
     for mode in ("sync", "async"):  # a bound these modes would ignore
         with pytest.raises(rdmaflow.InvalidArgumentError, match=f"applies to mode 'bounded' only; mode '{mode}'"):
             Worker(ctx, model, opt, mode=mode, staleness=3)

@@ -98,6 +98,18 @@ def model_device(named) -> torch.device | None:
     return d
 
 
+def trained_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
+    """The (name, parameter) pairs the job trains: the model's parameters that require a gradient
+    and that the optimizer holds. Those it does not hold stay as they are, as torch leaves them."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    named = list(model.named_parameters())
+    foreign = held - {id(p) for _, p in named}
+    if foreign:
+        raise InvalidArgumentError(f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the "
+                                   "model: give DistributedOptimizer the model whose parameters it trains")
+    return [(n, p) for n, p in named if p.requires_grad and id(p) in held]
+
+
 class Worker:
     """Wraps a model and its torch optimizer: ``step()`` pushes gradients and pulls weights."""
 
@@ -122,6 +134,7 @@ class Worker:
         shard_device = shard_device or os.environ.get("RDMAFLOW_PS_SHARD_DEVICE") or "cpu"
         if shard_device not in SHARD_DEVICES:
             raise InvalidArgumentError(f"shard_device must be one of {SHARD_DEVICES}, got {shard_device!r}")
+        self._named = trained_parameters(model, optimizer)
         self.ctx = ctx
         self.role = ctx.role
         self.id = ctx.role.index
@@ -157,7 +170,7 @@ class Worker:
     # -- setup --------------------------------------------------------------------------------
     def _setup(self, mine: dict) -> None:
         store = self.store
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        named = self._named
         self.cuda = model_device(named)  # None: a host model
         spec = spec_of(named)
         store.set(f"ep/worker/{self.id}", self.dev.endpoint)

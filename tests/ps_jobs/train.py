@@ -5,6 +5,7 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
 
     mode, staleness, policy, block_bytes    -> DistributedOptimizer
     optim ("sgd" | "adam"), lr              -> the torch optimizer (see make_optimizer)
+    head_only                               -> it holds only the last layer's parameters
     steps, batch, seed                      -> worker w's batch of step t is make_batch(seed, w, t, batch)
     out                                     -> directory for the results (below)
     model     "many": every process builds the many-small-tensors model (make_model)
@@ -114,6 +115,12 @@ def make_optimizer(params, name: str, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
+def optimized_parameters(model: torch.nn.Module, cfg: dict):
+    """What the torch optimizer holds: every parameter, or with ``head_only`` the last layer's
+    (the others still require gradients, and stay as they are)."""
+    return model[-1].parameters() if cfg.get("head_only") else model.parameters()
+
+
 def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dtype = next(model.parameters()).dtype  # a float64 variant gets float64 data
     return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
@@ -166,7 +173,8 @@ def main() -> None:
                 break
             time.sleep(0.05)
         trace("joining")
-    opt = ps.DistributedOptimizer(model, make_optimizer(model.parameters(), cfg.get("optim", "sgd"), float(cfg["lr"])),
+    opt = ps.DistributedOptimizer(model, make_optimizer(optimized_parameters(model, cfg), cfg.get("optim", "sgd"),
+                                                             float(cfg["lr"])),
                                   mode=cfg.get("mode", "sync"), staleness=int(cfg.get("staleness", 0)),
                                   policy=cfg.get("policy", "block"), block_bytes=int(cfg.get("block_bytes", 256)),
                                   **{k: cfg[k] for k in ("overlap", "zero_copy", "min_workers", "checkpoint_dir",
