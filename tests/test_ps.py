@@ -247,6 +247,7 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
     seed = cfg["seed"]
     model = job.make_model(seed, cfg.get("model"))
     opt = job.make_optimizer(job.optimized_parameters(model, cfg), cfg["optim"], cfg["lr"])
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if cfg.get("schedule") else None
     for t in range(cfg["steps"]):
         batches = [job.make_batch(seed, w, t, cfg["batch"]) for w in range(workers)]
         x = torch.cat([b[0] for b in batches])
@@ -254,6 +255,8 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
         opt.zero_grad()
         job.loss_fn(model, x, y).backward()
         opt.step()
+        if scheduler is not None:
+            job.reschedule(opt, scheduler, t)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -399,6 +402,16 @@ def test_parameters_the_optimizer_does_not_hold_stay_as_they_are(tmp_path):
         j.start_local(2, 1)
         j.check_ok(j.wait())
         assert_matches_reference(j, 2, 1)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_hyperparameters_changed_during_training_reach_the_shards(tmp_path, optim):
+    """An LR scheduler halves lr every two steps and the weight decay changes by hand: the shards
+    run the optimizer with the values each step had (they had kept the first ones)."""
+    with Job(tmp_path, dict(sync_cfg("variable", optim, steps=6), schedule=True)) as j:
+        j.start_local(2, 2)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 2)
 
 
 def test_sync_through_rdmaflow_launch(tmp_path):
@@ -702,6 +715,7 @@ def test_worker_arguments_are_checked_before_joining():
     from types import SimpleNamespace
 
     import rdmaflow
+    from rdmaflow.ps.optim import describe_optimizer, hyper_fields
     from rdmaflow.ps.worker import Worker
 
     ctx = SimpleNamespace(role=SimpleNamespace(num_workers=2))
@@ -715,6 +729,18 @@ def test_worker_arguments_are_checked_before_joining():
             Worker(ctx, model, opt, **kw)
     with pytest.raises(rdmaflow.InvalidArgumentError, match="the optimizer holds 1 tensor"):
         Worker(ctx, model, torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+    # Hyperparameters that are not numbers, and parameter groups, cannot change during training.
+    changing = Worker.__new__(Worker)
+    changing.optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    changing._hyper_fixed = describe_optimizer(changing.optimizer)
+    changing._hyper_fields = hyper_fields(changing._hyper_fixed)
+    changing.optimizer.param_groups[0]["nesterov"] = True
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"the optimizer's nesterov changed during training: "
+                       r"only its numeric hyperparameters may \(dampening, lr, momentum, weight_decay\)"):
+        changing._send_hyper(1)
+    changing.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="one parameter group"):
+        changing._send_hyper(1)
     for mode in ("sync", "async"):  # a bound these modes would ignore
         with pytest.raises(rdmaflow.InvalidArgumentError, match=f"applies to mode 'bounded' only; mode '{mode}'"):
             Worker(ctx, model, opt, mode=mode, staleness=3)
@@ -724,6 +750,43 @@ def test_worker_arguments_are_checked_before_joining():
                      (closed.zero_grad, "zero_grad"), (closed.step, "step")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{op}: this parameter-server worker is closed"):
             call()
+
+
+def test_a_shard_runs_each_push_with_the_hyperparameters_sent_with_it():
+    """Asynchronous overlap: a worker's pushes t and t + 1 may both wait at the shard, so each
+    has its own record (slot t % 2); a push without one runs with the values in use."""
+    from rdmaflow.ps.optim import build_optimizer, describe_optimizer, hyper_fields, hyper_values
+    from rdmaflow.ps.protocol import ShardLayout
+    from rdmaflow.ps.shard import Shard
+
+    params = [torch.zeros(4)]
+    desc = describe_optimizer(torch.optim.Adam(params, lr=0.01, betas=(0.9, 0.99)))
+    shard = Shard.__new__(Shard)
+    shard.hyper_fields = hyper_fields(desc)
+    assert shard.hyper_fields == [("betas", 0), ("betas", 1), ("eps", None), ("lr", None), ("weight_decay", None)]
+    shard.layout = L = ShardLayout(4, 4, 2, slots=2, hyper=len(shard.hyper_fields))
+    raw = torch.zeros(L.total, dtype=torch.uint8)
+    shard.hyper = [[raw[L.hyper_at(w, k) : L.hyper_at(w, k) + 8 * (1 + L.hyper_count)] for k in range(2)]
+                   for w in range(2)]
+    shard.optimizers = [(params, build_optimizer(desc, params))]
+    shard.hyper_in_use = hyper_values(desc["hyper"], shard.hyper_fields)
+
+    def record(w, t, values):
+        raw[L.hyper_at(w, t) : L.hyper_at(w, t) + 8].view(torch.int64)[0] = t
+        raw[L.hyper_at(w, t) + 8 : L.hyper_at(w, t) + 8 * (1 + len(values))].view(torch.float64).copy_(
+            torch.tensor(values, dtype=torch.float64))
+
+    group = shard.optimizers[0][1].param_groups[0]
+    shard.use_hyper(1, 3)  # no record: the values in use
+    assert group["lr"] == 0.01 and group["betas"] == (0.9, 0.99)
+    record(1, 3, [0.8, 0.95, 1e-8, 0.005, 0.0])
+    record(1, 4, [0.8, 0.95, 1e-8, 0.0025, 0.0])
+    shard.use_hyper(1, 3)
+    assert group["lr"] == 0.005 and group["betas"] == (0.8, 0.95)
+    shard.use_hyper(1, 4)
+    assert group["lr"] == 0.0025
+    shard.use_hyper(0, 4)  # worker 0 sent none: unchanged
+    assert group["lr"] == 0.0025
 
 
 def test_init_refuses_timeouts_that_are_not_seconds(monkeypatch):

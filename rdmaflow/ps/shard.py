@@ -20,7 +20,7 @@ from rdmaflow.job import env_int
 from rdmaflow.ps import checkpoint
 from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest
-from rdmaflow.ps.optim import build_optimizer
+from rdmaflow.ps.optim import build_optimizer, describe_optimizer, hyper_fields, hyper_values, set_hyper
 from rdmaflow.ps.protocol import (
     ABORT,
     DONE,
@@ -28,6 +28,7 @@ from rdmaflow.ps.protocol import (
     LEFT_WITHOUT_CLOSE,
     ShardLayout,
     WorkerLayout,
+    hyper_bytes,
     progress,
     write_runs_then_flag,
 )
@@ -80,7 +81,8 @@ class Shard:
         n = self.plan.shard_numel(self.id)
         self.numel = n
         self.nw = role.num_workers
-        self.layout = L = ShardLayout(n, self.itemsize, self.nw, 2 if self.switching else 1)
+        self.hyper_fields = hyper_fields(self.config["optim"])
+        self.layout = L = ShardLayout(n, self.itemsize, self.nw, 2 if self.switching else 1, len(self.hyper_fields))
         arena = self.dev.create_arena(L.total + (1 << 20))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
@@ -111,6 +113,9 @@ class Shard:
         self.pull = [Word.at(raw, L.pull + FLAG * w) for w in range(self.nw)]
         self.reply_src = [raw[L.reply_src_at(w, 0) : L.reply_src_at(w + 1, 0)].view(torch.int64)
                           for w in range(self.nw)]
+        # Per worker and slot: its hyperparameter record (marker, values).
+        self.hyper = [[raw[L.hyper_at(w, k) : L.hyper_at(w, k) + hyper_bytes(L.hyper_count)] for k in range(L.slots)]
+                      for w in range(self.nw)]
         # Where this job starts: step 0, or the latest complete checkpoint when resuming.
         if self.id == 0:
             start = 0
@@ -168,6 +173,9 @@ class Shard:
                                          w0["remote"], src + u.offset * isz, u.numel * isz, READ)
                     for u in runs_of(self.units)]
             wait_all(futs, self.ctx.timeout)
+        # The hyperparameters in use: the job's, or those a checkpoint brought back.
+        desc = describe_optimizer(self.optimizers[0][1]) if self.optimizers else self.config["optim"]
+        self.hyper_in_use = hyper_values(desc["hyper"], self.hyper_fields)
         self.applied = [self.start] * self.nw
         self.answered = [self.start] * self.nw
         self.done = [False] * self.nw
@@ -279,6 +287,19 @@ class Shard:
             p.grad = grads[u.shard_offset - lo : u.shard_offset - lo + u.numel]
         opt.step()
 
+    def use_hyper(self, w: int, t: int) -> None:
+        """Runs the optimizer with worker w's hyperparameters for its push t, if it sent any
+        (its push flag came after them); otherwise with those in use (the job's, or a
+        checkpoint's)."""
+        rec = self.hyper[w][t % self.layout.slots]
+        if not int(rec[:8].view(torch.int64)[0]):
+            return
+        values = rec[8:].view(torch.float64).tolist()
+        if values != self.hyper_in_use:
+            for _, opt in self.optimizers:
+                set_hyper(opt, self.hyper_fields, values)
+            self.hyper_in_use = values
+
     def apply(self, grads: torch.Tensor, scale: float) -> None:
         for k, (lo, hi) in enumerate(self.spans):
             g = grads[lo:hi]
@@ -316,6 +337,7 @@ class Shard:
             # concatenated batch (of the surviving workers, after a failure). Chunk by chunk:
             # chunk k's weights are on the wire while chunk k + 1 is computed (iRDMA §IV-C).
             ws = sorted(flags)
+            self.use_hyper(ws[0], t)  # worker 0's, or the lowest live one's after a failure
             for w in ws:
                 self.applied[w] = t
                 self._to_worker(w, self._reply_begin, w)
@@ -364,6 +386,7 @@ class Shard:
                     continue
                 while f > self.applied[w]:  # in order: with overlap two pushes may be waiting
                     k = self.applied[w] + 1
+                    self.use_hyper(w, k)
                     self.apply(self.gslots[w][k % self.layout.slots], 1.0)
                     self.applied[w] = k
                     waiting.add(w)

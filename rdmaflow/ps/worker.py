@@ -47,8 +47,17 @@ from rdmaflow.ps.layout import (
     spec_of,
     units_holding,
 )
-from rdmaflow.ps.optim import describe_optimizer
-from rdmaflow.ps.protocol import ABORT, DONE, FLAG, ShardLayout, WorkerLayout, progress, write_runs_then_flag
+from rdmaflow.ps.optim import describe_optimizer, fixed_changes, hyper_fields, hyper_values
+from rdmaflow.ps.protocol import (
+    ABORT,
+    DONE,
+    FLAG,
+    ShardLayout,
+    WorkerLayout,
+    hyper_bytes,
+    progress,
+    write_runs_then_flag,
+)
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 from rdmaflow.transfer.common import stream_done
 
@@ -188,14 +197,21 @@ class Worker:
         for k in ("mode", "policy", "overlap", "shard_device"):
             if cfg[k] != mine[k]:
                 raise WorkerFailure(f"worker {self.id} asks for {k}={mine[k]}; the job runs {k}={cfg[k]}")
+        if mine["optim"]["name"] != cfg["optim"]["name"]:  # the hyperparameters then differ in kind
+            raise WorkerFailure(f"worker {self.id}'s optimizer is {mine['optim']['name']}; the job runs worker 0's "
+                                f"{cfg['optim']['name']}")
         self.cfg = cfg
         self.plan = plan = make_plan(spec, self.role.num_shards, cfg["policy"], int(cfg["block_bytes"]))
         self.dtype = FLOAT_DTYPES[plan.dtype]
         isz = self.itemsize = plan.itemsize
         # Asynchronous overlap computes on one parameter buffer while the other fills.
         self.switching = self.overlap and self.mode != "sync"
+        # The hyperparameters that may change (an LR scheduler's lr): sent with a push that
+        # follows a change; the others must stay as they were.
+        self._hyper_fields = hyper_fields(cfg["optim"])
+        self._hyper_fixed = describe_optimizer(self.optimizer)
         L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards, 2 if self.switching else 1,
-                                       0 if self.cuda else 2)
+                                       0 if self.cuda else 2, len(self._hyper_fields))
         arena = self.dev.create_arena(L.total + (1 << 20))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
@@ -246,6 +262,12 @@ class Worker:
                          for s in range(self.role.num_shards)]
         self.pull_src = [raw[L.pull_src + FLAG * s : L.pull_src + FLAG * s + 8].view(torch.int64)
                          for s in range(self.role.num_shards)]
+        self._hyper_src = [raw[L.hyper_src + i * L.hyper_stride : L.hyper_src + i * L.hyper_stride
+                               + hyper_bytes(L.hyper_count)] for i in range(2)]
+        self._hyper_futs: list[list] = [[], []]
+        self._hyper_next = 0
+        # Per record slot of the shards: the values last written there (the job's at first).
+        self._hyper_sent = [hyper_values(cfg["optim"]["hyper"], self._hyper_fields)] * (2 if self.switching else 1)
         self._index_units()
         self.dev.publish("ps/worker", pack_header({"layout": L.to_dict(), "base": self.base},
                                                   arena.region.descriptor()))
@@ -634,6 +656,7 @@ class Worker:
                     self._push_unit(u, t)
             if self.cuda is not None:
                 stream_done(self.flat_grads[self.gbuf])  # staged and accumulated on the GPU
+            self._send_hyper(t)
             flags_local = self.region if self.cuda is not None else None  # the flags stay in host memory
             futs = []
             for s, sh in enumerate(self.shards):
@@ -652,6 +675,31 @@ class Worker:
             self._ranges = []
             self._pending = list(self._unit_need)
         return futs
+
+    def _send_hyper(self, t: int) -> None:
+        """WRITEs the optimizer's hyperparameters into each shard's record for push t if they
+        changed since that record was last written (what an LR scheduler does); the push flag
+        follows on the same channel, so the shard reads them with this push."""
+        now = describe_optimizer(self.optimizer)  # also refuses a second parameter group
+        fixed = fixed_changes(self._hyper_fixed, now, self._hyper_fields)
+        if fixed:
+            raise InvalidArgumentError(f"the optimizer's {', '.join(fixed)} changed during training: only its "
+                                       f"numeric hyperparameters may ({', '.join(sorted({k for k, _ in self._hyper_fields}))})")
+        values = hyper_values(now["hyper"], self._hyper_fields)
+        slot = t % len(self._hyper_sent)
+        if values == self._hyper_sent[slot]:
+            return
+        i, self._hyper_next = self._hyper_next, self._hyper_next ^ 1
+        for f in self._hyper_futs[i]:  # that record's source was last sent a change ago
+            f.result(self.ctx.timeout)
+        src = self._hyper_src[i]
+        src[:8].view(torch.int64)[0] = t
+        src[8:].view(torch.float64).copy_(torch.tensor(values, dtype=torch.float64))
+        n, off = len(src), self.base + self.layout.hyper_src + i * self.layout.hyper_stride
+        self._hyper_futs[i] = [sh["channel"].memcpy(self.region, off, sh["remote"],
+                                                    sh["base"] + sh["layout"].hyper_at(self.id, t), n, WRITE)
+                               for sh in self.shards]
+        self._hyper_sent[slot] = values
 
     # -- pulling (asynchronous overlap) -------------------------------------------------------
     def _request_pull(self, r: int, delay: float) -> None:

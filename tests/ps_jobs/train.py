@@ -6,6 +6,7 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
     mode, staleness, policy, block_bytes    -> DistributedOptimizer
     optim ("sgd" | "adam"), lr              -> the torch optimizer (see make_optimizer)
     head_only                               -> it holds only the last layer's parameters
+    schedule                                -> hyperparameters change during training (see reschedule)
     steps, batch, seed                      -> worker w's batch of step t is make_batch(seed, w, t, batch)
     out                                     -> directory for the results (below)
     model     "many": every process builds the many-small-tensors model (make_model)
@@ -121,6 +122,14 @@ def optimized_parameters(model: torch.nn.Module, cfg: dict):
     return model[-1].parameters() if cfg.get("head_only") else model.parameters()
 
 
+def reschedule(opt: torch.optim.Optimizer, scheduler, t: int) -> None:
+    """After step t (0-based) of a ``schedule`` job: StepLR halves lr every two steps, and the
+    weight decay is changed by hand after step 1."""
+    scheduler.step()
+    if t == 1:
+        opt.param_groups[0]["weight_decay"] = 0.05
+
+
 def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dtype = next(model.parameters()).dtype  # a float64 variant gets float64 data
     return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
@@ -173,8 +182,9 @@ def main() -> None:
                 break
             time.sleep(0.05)
         trace("joining")
-    opt = ps.DistributedOptimizer(model, make_optimizer(optimized_parameters(model, cfg), cfg.get("optim", "sgd"),
-                                                             float(cfg["lr"])),
+    torch_opt = make_optimizer(optimized_parameters(model, cfg), cfg.get("optim", "sgd"), float(cfg["lr"]))
+    scheduler = torch.optim.lr_scheduler.StepLR(torch_opt, 2, 0.5) if cfg.get("schedule") else None
+    opt = ps.DistributedOptimizer(model, torch_opt,
                                   mode=cfg.get("mode", "sync"), staleness=int(cfg.get("staleness", 0)),
                                   policy=cfg.get("policy", "block"), block_bytes=int(cfg.get("block_bytes", 256)),
                                   **{k: cfg[k] for k in ("overlap", "zero_copy", "min_workers", "checkpoint_dir",
@@ -204,6 +214,8 @@ def main() -> None:
             # the store already says so.
             ctx.store.set(f"test/pushed/{w}", str(t + 1))
         opt.step()
+        if scheduler is not None:
+            reschedule(torch_opt, scheduler, t)
         losses.append(loss.item())
         if track:
             # How far ahead of every other still-running worker this one got, counted: its
