@@ -262,9 +262,7 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
 
 def assert_matches_reference(j: Job, workers: int, shards: int) -> None:
     ref = reference(j.cfg, workers)
-    model = job.make_model(j.cfg["seed"], j.cfg.get("model"))
-    init = dict(model.named_parameters())
-    held = {id(p) for p in job.optimized_parameters(model, j.cfg)}
+    init = dict(job.make_model(j.cfg["seed"], j.cfg.get("model")).named_parameters())
     for w in range(workers):
         res = j.worker_result(w)
         assert res["steps"] == j.cfg["steps"]
@@ -272,8 +270,8 @@ def assert_matches_reference(j: Job, workers: int, shards: int) -> None:
         assert list(got) == list(ref)
         for name in ref:
             assert got[name].dtype == ref[name].dtype and got[name].shape == ref[name].shape
-            if id(init[name]) not in held:  # as torch leaves a parameter its optimizer does not hold
-                assert torch.equal(got[name], init[name]), f"{name} is not in the optimizer, but it moved"
+            if torch.equal(ref[name], init[name]):  # torch left it alone: not in the optimizer, or no gradient
+                assert torch.equal(got[name], init[name]), f"{name} moved; single-process training leaves it"
                 continue
             # The job trained: the parameters moved well beyond the tolerance.
             assert not torch.allclose(got[name], init[name], rtol=RTOL, atol=1e-3), f"{name} did not move"
@@ -409,6 +407,16 @@ def test_hyperparameters_changed_during_training_reach_the_shards(tmp_path, opti
     """An LR scheduler halves lr every two steps and the weight decay changes by hand: the shards
     run the optimizer with the values each step had (they had kept the first ones)."""
     with Job(tmp_path, dict(sync_cfg("variable", optim, steps=6), schedule=True)) as j:
+        j.start_local(2, 2)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 2)
+
+
+@pytest.mark.parametrize("optim,overlap", [("sgd", True), ("adam", False)])
+def test_a_parameter_without_a_gradient_is_not_stepped(tmp_path, optim, overlap):
+    """A layer the forward never uses has no gradient: torch's optimizer skips it (its grad is
+    None), the shards stepped it with zeros, which weight decay, momentum and Adam move."""
+    with Job(tmp_path, dict(sync_cfg("variable", optim), model="unused", overlap=overlap)) as j:
         j.start_local(2, 2)
         j.check_ok(j.wait())
         assert_matches_reference(j, 2, 2)
@@ -737,10 +745,10 @@ def test_worker_arguments_are_checked_before_joining():
     changing.optimizer.param_groups[0]["nesterov"] = True
     with pytest.raises(rdmaflow.InvalidArgumentError, match=r"the optimizer's nesterov changed during training: "
                        r"only its numeric hyperparameters may \(dampening, lr, momentum, weight_decay\)"):
-        changing._send_hyper(1)
+        changing._hyper_now()
     changing.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
     with pytest.raises(rdmaflow.InvalidArgumentError, match="one parameter group"):
-        changing._send_hyper(1)
+        changing._hyper_now()
     for mode in ("sync", "async"):  # a bound these modes would ignore
         with pytest.raises(rdmaflow.InvalidArgumentError, match=f"applies to mode 'bounded' only; mode '{mode}'"):
             Worker(ctx, model, opt, mode=mode, staleness=3)
@@ -752,41 +760,62 @@ def test_worker_arguments_are_checked_before_joining():
             call()
 
 
-def test_a_shard_runs_each_push_with_the_hyperparameters_sent_with_it():
+def test_a_shard_runs_each_push_with_the_step_record_sent_with_it():
     """Asynchronous overlap: a worker's pushes t and t + 1 may both wait at the shard, so each
-    has its own record (slot t % 2); a push without one runs with the values in use."""
+    has its own step record (slot t % 2); a push without one runs with the hyperparameters in use
+    and every parameter stepped. A unit is skipped only if no parameter it holds part of has a
+    gradient in any of the step's pushes."""
+    from rdmaflow.ps.layout import make_plan, spec_of
     from rdmaflow.ps.optim import build_optimizer, describe_optimizer, hyper_fields, hyper_values
     from rdmaflow.ps.protocol import ShardLayout
     from rdmaflow.ps.shard import Shard
 
-    params = [torch.zeros(4)]
+    # Three parameters of 4, 1 and 3 floats in blocks of 16 bytes: units [0, 4) [4, 8).
+    named = [("a", torch.zeros(4)), ("b", torch.zeros(1)), ("c", torch.zeros(3))]
+    plan = make_plan(spec_of(named), 1, "block", 16)
+    units = plan.units_of(0)
+    assert [(u.offset, u.numel) for u in units] == [(0, 4), (4, 4)]
+    params = [torch.zeros(4), torch.zeros(4)]
     desc = describe_optimizer(torch.optim.Adam(params, lr=0.01, betas=(0.9, 0.99)))
     shard = Shard.__new__(Shard)
     shard.hyper_fields = hyper_fields(desc)
     assert shard.hyper_fields == [("betas", 0), ("betas", 1), ("eps", None), ("lr", None), ("weight_decay", None)]
-    shard.layout = L = ShardLayout(4, 4, 2, slots=2, hyper=len(shard.hyper_fields))
+    shard.layout = L = ShardLayout(8, 4, 2, slots=2, hyper=len(shard.hyper_fields), params=3)
     raw = torch.zeros(L.total, dtype=torch.uint8)
-    shard.hyper = [[raw[L.hyper_at(w, k) : L.hyper_at(w, k) + 8 * (1 + L.hyper_count)] for k in range(2)]
-                   for w in range(2)]
+    shard.records = [[raw[L.record_at(w, k) : L.record_at(w, k) + L.record_stride] for k in range(2)]
+                     for w in range(2)]
     shard.optimizers = [(params, build_optimizer(desc, params))]
     shard.hyper_in_use = hyper_values(desc["hyper"], shard.hyper_fields)
+    starts = [info.offset for info in plan.params]
+    from rdmaflow.ps.layout import units_holding
+    shard.unit_params = [[torch.tensor(units_holding(starts, u.offset, u.offset + u.numel)) for u in units]]
 
-    def record(w, t, values):
-        raw[L.hyper_at(w, t) : L.hyper_at(w, t) + 8].view(torch.int64)[0] = t
-        raw[L.hyper_at(w, t) + 8 : L.hyper_at(w, t) + 8 * (1 + len(values))].view(torch.float64).copy_(
-            torch.tensor(values, dtype=torch.float64))
+    def write(w, t, values, has):
+        at = L.record_at(w, t)
+        raw[at : at + 8].view(torch.int64)[0] = t
+        raw[at + 8 : at + 8 * (1 + len(values))].view(torch.float64).copy_(torch.tensor(values, dtype=torch.float64))
+        raw[at + 8 * (1 + len(values)) : at + 8 * (1 + len(values)) + 3].copy_(torch.tensor(has, dtype=torch.uint8))
 
     group = shard.optimizers[0][1].param_groups[0]
-    shard.use_hyper(1, 3)  # no record: the values in use
+    assert shard.record(1, 3) is None
+    shard.use_hyper(None)  # no record: the values in use
     assert group["lr"] == 0.01 and group["betas"] == (0.9, 0.99)
-    record(1, 3, [0.8, 0.95, 1e-8, 0.005, 0.0])
-    record(1, 4, [0.8, 0.95, 1e-8, 0.0025, 0.0])
-    shard.use_hyper(1, 3)
+    write(1, 3, [0.8, 0.95, 1e-8, 0.005, 0.0], [1, 1, 0])
+    write(1, 4, [0.8, 0.95, 1e-8, 0.0025, 0.0], [0, 0, 1])
+    shard.use_hyper(shard.record(1, 3))
     assert group["lr"] == 0.005 and group["betas"] == (0.8, 0.95)
-    shard.use_hyper(1, 4)
+    shard.use_hyper(shard.record(1, 4))
     assert group["lr"] == 0.0025
-    shard.use_hyper(0, 4)  # worker 0 sent none: unchanged
+    shard.use_hyper(shard.record(0, 4))  # worker 0 sent none: unchanged
     assert group["lr"] == 0.0025
+    # Unit 1 holds b (gradient) and c: stepped; unit 0 holds a alone.
+    assert shard.skipped([shard.record(1, 3)]) is None
+    assert shard.skipped([shard.record(1, 4)]) == [[0]]
+    assert shard.skipped([shard.record(1, 4), None]) is None  # the other push has every gradient
+    write(0, 4, [0.8, 0.95, 1e-8, 0.0025, 0.0], [1, 0, 0])
+    assert shard.skipped([shard.record(0, 4), shard.record(1, 4)]) is None
+    write(0, 4, [0.8, 0.95, 1e-8, 0.0025, 0.0], [0, 0, 0])
+    assert shard.skipped([shard.record(0, 4), shard.record(1, 4)]) == [[0]]
 
 
 def test_init_refuses_timeouts_that_are_not_seconds(monkeypatch):

@@ -179,7 +179,10 @@ class DistributedOptimizer:
         self.worker.wait_range(start, stop, timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.worker.zero_grad()
+        """Zeroes the gradient buffers in place (they are the send buffers). ``set_to_none``
+        keeps torch's meaning: a parameter that backward does not reach before the next
+        ``step()`` has no gradient then, and the shards skip it as torch's optimizer would."""
+        self.worker.zero_grad(set_to_none)
 
     @property
     def step_count(self) -> int:

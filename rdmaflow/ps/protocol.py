@@ -10,9 +10,11 @@ Shard i's block in its arena::
                   (asynchronous overlap: adaptive pulling)
     reply sources per worker, one u64 per chunk: the values the shard WRITEs into that
                   worker's reply flag
-    hyper records per worker and grad slot: a u64 marker, then the optimizer's numeric
-                  hyperparameters (float64) the worker's push in that slot runs with; written
-                  before the push flag, and only after a change (an LR scheduler's)
+    step records  per worker and grad slot: a u64 marker, the optimizer's numeric
+                  hyperparameters (float64) the worker's push in that slot runs with, and a byte
+                  per parameter, 1 if it has a gradient in that push; written before the push
+                  flag, and only when it differs from what that slot last got (an LR
+                  scheduler's change, a parameter without a gradient)
 
 Worker w's block in its arena::
 
@@ -24,7 +26,7 @@ Worker w's block in its arena::
     reply flags   one u64 per shard, 64 bytes apart: ``progress(version, chunk)``
     push sources  one u64 per shard
     pull sources  one u64 per shard
-    hyper sources two hyperparameter records, used in turn
+    record sources two step records, used in turn
 
 Step t of worker w (t = 1, 2, ...), synchronous::
 
@@ -110,16 +112,16 @@ def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def hyper_bytes(hyper: int) -> int:
-    """A hyperparameter record: a u64 marker (the step it was written for; 0: none yet), then
-    ``hyper`` float64 values."""
-    return 8 * (1 + hyper)
+def record_bytes(hyper: int, params: int) -> int:
+    """A step record: a u64 marker (the step it was written for; 0: none yet), ``hyper`` float64
+    hyperparameters, then one byte per parameter: 1 if it has a gradient in that push."""
+    return 8 * (1 + hyper) + (params + 7) // 8 * 8
 
 
 class ShardLayout:
-    def __init__(self, numel: int, itemsize: int, num_workers: int, slots: int = 1, hyper: int = 0):
+    def __init__(self, numel: int, itemsize: int, num_workers: int, slots: int = 1, hyper: int = 0, params: int = 0):
         self.numel, self.itemsize, self.num_workers, self.slots = numel, itemsize, num_workers, slots
-        self.hyper_count = hyper
+        self.hyper_count, self.param_count = hyper, params
         nbytes = max(numel * itemsize, 1)
         self.weights = 0
         self.aggregate = aligned(nbytes)
@@ -128,9 +130,9 @@ class ShardLayout:
         self.push = self.gslots + num_workers * slots * self.gstride
         self.pull = self.push + FLAG * num_workers
         self.reply_src = self.pull + FLAG * num_workers
-        self.hyper = self.reply_src + self.SRC_STRIDE * num_workers
-        self.hyper_stride = aligned(hyper_bytes(hyper))
-        self.total = self.hyper + num_workers * slots * self.hyper_stride
+        self.records = self.reply_src + self.SRC_STRIDE * num_workers
+        self.record_stride = aligned(record_bytes(hyper, params))
+        self.total = self.records + num_workers * slots * self.record_stride
 
     # Per worker, a source word for each chunk flag of a reply (a WRITE may read its source
     # after the next flag's value is set, so they cannot share one).
@@ -142,25 +144,25 @@ class ShardLayout:
     def gslot(self, worker: int, step: int) -> int:
         return self.gslots + (worker * self.slots + step % self.slots) * self.gstride
 
-    def hyper_at(self, worker: int, step: int) -> int:
-        """Worker ``worker``'s hyperparameter record for its push ``step`` (slot as its gradients)."""
-        return self.hyper + (worker * self.slots + step % self.slots) * self.hyper_stride
+    def record_at(self, worker: int, step: int) -> int:
+        """Worker ``worker``'s step record for its push ``step`` (slot as its gradients)."""
+        return self.records + (worker * self.slots + step % self.slots) * self.record_stride
 
     def to_dict(self) -> dict:
         return {"numel": self.numel, "itemsize": self.itemsize, "workers": self.num_workers, "slots": self.slots,
-                "hyper": self.hyper_count}
+                "hyper": self.hyper_count, "params": self.param_count}
 
     @classmethod
     def from_dict(cls, d: dict) -> ShardLayout:
         return cls(int(d["numel"]), int(d["itemsize"]), int(d["workers"]), int(d.get("slots", 1)),
-                   int(d.get("hyper", 0)))
+                   int(d.get("hyper", 0)), int(d.get("params", 0)))
 
 
 class WorkerLayout:
     def __init__(self, numel: int, itemsize: int, num_shards: int, param_buffers: int = 1, grad_buffers: int = 2,
-                 hyper: int = 0):
+                 hyper: int = 0, params: int = 0):
         self.numel, self.itemsize, self.num_shards, self.param_buffers = numel, itemsize, num_shards, param_buffers
-        self.hyper_count = hyper
+        self.hyper_count, self.param_count = hyper, params
         self.grad_buffers = grad_buffers  # 0: the gradients are elsewhere (a CUDA worker's GPU arena)
         nbytes = max(numel * itemsize, 1)
         self.stride = aligned(nbytes)
@@ -169,9 +171,9 @@ class WorkerLayout:
         self.reply = self.grads + grad_buffers * self.stride
         self.push_src = self.reply + FLAG * num_shards
         self.pull_src = self.push_src + FLAG * num_shards
-        self.hyper_src = self.pull_src + FLAG * num_shards  # two records, used in turn
-        self.hyper_stride = aligned(hyper_bytes(hyper))
-        self.total = self.hyper_src + 2 * self.hyper_stride
+        self.record_src = self.pull_src + FLAG * num_shards  # two step records, used in turn
+        self.record_stride = aligned(record_bytes(hyper, params))
+        self.total = self.record_src + 2 * self.record_stride
 
     def params_at(self, buffer: int) -> int:
         return self.params + (buffer % self.param_buffers) * self.stride
@@ -181,9 +183,10 @@ class WorkerLayout:
 
     def to_dict(self) -> dict:
         return {"numel": self.numel, "itemsize": self.itemsize, "shards": self.num_shards,
-                "param_buffers": self.param_buffers, "grad_buffers": self.grad_buffers, "hyper": self.hyper_count}
+                "param_buffers": self.param_buffers, "grad_buffers": self.grad_buffers, "hyper": self.hyper_count,
+                "params": self.param_count}
 
     @classmethod
     def from_dict(cls, d: dict) -> WorkerLayout:
         return cls(int(d["numel"]), int(d["itemsize"]), int(d["shards"]), int(d.get("param_buffers", 1)),
-                   int(d.get("grad_buffers", 2)), int(d.get("hyper", 0)))
+                   int(d.get("grad_buffers", 2)), int(d.get("hyper", 0)), int(d.get("params", 0)))

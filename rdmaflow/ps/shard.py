@@ -19,7 +19,7 @@ from rdmaflow.deadline import Deadline
 from rdmaflow.job import env_int
 from rdmaflow.ps import checkpoint
 from rdmaflow.ps.context import profile_stream
-from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest
+from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest, units_holding
 from rdmaflow.ps.optim import build_optimizer, describe_optimizer, hyper_fields, hyper_values, set_hyper
 from rdmaflow.ps.protocol import (
     ABORT,
@@ -28,8 +28,8 @@ from rdmaflow.ps.protocol import (
     LEFT_WITHOUT_CLOSE,
     ShardLayout,
     WorkerLayout,
-    hyper_bytes,
     progress,
+    record_bytes,
     write_runs_then_flag,
 )
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
@@ -76,13 +76,18 @@ class Shard:
         self.units = self.plan.units_of(self.id)
         self.chunks = self.plan.chunks_of(self.id, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES))
         self.chunk_runs = [runs_of(chunk) for chunk in self.chunks]  # one WRITE each
+        # Per chunk and unit: the parameters it holds part of (to skip those without a gradient).
+        starts = [info.offset for info in self.plan.params]
+        self.unit_params = [[torch.tensor(units_holding(starts, u.offset, u.offset + u.numel), dtype=torch.long)
+                             for u in chunk] for chunk in self.chunks]
         self.dtype = FLOAT_DTYPES[self.plan.dtype]
         self.itemsize = self.plan.itemsize
         n = self.plan.shard_numel(self.id)
         self.numel = n
         self.nw = role.num_workers
         self.hyper_fields = hyper_fields(self.config["optim"])
-        self.layout = L = ShardLayout(n, self.itemsize, self.nw, 2 if self.switching else 1, len(self.hyper_fields))
+        self.layout = L = ShardLayout(n, self.itemsize, self.nw, 2 if self.switching else 1, len(self.hyper_fields),
+                                      len(self.plan.params))
         arena = self.dev.create_arena(L.total + (1 << 20))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
@@ -113,8 +118,9 @@ class Shard:
         self.pull = [Word.at(raw, L.pull + FLAG * w) for w in range(self.nw)]
         self.reply_src = [raw[L.reply_src_at(w, 0) : L.reply_src_at(w + 1, 0)].view(torch.int64)
                           for w in range(self.nw)]
-        # Per worker and slot: its hyperparameter record (marker, values).
-        self.hyper = [[raw[L.hyper_at(w, k) : L.hyper_at(w, k) + hyper_bytes(L.hyper_count)] for k in range(L.slots)]
+        # Per worker and slot: its step record (marker, hyperparameters, which have a gradient).
+        nrec = record_bytes(L.hyper_count, L.param_count)
+        self.records = [[raw[L.record_at(w, k) : L.record_at(w, k) + nrec] for k in range(L.slots)]
                       for w in range(self.nw)]
         # Where this job starts: step 0, or the latest complete checkpoint when resuming.
         if self.id == 0:
@@ -279,31 +285,51 @@ class Shard:
             return self.push[w].get()
         return None
 
-    def apply_chunk(self, k: int, grads: torch.Tensor) -> None:
-        """Runs the optimizer on chunk k; ``grads`` is laid out like the chunk's weights."""
+    def apply_chunk(self, k: int, grads: torch.Tensor, skip=()) -> None:
+        """Runs the optimizer on chunk k; ``grads`` is laid out like the chunk's weights. The
+        units at positions ``skip`` have no gradient: the optimizer leaves them alone."""
         params, opt = self.optimizers[k]
         lo = self.spans[k][0]
-        for p, u in zip(params, self.chunks[k]):
-            p.grad = grads[u.shard_offset - lo : u.shard_offset - lo + u.numel]
+        for j, (p, u) in enumerate(zip(params, self.chunks[k])):
+            p.grad = None if j in skip else grads[u.shard_offset - lo : u.shard_offset - lo + u.numel]
         opt.step()
 
-    def use_hyper(self, w: int, t: int) -> None:
-        """Runs the optimizer with worker w's hyperparameters for its push t, if it sent any
-        (its push flag came after them); otherwise with those in use (the job's, or a
-        checkpoint's)."""
-        rec = self.hyper[w][t % self.layout.slots]
+    def record(self, w: int, t: int) -> tuple[list[float], torch.Tensor] | None:
+        """Worker w's step record for its push t: (hyperparameters, which parameters have a
+        gradient), or None if it wrote none (its push flag came after it)."""
+        rec = self.records[w][t % self.layout.slots]
         if not int(rec[:8].view(torch.int64)[0]):
-            return
-        values = rec[8:].view(torch.float64).tolist()
-        if values != self.hyper_in_use:
-            for _, opt in self.optimizers:
-                set_hyper(opt, self.hyper_fields, values)
-            self.hyper_in_use = values
+            return None
+        k = 8 * (1 + self.layout.hyper_count)
+        return rec[8:k].view(torch.float64).tolist(), rec[k : k + self.layout.param_count].bool()
 
-    def apply(self, grads: torch.Tensor, scale: float) -> None:
+    def skipped(self, records: list) -> list[list[int]] | None:
+        """Per chunk, the positions of its units that no parameter with a gradient touches, in
+        the pushes of ``records`` (torch's optimizer skips a parameter whose grad is None);
+        None if there are none."""
+        if any(r is None for r in records):
+            return None  # a push without a record has every gradient
+        has = records[0][1].clone()
+        for r in records[1:]:
+            has |= r[1]
+        if bool(has.all()):
+            return None
+        skip = [[j for j, ps in enumerate(chunk) if not bool(has[ps].any())] for chunk in self.unit_params]
+        return skip if any(skip) else None
+
+    def use_hyper(self, record) -> None:
+        """Runs the optimizer with a record's hyperparameters; without one (None), with those in
+        use (the job's, or a checkpoint's)."""
+        if record is None or record[0] == self.hyper_in_use:
+            return
+        for _, opt in self.optimizers:
+            set_hyper(opt, self.hyper_fields, record[0])
+        self.hyper_in_use = record[0]
+
+    def apply(self, grads: torch.Tensor, scale: float, skip=None) -> None:
         for k, (lo, hi) in enumerate(self.spans):
             g = grads[lo:hi]
-            self.apply_chunk(k, g if scale == 1.0 else g * scale)
+            self.apply_chunk(k, g if scale == 1.0 else g * scale, () if skip is None else skip[k])
         self.stats["steps"] += 1
 
     def live(self) -> list[int]:
@@ -337,7 +363,9 @@ class Shard:
             # concatenated batch (of the surviving workers, after a failure). Chunk by chunk:
             # chunk k's weights are on the wire while chunk k + 1 is computed (iRDMA §IV-C).
             ws = sorted(flags)
-            self.use_hyper(ws[0], t)  # worker 0's, or the lowest live one's after a failure
+            records = [self.record(w, t) for w in ws]
+            self.use_hyper(records[0])  # worker 0's, or the lowest live one's after a failure
+            skip = self.skipped(records)  # a parameter some worker has a gradient for is stepped
             for w in ws:
                 self.applied[w] = t
                 self._to_worker(w, self._reply_begin, w)
@@ -355,7 +383,7 @@ class Shard:
                     for w in ws[2:]:
                         agg.add_(self.gslots[w][0][lo:hi])
                     agg.mul_(1.0 / len(ws))
-                self.apply_chunk(k, agg)
+                self.apply_chunk(k, agg, () if skip is None else skip[k])
                 for w in ws:
                     self._to_worker(w, self._reply_chunk, w, t + 1, k + 1)
             if not self.spans:
@@ -386,8 +414,9 @@ class Shard:
                     continue
                 while f > self.applied[w]:  # in order: with overlap two pushes may be waiting
                     k = self.applied[w] + 1
-                    self.use_hyper(w, k)
-                    self.apply(self.gslots[w][k % self.layout.slots], 1.0)
+                    record = self.record(w, k)
+                    self.use_hyper(record)
+                    self.apply(self.gslots[w][k % self.layout.slots], 1.0, self.skipped([record]))
                     self.applied[w] = k
                     waiting.add(w)
                     progressed = True

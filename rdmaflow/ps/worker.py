@@ -54,8 +54,8 @@ from rdmaflow.ps.protocol import (
     FLAG,
     ShardLayout,
     WorkerLayout,
-    hyper_bytes,
     progress,
+    record_bytes,
     write_runs_then_flag,
 )
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
@@ -211,7 +211,7 @@ class Worker:
         self._hyper_fields = hyper_fields(cfg["optim"])
         self._hyper_fixed = describe_optimizer(self.optimizer)
         L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards, 2 if self.switching else 1,
-                                       0 if self.cuda else 2, len(self._hyper_fields))
+                                       0 if self.cuda else 2, len(self._hyper_fields), len(plan.params))
         arena = self.dev.create_arena(L.total + (1 << 20))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
@@ -262,12 +262,17 @@ class Worker:
                          for s in range(self.role.num_shards)]
         self.pull_src = [raw[L.pull_src + FLAG * s : L.pull_src + FLAG * s + 8].view(torch.int64)
                          for s in range(self.role.num_shards)]
-        self._hyper_src = [raw[L.hyper_src + i * L.hyper_stride : L.hyper_src + i * L.hyper_stride
-                               + hyper_bytes(L.hyper_count)] for i in range(2)]
-        self._hyper_futs: list[list] = [[], []]
-        self._hyper_next = 0
-        # Per record slot of the shards: the values last written there (the job's at first).
-        self._hyper_sent = [hyper_values(cfg["optim"]["hyper"], self._hyper_fields)] * (2 if self.switching else 1)
+        n = record_bytes(L.hyper_count, L.param_count)
+        self._record_src = [raw[L.record_src + i * L.record_stride : L.record_src + i * L.record_stride + n]
+                            for i in range(2)]
+        self._record_futs: list[list] = [[], []]
+        self._record_next = 0
+        # Per record slot of the shards: what was last written there (at first, what a shard
+        # does without a record: the job's hyperparameters, every parameter with a gradient).
+        self._every_grad = [True] * len(plan.params)
+        first = (hyper_values(cfg["optim"]["hyper"], self._hyper_fields), self._every_grad)
+        self._record_sent = [first] * (2 if self.switching else 1)
+        self._grads_to_none = True  # what the last zero_grad() asked for
         self._index_units()
         self.dev.publish("ps/worker", pack_header({"layout": L.to_dict(), "base": self.base},
                                                   arena.region.descriptor()))
@@ -320,8 +325,7 @@ class Worker:
         self._last_pull = S
         if self.switching:
             self._request_pull(S + 1, 0.0)
-        if self.overlap:
-            self._install_hooks()
+        self._install_hooks()
         # Off unless stderr is a terminal (progress=None), so that logs stay free of bars.
         self._bar = tqdm(desc=f"rdmaflow ps worker {self.id}", unit="step", initial=S, file=sys.stderr,
                          disable=not self.progress, dynamic_ncols=True)
@@ -392,8 +396,10 @@ class Worker:
     def _install_hooks(self) -> None:
         index = {id(p): i for i, (p, _) in enumerate(self._params)}
         for i, (p, _) in enumerate(self._params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._grad_ready(i)))
-        if self.mode != "sync":
+            # Without overlap a hook only notes that backward reached the parameter (_has_grad).
+            hook = (lambda p, i=i: self._grad_ready(i)) if self.overlap else (lambda p, i=i: self._fired.add(i))
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        if not self.overlap or self.mode != "sync":
             return
         # Each module that owns parameters waits, before it runs, for the chunks holding them.
         for module in self.model.modules():
@@ -639,6 +645,7 @@ class Worker:
 
     def _push(self, t: int) -> list:
         with self._lock:
+            record = (self._hyper_now(), self._has_grad())  # before staging turns None into zeros
             if not self.overlap:
                 for i in range(len(self._params)):
                     self._stage_grad(i)
@@ -656,7 +663,7 @@ class Worker:
                     self._push_unit(u, t)
             if self.cuda is not None:
                 stream_done(self.flat_grads[self.gbuf])  # staged and accumulated on the GPU
-            self._send_hyper(t)
+            self._send_record(t, record)
             flags_local = self.region if self.cuda is not None else None  # the flags stay in host memory
             futs = []
             for s, sh in enumerate(self.shards):
@@ -676,30 +683,56 @@ class Worker:
             self._pending = list(self._unit_need)
         return futs
 
-    def _send_hyper(self, t: int) -> None:
-        """WRITEs the optimizer's hyperparameters into each shard's record for push t if they
-        changed since that record was last written (what an LR scheduler does); the push flag
-        follows on the same channel, so the shard reads them with this push."""
+    def _hyper_now(self) -> list[float]:
+        """The optimizer's numeric hyperparameters now; raises if another one changed."""
         now = describe_optimizer(self.optimizer)  # also refuses a second parameter group
         fixed = fixed_changes(self._hyper_fixed, now, self._hyper_fields)
         if fixed:
             raise InvalidArgumentError(f"the optimizer's {', '.join(fixed)} changed during training: only its "
                                        f"numeric hyperparameters may ({', '.join(sorted({k for k, _ in self._hyper_fields}))})")
-        values = hyper_values(now["hyper"], self._hyper_fields)
-        slot = t % len(self._hyper_sent)
-        if values == self._hyper_sent[slot]:
+        return hyper_values(now["hyper"], self._hyper_fields)
+
+    def _has_grad(self) -> list[bool]:
+        """Which parameters have a gradient in this push: those torch's optimizer would not skip.
+        One has none if its grad is None, or if backward never reached it and its grad is still
+        the zeroed send buffer of a zero_grad(set_to_none=True). A step whose gradient
+        push_range wrote has them all."""
+        if self._ranges or len(self._fired) == len(self._params):
+            return self._every_grad
+        has = []
+        for i, (p, info) in enumerate(self._params):
+            g = p.grad
+            if i in self._fired:
+                has.append(True)
+            elif g is None:
+                has.append(False)
+            elif self._grads_to_none and g.data_ptr() == self._gview(self.gbuf, info).data_ptr():
+                has.append(bool(g.any()))  # written by hand, unless still zero
+            else:
+                has.append(True)
+        return has
+
+    def _send_record(self, t: int, record: tuple[list[float], list[bool]]) -> None:
+        """WRITEs (hyperparameters, which parameters have a gradient) into each shard's step
+        record for push t if it differs from what that record slot last got (an LR scheduler's
+        change, an unused parameter); the push flag follows on the same channel, so the shard
+        reads the record with this push."""
+        slot = t % len(self._record_sent)
+        if record == self._record_sent[slot]:
             return
-        i, self._hyper_next = self._hyper_next, self._hyper_next ^ 1
-        for f in self._hyper_futs[i]:  # that record's source was last sent a change ago
+        values, has = record
+        i, self._record_next = self._record_next, self._record_next ^ 1
+        for f in self._record_futs[i]:  # that source was last sent a record ago
             f.result(self.ctx.timeout)
-        src = self._hyper_src[i]
+        src, k = self._record_src[i], 8 * (1 + len(values))
         src[:8].view(torch.int64)[0] = t
-        src[8:].view(torch.float64).copy_(torch.tensor(values, dtype=torch.float64))
-        n, off = len(src), self.base + self.layout.hyper_src + i * self.layout.hyper_stride
-        self._hyper_futs[i] = [sh["channel"].memcpy(self.region, off, sh["remote"],
-                                                    sh["base"] + sh["layout"].hyper_at(self.id, t), n, WRITE)
-                               for sh in self.shards]
-        self._hyper_sent[slot] = values
+        src[8:k].view(torch.float64).copy_(torch.tensor(values, dtype=torch.float64))
+        src[k : k + len(has)].copy_(torch.tensor(has, dtype=torch.uint8))
+        n, off = len(src), self.base + self.layout.record_src + i * self.layout.record_stride
+        self._record_futs[i] = [sh["channel"].memcpy(self.region, off, sh["remote"],
+                                                     sh["base"] + sh["layout"].record_at(self.id, t), n, WRITE)
+                                for sh in self.shards]
+        self._record_sent[slot] = record
 
     # -- pulling (asynchronous overlap) -------------------------------------------------------
     def _request_pull(self, r: int, delay: float) -> None:
@@ -796,6 +829,7 @@ class Worker:
         """Switches to the other gradient buffer and zeroes it: the gradient buffers are the send
         buffers, so they are zeroed in place, never dropped; the one just pushed is left alone."""
         self._check_open("zero_grad")
+        self._grads_to_none = bool(set_to_none)
         t0 = time.monotonic()
         self.gbuf ^= 1
         self._wait_pushes(self.gbuf)  # pushed two steps ago: long done

@@ -9,7 +9,8 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
     schedule                                -> hyperparameters change during training (see reschedule)
     steps, batch, seed                      -> worker w's batch of step t is make_batch(seed, w, t, batch)
     out                                     -> directory for the results (below)
-    model     "many": every process builds the many-small-tensors model (make_model)
+    model     "many": every process builds the many-small-tensors model (make_model);
+              "unused": the MLP and a layer its forward never uses
     variant   {worker: "extra"|"names"|"shape"|"dtype"}: that worker builds a different model
     setup_after_store_gone {worker: seconds}: that worker creates its DistributedOptimizer only
               once the job's store is unreachable (or after that many seconds)
@@ -62,6 +63,18 @@ class ScaleShift(torch.nn.Module):
         return h * (1 + self.a) + self.b
 
 
+class WithUnused(torch.nn.Module):
+    """The MLP, and a layer that its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+        self.unused = torch.nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def make_model(seed: int, variant: str | None = None) -> torch.nn.Module:
     """The job's model; ``variant`` builds a model that differs from it (an extra layer, other
     parameter names, a different shape, a different dtype), or "many": the same MLP with MAX
@@ -71,6 +84,8 @@ def make_model(seed: int, variant: str | None = None) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
                                    *[ScaleShift(HIDDEN, seed * 1000 + i) for i in range(MANY)],
                                    torch.nn.Linear(HIDDEN, OUT))
+    if variant == "unused":  # a layer the forward never reaches (an unused head): no gradients
+        return WithUnused()
     if variant == "extra":
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT),
                                     torch.nn.Linear(OUT, OUT))
