@@ -291,8 +291,7 @@ PYBIND11_MODULE(_core, m) {
           [](const Future& f, const py::object& timeout) {
             const double t = wait_seconds(timeout);
             if (!wait_future(f, t))
-              throw Error(ErrorKind::Timeout, "transfer did not complete within " +
-                                                  std::to_string(t) + " s");
+              throw Error(ErrorKind::Timeout, "transfer did not complete within " + seconds_text(t) + " s");
             if (!f->ok()) throw Error(f->error_kind(), f->error());
           },
           py::arg("timeout") = py::none(),

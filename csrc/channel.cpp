@@ -141,7 +141,7 @@ void Device::open_channel(const std::shared_ptr<Peer>& p, const std::shared_ptr<
       }))
     throw Error(ErrorKind::Closed, "device is closed");
   if (!made->wait(cfg_.rpc_timeout))
-    throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(int(cfg_.rpc_timeout)) +
+    throw Error(ErrorKind::Timeout, "timed out after " + seconds_text(cfg_.rpc_timeout) +
                                         " s creating an endpoint to " + p->endpoint);
   if (!made->ok()) throw Error(made->error_kind(), made->error());
   Writer w;

@@ -98,7 +98,8 @@ void Device::start_listening(const sockaddr_storage& ss, socklen_t slen) {
   lp.conn_handler.arg = this;
   ucs_status_t st = ucp_listener_create(threads_[0]->handle(), &lp, &listener_);
   if (st != UCS_OK)
-    throw Error(ErrorKind::Invalid, "cannot listen on " + cfg_.endpoint + ": " + ucs_error(st));
+    throw Error(ErrorKind::Invalid, "cannot listen on " + cfg_.endpoint + ": " +
+                                        (st == UCS_ERR_BUSY ? "the address is already in use" : ucs_error(st)));
   ucp_listener_attr_t la{};
   la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
   st = ucp_listener_query(listener_, &la);

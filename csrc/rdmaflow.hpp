@@ -35,6 +35,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <functional>
 #include <map>
@@ -56,6 +57,13 @@ class Error : public std::runtime_error {
   Error(ErrorKind k, const std::string& m) : std::runtime_error(m), kind(k) {}
   ErrorKind kind;
 };
+
+// Seconds as an error message says them: 2, 0.5, 2.75 (not 2.000000, nor 2 for 2.75).
+inline std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", s);
+  return buf;
+}
 
 enum class Direction : int { Write = 0, Read = 1 };
 

@@ -82,8 +82,7 @@ std::string Device::wait_rpc(uint64_t id, const std::shared_ptr<Rpc>& r, double 
   if (!r->cv.wait_for(lk, std::chrono::duration<double>(timeout), [&] { return r->done; })) {
     lk.unlock();
     finish_rpc(id, false, ErrorKind::Timeout, "");
-    throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(int(timeout)) +
-                                        " s " + what);
+    throw Error(ErrorKind::Timeout, "timed out after " + seconds_text(timeout) + " s " + what);
   }
   if (!r->ok) {
     if (r->kind == ErrorKind::Timeout)
@@ -127,11 +126,19 @@ void Device::ensure_validated(const std::shared_ptr<Peer>& peer, RemoteRegion& r
   peer->validated.insert(r.region_id);
 }
 
+static constexpr size_t kMaxValue = 512 * 1024;  // a published value
+
+// The peer refuses a longer name as a malformed message and drops the link: refused here first.
+static void check_name(const std::string& name, const char* what) {
+  if (name.empty() || name.size() > 4096)
+    throw Error(ErrorKind::Invalid, std::string(what) + " must be 1 to 4096 bytes long (got " +
+                                        std::to_string(name.size()) + ")");
+}
+
 void Device::publish(const std::string& name, const std::string& value) {
   check_open();
-  if (name.empty() || name.size() > 4096)
-    throw Error(ErrorKind::Invalid, "published names must be 1 to 4096 bytes long");
-  if (value.size() > 512 * 1024)
+  check_name(name, "published names");
+  if (value.size() > kMaxValue)
     throw Error(ErrorKind::Invalid, "published values are limited to 512 KiB (got " +
                                         std::to_string(value.size()) + " bytes)");
   std::lock_guard<std::mutex> lk(m_);
@@ -148,7 +155,12 @@ void Device::unpublish(const std::string& name) {
 std::string Device::lookup(const std::string& remote_endpoint, const std::string& name,
                            double timeout, const std::string* claim) {
   if (std::isnan(timeout)) throw Error(ErrorKind::Invalid, "timeout must be a number of seconds, got nan");
+  check_name(name, "names looked up");
+  if (claim && claim->size() > kMaxValue)
+    throw Error(ErrorKind::Invalid, "a claimed value is a published one, at most 512 KiB (got " +
+                                        std::to_string(claim->size()) + " bytes)");
   if (timeout < 0) timeout = cfg_.rpc_timeout;
+  const double asked = timeout;
   const auto t0 = std::chrono::steady_clock::now();
   auto p = connect(remote_endpoint, timeout);
   timeout = std::max(0.0, timeout - std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -156,9 +168,15 @@ std::string Device::lookup(const std::string& remote_endpoint, const std::string
   w.str(name);
   w.u32(claim != nullptr);
   w.str(claim ? *claim : std::string());
-  return call(p->link, LOOKUP, w.s, "connection is closed", timeout,
-              "looking up '" + name + "' at " + remote_endpoint, ErrorKind::Invalid,
-              [](const std::string& why) { return why; });  // the owner's words
+  const std::string what = "looking up '" + name + "' at " + remote_endpoint;
+  try {
+    return call(p->link, LOOKUP, w.s, "connection is closed", timeout, what, ErrorKind::Invalid,
+                [](const std::string& why) { return why; });  // the owner's words
+  } catch (Error& e) {
+    // Said with the caller's timeout, not what was left of it once connected.
+    if (e.kind == ErrorKind::Timeout) throw Error(ErrorKind::Timeout, "timed out after " + seconds_text(asked) + " s " + what);
+    throw;
+  }
 }
 
 // Server side: the value published under name, if any; a claim takes it for the asker once,

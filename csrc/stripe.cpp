@@ -79,7 +79,7 @@ void Channel::drain_striped(Device& dev) {
   const WaitStatus st = wait_word(reinterpret_cast<uintptr_t>(&striped_flagged_), posted, timeout, this, true);
   if (st == WaitStatus::PeerFailed) throw Error(ErrorKind::Peer, error());
   if (st != WaitStatus::Ok)
-    throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(int(timeout)) +
+    throw Error(ErrorKind::Timeout, "timed out after " + seconds_text(timeout) +
                                         " s waiting for a striped write to " + peer_->endpoint +
                                         " to land before a fence or flush");
 }

@@ -109,11 +109,11 @@ std::shared_ptr<Peer> Device::wait_connected(const std::shared_ptr<Peer>& p, dou
   bool done = p->cv.wait_for(lk, std::chrono::duration<double>(caller_bound ? within : cfg_.connect_timeout),
                              [&] { return p->state != Peer::Connecting; });
   if (!done && caller_bound)
-    throw Error(ErrorKind::Timeout, "timed out after " + std::to_string(within) + " s connecting to " +
+    throw Error(ErrorKind::Timeout, "timed out after " + seconds_text(within) + " s connecting to " +
                                         p->endpoint + " (no answer from an rdmaflow device there yet)");
   if (!done) {
     p->state = Peer::Failed;
-    p->error = "timed out after " + std::to_string(int(cfg_.connect_timeout)) +
+    p->error = "timed out after " + seconds_text(cfg_.connect_timeout) +
                " s connecting to " + p->endpoint + " (no answer from an rdmaflow device there)";
     std::string err = p->error;
     lk.unlock();

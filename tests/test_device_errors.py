@@ -270,8 +270,8 @@ def test_a_lookup_is_bounded_by_its_own_timeout_while_connecting(job_secret):
         srv.listen()
         ep = f"127.0.0.1:{srv.getsockname()[1]}"
         t0 = time.monotonic()
-        with pytest.raises(rdmaflow.TimeoutError, match=f"connecting to {ep}"):
-            dev.lookup(ep, "x", 1.0)
+        with pytest.raises(rdmaflow.TimeoutError, match=f"timed out after 1.5 s connecting to {ep}"):
+            dev.lookup(ep, "x", 1.5)
         assert time.monotonic() - t0 < 30, "the lookup waited for the device's connect_timeout"
         dev.publish("mine", b"v")
         assert dev.lookup(dev.endpoint, "mine", 5.0) == b"v"
@@ -281,6 +281,24 @@ def test_lookup_of_unpublished_name(pair):
     peer, dev, *_ = pair
     with pytest.raises(rdmaflow.InvalidArgumentError, match="published nothing"):
         dev.lookup(peer.endpoint, "no-such-name")
+
+
+def test_a_lookup_refuses_an_overlong_name_and_says_its_own_timeout(pair):
+    """A name longer than any that can be published is refused before it is sent (the peer took
+    it for a malformed message and dropped the link, failing the channels on it), and a lookup
+    that times out says the timeout it was given (it said what was left once connected, cut to
+    whole seconds: "1 s" for 2)."""
+    peer, dev, local, remote, ch = pair
+    with pytest.raises(rdmaflow.InvalidArgumentError,
+                       match=r"names looked up must be 1 to 4096 bytes long \(got 5000\)"):
+        dev.lookup(peer.endpoint, "n" * 5000)
+    ch.memcpy(local, 0, remote, 0, 64, rdmaflow.WRITE).result(30)
+    os.kill(peer.proc.pid, signal.SIGSTOP)  # connected, but no answer
+    try:
+        with pytest.raises(rdmaflow.TimeoutError, match=f"timed out after 1.5 s looking up 'r' at {peer.endpoint}"):
+            dev.lookup(peer.endpoint, "r", 1.5)
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
 
 
 def test_a_claiming_lookup_takes_the_name_once(job_secret):
