@@ -407,8 +407,10 @@ def format_text(info: dict[str, Any]) -> str:
                      ("on" if d.get("same_host_mapping") else
                       "off (RDMAFLOW_SAME_HOST=0, or UCX_TLS rules out shared memory)"))
     else:
-        lines.append(f"A temporary rdmaflow Device could not be created: {d['error']} (check the UCX_* "
-                     "settings above: UCX_TLS and UCX_NET_DEVICES must name transports and devices this host has)")
+        hint = ("" if "RDMAFLOW_" in d["error"] else  # a bad rdmaflow setting names itself
+                " (check the UCX_* settings above: UCX_TLS and UCX_NET_DEVICES must name transports and devices "
+                "this host has)")
+        lines.append(f"A temporary rdmaflow Device could not be created: {d['error']}{hint}")
     for w in info["warnings"]:
         if not w.startswith("a temporary rdmaflow Device"):
             lines.append(f"warning: {w}")

@@ -105,6 +105,8 @@ class JobStore:
 
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = env_int("MASTER_PORT", 29500)
+        if not 1 <= port <= 65535:  # torch's TCPStore would refuse it with its own signature dump
+            raise InvalidArgumentError(f"$MASTER_PORT={port} is not a port in [1, 65535]")
         self.serving = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self.address, self.timeout, self.world_size, self.ns = f"{host}:{port}", timeout, world_size, namespace
         self._me = (self.address, namespace, rank)

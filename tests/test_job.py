@@ -147,6 +147,9 @@ def test_the_launchers_environment_is_checked(monkeypatch):
     with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$MASTER_PORT is not set"):
         env_int("MASTER_PORT")
     assert env_int("MASTER_PORT", 29500) == 29500
+    monkeypatch.setenv("MASTER_PORT", "99999")  # torch's TCPStore refused it with its signature dump
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$MASTER_PORT=99999 is not a port in \[1, 65535\]"):
+        JobStore(1, 2, 5.0, "rdmaflow/test/")
 
 
 def test_a_job_of_several_processes_needs_its_secret(monkeypatch):

@@ -752,6 +752,23 @@ def test_worker_arguments_are_checked_before_joining():
     for mode in ("sync", "async"):  # a bound these modes would ignore
         with pytest.raises(rdmaflow.InvalidArgumentError, match=f"applies to mode 'bounded' only; mode '{mode}'"):
             Worker(ctx, model, opt, mode=mode, staleness=3)
+    ranged = Worker.__new__(Worker)
+    ranged._closed, ranged.plan = False, SimpleNamespace(total=10)
+    for lo, hi in [(-1, 3), (5, 3), (0, 11)]:  # they were cut to the units they overlap, silently
+        for call, op in [(ranged.push_range, "push_range"), (ranged.wait_range, "wait_range")]:
+            with pytest.raises(rdmaflow.InvalidArgumentError,
+                               match=rf"{op}: \[{lo}, {hi}\) is not a range of the model's 10 flat elements"):
+                call(lo, hi)
+    # One DistributedOptimizer per job (after close() too: the shards finished with it), and one API.
+    from rdmaflow import ps
+    from rdmaflow.ps.kv_client import KVStore
+    for state, words in [("open", "already has a DistributedOptimizer"), ("closed", "was closed, and its shards")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=words):
+            ps.DistributedOptimizer(model, opt, ctx=SimpleNamespace(is_worker=True, kv_state=None, optimizer_state=state))
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="this worker made a DistributedOptimizer"):
+            KVStore([0], [(1,)], ctx=SimpleNamespace(is_worker=True, kv_state=None, optimizer_state=state))
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="this worker made a KVStore"):
+        ps.DistributedOptimizer(model, opt, ctx=SimpleNamespace(is_worker=True, kv_state="closed", optimizer_state=None))
     closed = Worker.__new__(Worker)
     closed._closed = True
     for call, op in [(lambda: closed.push_range(0, 4), "push_range"), (lambda: closed.wait_range(0, 4), "wait_range"),

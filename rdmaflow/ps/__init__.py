@@ -45,6 +45,7 @@ class PSContext:
     timeout: float
     step_timeout: float
     kv_state: str | None = None  # this job's KVStore: None (none made yet), "open" or "closed"
+    optimizer_state: str | None = None  # this job's DistributedOptimizer, the same way
 
     @property
     def is_shard(self) -> bool:
@@ -147,6 +148,13 @@ class DistributedOptimizer:
             raise InvalidArgumentError("call rdmaflow.ps.init() first")
         if not ctx.is_worker:
             raise InvalidArgumentError("DistributedOptimizer runs on workers; this process is a shard")
+        if ctx.kv_state is not None:
+            raise InvalidArgumentError("this worker made a KVStore: a job uses a KVStore or a DistributedOptimizer")
+        if ctx.optimizer_state == "open":
+            raise InvalidArgumentError("this job already has a DistributedOptimizer: a job trains one model")
+        if ctx.optimizer_state == "closed":
+            raise InvalidArgumentError("this job's DistributedOptimizer was closed, and its shards finished with it: "
+                                       "a job has one DistributedOptimizer")
         if checkpoint_dir is None:
             checkpoint_dir = os.environ.get("RDMAFLOW_CHECKPOINT_DIR") or None
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,
@@ -154,6 +162,8 @@ class DistributedOptimizer:
                              min_workers=min_workers, checkpoint_dir=checkpoint_dir,
                              checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
                              shard_device=shard_device)
+        ctx.optimizer_state = "open"
+        self.ctx = ctx
         self.optimizer = optimizer
         self.model = model
 
@@ -196,6 +206,8 @@ class DistributedOptimizer:
         self.worker.wait_weights()
 
     def close(self) -> None:
+        """Waits for the last weights and tells the shards this worker is done; idempotent."""
+        self.ctx.optimizer_state = "closed"
         self.worker.close()
 
     def __enter__(self):

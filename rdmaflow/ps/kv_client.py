@@ -85,6 +85,9 @@ class KVStore:
             raise InvalidArgumentError("call rdmaflow.ps.init() first")
         if not ctx.is_worker:
             raise InvalidArgumentError("KVStore runs on workers; this process is a shard")
+        if ctx.optimizer_state is not None:
+            raise InvalidArgumentError("this worker made a DistributedOptimizer: a job uses a KVStore or a "
+                                       "DistributedOptimizer")
         if ctx.kv_state == "open":
             raise InvalidArgumentError("this job already has a KVStore: declare every key in one KVStore")
         if ctx.kv_state == "closed":

@@ -472,6 +472,14 @@ class Worker:
             self._load(range(len(self._params)), self._version)
         self._ready = True
 
+    def _element_range(self, lo, hi, op: str) -> tuple[int, int]:
+        """[lo, hi) checked: whole numbers with 0 <= lo <= hi <= the model's flat elements."""
+        lo, hi = _whole(lo, f"{op}'s start"), _whole(hi, f"{op}'s stop")
+        if not 0 <= lo <= hi <= self.plan.total:
+            raise InvalidArgumentError(f"{op}: [{lo}, {hi}) is not a range of the model's {self.plan.total} "
+                                       "flat elements")
+        return lo, hi
+
     def _units_in(self, lo: int, hi: int) -> range:
         """Indices into ``self.units`` (sorted by offset) of the units holding elements [lo, hi)."""
         return units_holding(self._unit_starts, lo, hi)
@@ -482,7 +490,7 @@ class Worker:
         read whole, and the shards have read every gradient element of the last step there, so
         the next step's gradient may be written and pushed into them. Thread-safe."""
         self._check_open("wait_range")
-        lo, hi = _whole(lo, "wait_range's start"), _whole(hi, "wait_range's stop")
+        lo, hi = self._element_range(lo, hi, "wait_range")
         deadline = Deadline(self.ctx.step_timeout if timeout is None else timeout)
         if self._ready:
             return
@@ -535,7 +543,7 @@ class Worker:
         ``step()`` then sends again only the units that these ranges did not cover exactly once.
         Without overlap only, after ``wait_range(lo, hi)``. Thread-safe."""
         self._check_open("push_range")
-        lo, hi = _whole(lo, "push_range's start"), _whole(hi, "push_range's stop")
+        lo, hi = self._element_range(lo, hi, "push_range")
         if self.overlap:
             raise InvalidArgumentError("push_range needs overlap=False (overlap pushes units from backward)")
         t, isz = self.step_count + 1, self.itemsize
