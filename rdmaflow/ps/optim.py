@@ -7,6 +7,7 @@ hyperparameters (``hyper_fields``) may change during training, as an LR schedule
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -14,6 +15,12 @@ import torch
 from rdmaflow import InvalidArgumentError
 
 SUPPORTED = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+
+
+@functools.cache
+def _constructor_keys(name: str) -> frozenset[str]:
+    """The keyword arguments the optimizer class takes (describe_optimizer runs at every step)."""
+    return frozenset(inspect.signature(SUPPORTED[name].__init__).parameters)
 
 
 def describe_optimizer(opt: torch.optim.Optimizer) -> dict:
@@ -35,7 +42,7 @@ def describe_optimizer(opt: torch.optim.Optimizer) -> dict:
         hp[k] = v
     # The foreach/fused kernels are an implementation detail: let each shard pick its own. Keys
     # the constructor does not take are a scheduler's bookkeeping (initial_lr, max_lr, ...).
-    taken = inspect.signature(SUPPORTED[name].__init__).parameters
+    taken = _constructor_keys(name)
     for k in list(hp):
         if k in ("foreach", "fused", "capturable", "differentiable") or k not in taken:
             del hp[k]
