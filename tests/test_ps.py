@@ -252,7 +252,7 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
         batches = [job.make_batch(seed, w, t, cfg["batch"]) for w in range(workers)]
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not cfg.get("keep_grads"))
         job.loss_fn(model, x, y).backward()
         opt.step()
         if scheduler is not None:
@@ -412,11 +412,13 @@ def test_hyperparameters_changed_during_training_reach_the_shards(tmp_path, opti
         assert_matches_reference(j, 2, 2)
 
 
-@pytest.mark.parametrize("optim,overlap", [("sgd", True), ("adam", False)])
-def test_a_parameter_without_a_gradient_is_not_stepped(tmp_path, optim, overlap):
+@pytest.mark.parametrize("optim,overlap,keep", [("sgd", True, False), ("adam", False, False), ("sgd", True, True)])
+def test_a_parameter_without_a_gradient_is_not_stepped(tmp_path, optim, overlap, keep):
     """A layer the forward never uses has no gradient: torch's optimizer skips it (its grad is
-    None), the shards stepped it with zeros, which weight decay, momentum and Adam move."""
-    with Job(tmp_path, dict(sync_cfg("variable", optim), model="unused", overlap=overlap)) as j:
+    None), the shards stepped it with zeros, which weight decay, momentum and Adam move. Also
+    when gradients are zeroed with set_to_none=False (keep): that layer's grad still never
+    exists in torch, though the worker's, its send buffer, is never None."""
+    with Job(tmp_path, dict(sync_cfg("variable", optim), model="unused", overlap=overlap, keep_grads=keep)) as j:
         j.start_local(2, 2)
         j.check_ok(j.wait())
         assert_matches_reference(j, 2, 2)
@@ -782,9 +784,9 @@ def test_a_shard_runs_each_push_with_the_step_record_sent_with_it():
     has its own step record (slot t % 2); a push without one runs with the hyperparameters in use
     and every parameter stepped. A unit is skipped only if no parameter it holds part of has a
     gradient in any of the step's pushes."""
-    from rdmaflow.ps.layout import make_plan, spec_of
+    from rdmaflow.ps.layout import make_plan, spec_of, units_holding
     from rdmaflow.ps.optim import build_optimizer, describe_optimizer, hyper_fields, hyper_values
-    from rdmaflow.ps.protocol import ShardLayout
+    from rdmaflow.ps.protocol import ShardLayout, write_record
     from rdmaflow.ps.shard import Shard
 
     # Three parameters of 4, 1 and 3 floats in blocks of 16 bytes: units [0, 4) [4, 8).
@@ -792,6 +794,8 @@ def test_a_shard_runs_each_push_with_the_step_record_sent_with_it():
     plan = make_plan(spec_of(named), 1, "block", 16)
     units = plan.units_of(0)
     assert [(u.offset, u.numel) for u in units] == [(0, 4), (4, 4)]
+    starts = [info.offset for info in plan.params]
+    assert [units_holding(starts, u.offset, u.offset + u.numel) for u in units] == [range(1), range(1, 3)]
     params = [torch.zeros(4), torch.zeros(4)]
     desc = describe_optimizer(torch.optim.Adam(params, lr=0.01, betas=(0.9, 0.99)))
     shard = Shard.__new__(Shard)
@@ -802,16 +806,12 @@ def test_a_shard_runs_each_push_with_the_step_record_sent_with_it():
     shard.records = [[raw[L.record_at(w, k) : L.record_at(w, k) + L.record_stride] for k in range(2)]
                      for w in range(2)]
     shard.optimizers = [(params, build_optimizer(desc, params))]
-    shard.hyper_in_use = hyper_values(desc["hyper"], shard.hyper_fields)
-    starts = [info.offset for info in plan.params]
-    from rdmaflow.ps.layout import units_holding
-    shard.unit_params = [[torch.tensor(units_holding(starts, u.offset, u.offset + u.numel)) for u in units]]
+    shard.hyper_start = shard.hyper_in_use = hyper_values(desc["hyper"], shard.hyper_fields)
+    shard.unit_params = [(torch.tensor([0, 1]), torch.tensor([1, 3]))]  # unit 0: a; unit 1: b, c
+    shard._skipped_for = None
 
     def write(w, t, values, has):
-        at = L.record_at(w, t)
-        raw[at : at + 8].view(torch.int64)[0] = t
-        raw[at + 8 : at + 8 * (1 + len(values))].view(torch.float64).copy_(torch.tensor(values, dtype=torch.float64))
-        raw[at + 8 * (1 + len(values)) : at + 8 * (1 + len(values)) + 3].copy_(torch.tensor(has, dtype=torch.uint8))
+        write_record(raw[L.record_at(w, t) : L.record_at(w, t) + L.record_stride], t, values, has, L.hyper_count)
 
     group = shard.optimizers[0][1].param_groups[0]
     assert shard.record(1, 3) is None
@@ -823,16 +823,21 @@ def test_a_shard_runs_each_push_with_the_step_record_sent_with_it():
     assert group["lr"] == 0.005 and group["betas"] == (0.8, 0.95)
     shard.use_hyper(shard.record(1, 4))
     assert group["lr"] == 0.0025
-    shard.use_hyper(shard.record(0, 4))  # worker 0 sent none: unchanged
-    assert group["lr"] == 0.0025
+    # Worker 0 sent none: its push runs with the job's (not with what worker 1's left in use).
+    shard.use_hyper(shard.record(0, 4))
+    assert group["lr"] == 0.01 and group["betas"] == (0.9, 0.99)
+    write(0, 4, None, [1, 1, 1])  # a record for its gradients only: the job's hyperparameters
+    shard.use_hyper(shard.record(1, 4))
+    shard.use_hyper(shard.record(0, 4))
+    assert group["lr"] == 0.01
     # Unit 1 holds b (gradient) and c: stepped; unit 0 holds a alone.
     assert shard.skipped([shard.record(1, 3)]) is None
-    assert shard.skipped([shard.record(1, 4)]) == [[0]]
+    assert shard.skipped([shard.record(1, 4)]) == [{0}]
     assert shard.skipped([shard.record(1, 4), None]) is None  # the other push has every gradient
     write(0, 4, [0.8, 0.95, 1e-8, 0.0025, 0.0], [1, 0, 0])
     assert shard.skipped([shard.record(0, 4), shard.record(1, 4)]) is None
     write(0, 4, [0.8, 0.95, 1e-8, 0.0025, 0.0], [0, 0, 0])
-    assert shard.skipped([shard.record(0, 4), shard.record(1, 4)]) == [[0]]
+    assert shard.skipped([shard.record(0, 4), shard.record(1, 4)]) == [{0}]
 
 
 def test_init_refuses_timeouts_that_are_not_seconds(monkeypatch):

@@ -11,10 +11,11 @@ Shard i's block in its arena::
     reply sources per worker, one u64 per chunk: the values the shard WRITEs into that
                   worker's reply flag
     step records  per worker and grad slot: a u64 marker, the optimizer's numeric
-                  hyperparameters (float64) the worker's push in that slot runs with, and a byte
-                  per parameter, 1 if it has a gradient in that push; written before the push
-                  flag, and only when it differs from what that slot last got (an LR
-                  scheduler's change, a parameter without a gradient)
+                  hyperparameters (float64) the worker's push in that slot runs with (if they
+                  are no longer the job's), and a byte per parameter, 1 if it has a gradient
+                  in that push; written before the push flag, and only when it differs from
+                  what that slot last got (an LR scheduler's change, a parameter without a
+                  gradient)
 
 Worker w's block in its arena::
 
@@ -65,6 +66,8 @@ request to land as its computation ends (adaptive pulling).
 """
 from __future__ import annotations
 
+import torch
+
 from rdmaflow import WRITE
 from rdmaflow.ps.layout import MAX_CHUNKS
 
@@ -113,9 +116,31 @@ def aligned(n: int) -> int:
 
 
 def record_bytes(hyper: int, params: int) -> int:
-    """A step record: a u64 marker (the step it was written for; 0: none yet), ``hyper`` float64
+    """A step record: a u64 marker (the step it was written for; 0: none yet), a u64 that says
+    whether hyperparameters follow (1) or the job's hold (0), ``hyper`` float64
     hyperparameters, then one byte per parameter: 1 if it has a gradient in that push."""
-    return 8 * (1 + hyper) + (params + 7) // 8 * 8
+    return 8 * (2 + hyper) + (params + 7) // 8 * 8
+
+
+def write_record(buf, step: int, values: list[float] | None, has: list[bool], hyper: int) -> None:
+    """Encodes a step record into ``buf`` (uint8, ``record_bytes`` long); ``values`` None: the
+    job's hyperparameters hold."""
+    k = 8 * (2 + hyper)
+    head = buf[:16].view(torch.int64)
+    head[0], head[1] = step, values is not None
+    if values is not None:
+        buf[16:k].view(torch.float64).copy_(torch.tensor(values, dtype=torch.float64))
+    buf[k : k + len(has)].copy_(torch.tensor(has, dtype=torch.uint8))
+
+
+def read_record(buf, hyper: int, params: int):
+    """Decodes a step record: (hyperparameters, or None where the job's hold; a bool tensor of
+    which parameters have a gradient), or None where none was written."""
+    head = buf[:16].view(torch.int64)
+    if not int(head[0]):
+        return None
+    k = 8 * (2 + hyper)
+    return (buf[16:k].view(torch.float64).tolist() if int(head[1]) else None), buf[k : k + params].bool()
 
 
 class ShardLayout:

@@ -29,6 +29,7 @@ from rdmaflow.ps.protocol import (
     ShardLayout,
     WorkerLayout,
     progress,
+    read_record,
     record_bytes,
     write_runs_then_flag,
 )
@@ -76,10 +77,13 @@ class Shard:
         self.units = self.plan.units_of(self.id)
         self.chunks = self.plan.chunks_of(self.id, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES))
         self.chunk_runs = [runs_of(chunk) for chunk in self.chunks]  # one WRITE each
-        # Per chunk and unit: the parameters it holds part of (to skip those without a gradient).
+        # Per chunk, per unit: the parameters [first, last) it holds part of (to skip the units
+        # whose parameters have no gradient).
         starts = [info.offset for info in self.plan.params]
-        self.unit_params = [[torch.tensor(units_holding(starts, u.offset, u.offset + u.numel), dtype=torch.long)
-                             for u in chunk] for chunk in self.chunks]
+        held = [[units_holding(starts, u.offset, u.offset + u.numel) for u in chunk] for chunk in self.chunks]
+        self.unit_params = [(torch.tensor([r.start for r in rs], dtype=torch.long),
+                             torch.tensor([r.stop for r in rs], dtype=torch.long)) for rs in held]
+        self._skipped_for: tuple | None = None  # (has, skip): the last answer of skipped()
         self.dtype = FLOAT_DTYPES[self.plan.dtype]
         self.itemsize = self.plan.itemsize
         n = self.plan.shard_numel(self.id)
@@ -181,7 +185,7 @@ class Shard:
             wait_all(futs, self.ctx.timeout)
         # The hyperparameters in use: the job's, or those a checkpoint brought back.
         desc = describe_optimizer(self.optimizers[0][1]) if self.optimizers else self.config["optim"]
-        self.hyper_in_use = hyper_values(desc["hyper"], self.hyper_fields)
+        self.hyper_start = self.hyper_in_use = hyper_values(desc["hyper"], self.hyper_fields)
         self.applied = [self.start] * self.nw
         self.answered = [self.start] * self.nw
         self.done = [False] * self.nw
@@ -297,16 +301,12 @@ class Shard:
     def record(self, w: int, t: int) -> tuple[list[float], torch.Tensor] | None:
         """Worker w's step record for its push t: (hyperparameters, which parameters have a
         gradient), or None if it wrote none (its push flag came after it)."""
-        rec = self.records[w][t % self.layout.slots]
-        if not int(rec[:8].view(torch.int64)[0]):
-            return None
-        k = 8 * (1 + self.layout.hyper_count)
-        return rec[8:k].view(torch.float64).tolist(), rec[k : k + self.layout.param_count].bool()
+        return read_record(self.records[w][t % self.layout.slots], self.layout.hyper_count, self.layout.param_count)
 
-    def skipped(self, records: list) -> list[list[int]] | None:
-        """Per chunk, the positions of its units that no parameter with a gradient touches, in
-        the pushes of ``records`` (torch's optimizer skips a parameter whose grad is None);
-        None if there are none."""
+    def skipped(self, records: list) -> list[set[int]] | None:
+        """Per chunk, the positions of its units that no parameter with a gradient touches in the
+        pushes of ``records`` (torch's optimizer skips a parameter whose grad is None); None if
+        there are none."""
         if any(r is None for r in records):
             return None  # a push without a record has every gradient
         has = records[0][1].clone()
@@ -314,17 +314,24 @@ class Shard:
             has |= r[1]
         if bool(has.all()):
             return None
-        skip = [[j for j, ps in enumerate(chunk) if not bool(has[ps].any())] for chunk in self.unit_params]
-        return skip if any(skip) else None
+        if self._skipped_for is not None and torch.equal(self._skipped_for[0], has):
+            return self._skipped_for[1]  # a model's unused parameters are the same step after step
+        with_grad = torch.zeros(len(has) + 1, dtype=torch.long)
+        torch.cumsum(has, 0, out=with_grad[1:])  # parameters with a gradient before each index
+        skip = [set(torch.nonzero(with_grad[hi] == with_grad[lo]).flatten().tolist()) for lo, hi in self.unit_params]
+        skip = skip if any(skip) else None
+        self._skipped_for = (has, skip)
+        return skip
 
     def use_hyper(self, record) -> None:
-        """Runs the optimizer with a record's hyperparameters; without one (None), with those in
-        use (the job's, or a checkpoint's)."""
-        if record is None or record[0] == self.hyper_in_use:
+        """Runs the optimizer with a record's hyperparameters; without them (no record, or the
+        worker's are still the job's), with those it started with (the job's, or a checkpoint's)."""
+        values = self.hyper_start if record is None or record[0] is None else record[0]
+        if values == self.hyper_in_use:
             return
         for _, opt in self.optimizers:
-            set_hyper(opt, self.hyper_fields, record[0])
-        self.hyper_in_use = record[0]
+            set_hyper(opt, self.hyper_fields, values)
+        self.hyper_in_use = values
 
     def apply(self, grads: torch.Tensor, scale: float, skip=None) -> None:
         for k, (lo, hi) in enumerate(self.spans):

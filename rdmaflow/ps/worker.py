@@ -56,6 +56,7 @@ from rdmaflow.ps.protocol import (
     WorkerLayout,
     progress,
     record_bytes,
+    write_record,
     write_runs_then_flag,
 )
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
@@ -270,9 +271,11 @@ class Worker:
         # Per record slot of the shards: what was last written there (at first, what a shard
         # does without a record: the job's hyperparameters, every parameter with a gradient).
         self._every_grad = [True] * len(plan.params)
-        first = (hyper_values(cfg["optim"]["hyper"], self._hyper_fields), self._every_grad)
-        self._record_sent = [first] * (2 if self.switching else 1)
-        self._grads_to_none = True  # what the last zero_grad() asked for
+        self._hyper_start = hyper_values(cfg["optim"]["hyper"], self._hyper_fields)
+        self._record_sent = [(None, self._every_grad)] * (2 if self.switching else 1)
+        # The parameters whose gradient exists, as torch would have it: backward reached them
+        # since the last zero_grad(set_to_none=True) (a zero_copy grad is never None).
+        self._seen: set[int] = set()
         self._index_units()
         self.dev.publish("ps/worker", pack_header({"layout": L.to_dict(), "base": self.base},
                                                   arena.region.descriptor()))
@@ -397,7 +400,7 @@ class Worker:
         index = {id(p): i for i, (p, _) in enumerate(self._params)}
         for i, (p, _) in enumerate(self._params):
             # Without overlap a hook only notes that backward reached the parameter (_has_grad).
-            hook = (lambda p, i=i: self._grad_ready(i)) if self.overlap else (lambda p, i=i: self._fired.add(i))
+            hook = (lambda p, i=i: self._grad_ready(i)) if self.overlap else (lambda p, i=i: self._seen.add(i))
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         if not self.overlap or self.mode != "sync":
             return
@@ -592,6 +595,7 @@ class Worker:
         self._stage_grad(i)
         with self._lock:
             self._fired.add(i)
+            self._seen.add(i)
             for u in self.units_of_param[i]:
                 self._pending[u] -= 1
                 if u in self._pushed:
@@ -653,7 +657,10 @@ class Worker:
 
     def _push(self, t: int) -> list:
         with self._lock:
-            record = (self._hyper_now(), self._has_grad())  # before staging turns None into zeros
+            # Before staging turns None into zeros. Hyperparameters go only once they differ
+            # from the job's (a shard without them keeps its own: the job's, or a checkpoint's).
+            hyper = self._hyper_now()
+            record = (None if hyper == self._hyper_start else hyper, self._has_grad())
             if not self.overlap:
                 for i in range(len(self._params)):
                     self._stage_grad(i)
@@ -702,22 +709,20 @@ class Worker:
 
     def _has_grad(self) -> list[bool]:
         """Which parameters have a gradient in this push: those torch's optimizer would not skip.
-        One has none if its grad is None, or if backward never reached it and its grad is still
-        the zeroed send buffer of a zero_grad(set_to_none=True). A step whose gradient
-        push_range wrote has them all."""
-        if self._ranges or len(self._fired) == len(self._params):
+        One has none if its grad is None, or if its grad is the send buffer (never None) and
+        backward has not reached it since a zero_grad(set_to_none=True), unless it was written
+        by hand (nonzero). A step whose gradient push_range wrote has them all."""
+        if self._ranges or len(self._seen) == len(self._params):
             return self._every_grad
         has = []
         for i, (p, info) in enumerate(self._params):
             g = p.grad
-            if i in self._fired:
-                has.append(True)
-            elif g is None:
+            if g is None:
                 has.append(False)
-            elif self._grads_to_none and g.data_ptr() == self._gview(self.gbuf, info).data_ptr():
-                has.append(bool(g.any()))  # written by hand, unless still zero
-            else:
+            elif i in self._seen or g.data_ptr() != self._gview(self.gbuf, info).data_ptr():
                 has.append(True)
+            else:
+                has.append(bool(g.any()))
         return has
 
     def _send_record(self, t: int, record: tuple[list[float], list[bool]]) -> None:
@@ -728,14 +733,12 @@ class Worker:
         slot = t % len(self._record_sent)
         if record == self._record_sent[slot]:
             return
-        values, has = record
+        values, has = record  # values None: the job's, unchanged
         i, self._record_next = self._record_next, self._record_next ^ 1
         for f in self._record_futs[i]:  # that source was last sent a record ago
             f.result(self.ctx.timeout)
-        src, k = self._record_src[i], 8 * (1 + len(values))
-        src[:8].view(torch.int64)[0] = t
-        src[8:k].view(torch.float64).copy_(torch.tensor(values, dtype=torch.float64))
-        src[k : k + len(has)].copy_(torch.tensor(has, dtype=torch.uint8))
+        src = self._record_src[i]
+        write_record(src, t, values, has, len(self._hyper_fields))
         n, off = len(src), self.base + self.layout.record_src + i * self.layout.record_stride
         self._record_futs[i] = [sh["channel"].memcpy(self.region, off, sh["remote"],
                                                      sh["base"] + sh["layout"].record_at(self.id, t), n, WRITE)
@@ -837,7 +840,8 @@ class Worker:
         """Switches to the other gradient buffer and zeroes it: the gradient buffers are the send
         buffers, so they are zeroed in place, never dropped; the one just pushed is left alone."""
         self._check_open("zero_grad")
-        self._grads_to_none = bool(set_to_none)
+        if set_to_none:
+            self._seen = set()
         t0 = time.monotonic()
         self.gbuf ^= 1
         self._wait_pushes(self.gbuf)  # pushed two steps ago: long done
