@@ -30,7 +30,8 @@ Results: a worker writes ``worker{w}.pt`` (torch.save of its final parameters, l
 largest gap it observed); a shard writes ``shard{i}.json`` (its statistics). Every worker
 prints ``worker {w} step {t}`` after each step, so a test can see the job is training. On odd
 steps a worker clears its gradients with ``model.zero_grad(set_to_none=True)``, on even steps
-with the optimizer's ``zero_grad()``; with ``keep_grads`` both with ``set_to_none=False``.
+with the optimizer's ``zero_grad()``; with ``keep_grads`` always the optimizer's
+``zero_grad(set_to_none=False)``.
 
 The model, the batches and the optimizer are module functions so that the test process can
 build the single-process reference from exactly the same definitions.
@@ -216,12 +217,16 @@ def main() -> None:
         if delay:
             time.sleep(delay)
         x, y = make_batch(seed, w, t, int(cfg.get("batch", 4)))
-        if t % 2:
+        if cfg.get("keep_grads"):
+            # Through the optimizer, which switches send buffers: the model's zero_grad would zero
+            # in place the buffer the last push may still be sending (docs/parameter-server.md).
+            opt.zero_grad(set_to_none=False)
+        elif t % 2:
             # What many loops do: gradients set to None, then fresh tensors from backward (the
             # worker copies them back into its registered buffer).
-            model.zero_grad(set_to_none=not cfg.get("keep_grads"))
+            model.zero_grad(set_to_none=True)
         else:
-            opt.zero_grad(set_to_none=not cfg.get("keep_grads"))
+            opt.zero_grad()
         loss = loss_fn(model, x, y)
         loss.backward()
         if track:
