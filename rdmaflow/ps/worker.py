@@ -210,7 +210,7 @@ class Worker:
         # The hyperparameters that may change (an LR scheduler's lr): sent with a push that
         # follows a change; the others must stay as they were.
         self._hyper_fields = hyper_fields(cfg["optim"])
-        self._hyper_fixed = describe_optimizer(self.optimizer)
+        self._hyper_fixed = mine["optim"]  # this worker's own optimizer, described for the config
         L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards, 2 if self.switching else 1,
                                        0 if self.cuda else 2, len(self._hyper_fields), len(plan.params))
         arena = self.dev.create_arena(L.total + (1 << 20))
