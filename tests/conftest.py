@@ -23,6 +23,10 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 # "sm": shared memory with the same-host mapping (a memcpy is one CPU copy into the peer's
 # mapped region); "sm-cma": shared memory through UCX alone (cma), the mapping turned off.
+# $RDMAFLOW_PLACEMENT_COSTS for jobs whose placement decision a test asserts: this machine's
+# quiet figures (an op under the mode ~5 µs, a copy of a few KiB ~2 GB/s), not a timing of
+# microseconds that a busy moment of two shared cores can turn around.
+QUIET_PLACEMENT_COSTS = "mode_us_per_op=5,copy_gb_per_s=2"
 TRANSPORTS = ["tcp", "sm", "sm-cma"]  # names of rdmaflow._ucx.TRANSPORT_ENV
 
 

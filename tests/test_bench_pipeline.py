@@ -11,21 +11,26 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import QUIET_PLACEMENT_COSTS
 
 from rdmaflow.bench.pipeline_models import SEQ_MAX, Workload, masked_mse
+from rdmaflow.graph.placement import COSTS_ENV
 from rdmaflow.testing.netns import netns_unavailable_reason
 
 
 def _bench(tmp_path, *args, timeout=400):
+    """Placement weighs this machine's quiet figures, so that what it decides is the same every run."""
     out = tmp_path / "out"
+    env = {**os.environ, COSTS_ENV: QUIET_PLACEMENT_COSTS}
     r = subprocess.run([sys.executable, "-m", "rdmaflow", "bench", "pipeline", "--out", str(out), *args],
-                       capture_output=True, text=True, timeout=timeout, check=False)
+                       capture_output=True, text=True, timeout=timeout, check=False, env=env)
     return r, out
 
 

@@ -13,7 +13,8 @@ import torch
 from conftest import local_device
 
 from rdmaflow.bench.pipeline_models import Block, ResidualNorm
-from rdmaflow.graph.placement import Placement, copy_cost, mode_cost_per_op
+from rdmaflow.errors import InvalidArgumentError
+from rdmaflow.graph.placement import COSTS_ENV, Placement, copy_cost, mode_cost_per_op
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +90,31 @@ def test_without_weighing_every_site_is_placed(arena):
     assert p.settle("forward") is None and p.settle("backward") is None
     out2, gin2 = forward_backward(p, model, x, [])
     assert arena.offset_of(out2) is not None and arena.offset_of(gin2) is not None and p.placed == 2
+
+
+def test_given_costs_decide_instead_of_the_measured_ones(arena, monkeypatch):
+    """$RDMAFLOW_PLACEMENT_COSTS turns the decision around both ways: the small transformer
+    phases are kept when an op under the mode is free, and the 8 MiB residual phases are
+    declined when an op costs a second."""
+    monkeypatch.setenv(COSTS_ENV, "mode_us_per_op=0,copy_gb_per_s=1")
+    assert mode_cost_per_op() == 0 and copy_cost(10**9) == pytest.approx(1.0)
+    model, x = torch.nn.Sequential(Block(16, 2), Block(16, 2)), torch.randn(1, 16, 16)
+    p = Placement(arena)
+    out, gin = forward_backward(p, model, x, [])
+    assert p.learn("forward", out) is None and p.learn("backward", gin) is None
+    assert p.settle("forward") is None and p.settle("backward") is None
+    monkeypatch.setenv(COSTS_ENV, " copy_gb_per_s=100 , mode_us_per_op=1e6")
+    p = Placement(arena)
+    out, gin = forward_backward(p, ResidualNorm(32768), torch.randn(64, 32768), [])
+    assert p.learn("forward", out) is None and p.learn("backward", gin) is None
+    assert p.settle("forward").startswith("placement declined") and p.settle("backward").startswith("placement declined")
+
+
+@pytest.mark.parametrize("text", ["mode_us_per_op=5", "mode_us_per_op=5,copy_gb_per_s=0", "mode_us_per_op=-1,copy_gb_per_s=2",
+                                  "mode_us_per_op=x,copy_gb_per_s=2", "mode_us_per_op=5,copy_gb_per_s=2,copy_gb_per_s=3",
+                                  "mode=5,copy_gb_per_s=2", "mode_us_per_op=nan,copy_gb_per_s=2", "5,2"])
+def test_malformed_given_costs_fail_when_the_placement_is_made(arena, monkeypatch, text):
+    monkeypatch.setenv(COSTS_ENV, text)
+    with pytest.raises(InvalidArgumentError, match=COSTS_ENV):
+        Placement(arena)
+    Placement(arena, weigh=False)  # a placement that weighs nothing does not read them

@@ -33,6 +33,7 @@ and ``settle`` says why.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -41,10 +42,39 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import rdmaflow
+from rdmaflow.errors import InvalidArgumentError
 
 # Placement is declined only when the mode costs clearly more than the copies it saves: the
 # estimate of either side is good to a factor of about two.
 MODE_COST_MARGIN = 4.0
+
+# "mode_us_per_op=X,copy_gb_per_s=Y": figures settle() uses instead of measuring them (a machine
+# too loaded to time a few microseconds, or a deployment that wants the same decision every run).
+COSTS_ENV = "RDMAFLOW_PLACEMENT_COSTS"
+_COST_KEYS = ("mode_us_per_op", "copy_gb_per_s")
+
+
+def given_costs() -> dict[str, float] | None:
+    """$RDMAFLOW_PLACEMENT_COSTS parsed; None when unset."""
+    text = os.environ.get(COSTS_ENV)
+    if not text:
+        return None
+    costs = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        try:
+            number = float(value) if sep and key in _COST_KEYS and key not in costs else None
+        except ValueError:
+            number = None
+        if number is None or not number >= 0 or number == float("inf") or \
+                (key == "copy_gb_per_s" and number == 0):
+            raise InvalidArgumentError(
+                f"${COSTS_ENV}={text!r}: expected mode_us_per_op=<microseconds >= 0>,"
+                f"copy_gb_per_s=<GB/s > 0>, each once; {item.strip()!r} is not one of them")
+        costs[key] = number
+    if len(costs) != len(_COST_KEYS):
+        raise InvalidArgumentError(f"${COSTS_ENV}={text!r}: give both {' and '.join(_COST_KEYS)}")
+    return costs
 
 
 def out_variant(func) -> tuple[object, list[str]] | None:
@@ -136,10 +166,16 @@ def _best_of(trials: int, fn) -> float:
     return _best_of_each(trials, fn)[0]
 
 
-@functools.cache
 def mode_cost_per_op() -> float:
-    """Seconds that running under ``Placement`` (a phase already recorded) adds to one ATen op,
-    measured once per process on small adds, with and without the mode."""
+    """Seconds that running under ``Placement`` (a phase already recorded) adds to one ATen op:
+    as given by $RDMAFLOW_PLACEMENT_COSTS, else measured once per process."""
+    given = given_costs()
+    return given["mode_us_per_op"] * 1e-6 if given is not None else _measured_mode_cost_per_op()
+
+
+@functools.cache
+def _measured_mode_cost_per_op() -> float:
+    """On small adds, with and without the mode."""
     a, n = torch.zeros(4), 200
 
     def ops() -> None:
@@ -162,10 +198,17 @@ def mode_cost_per_op() -> float:
 COPY_PROBE_MAX = 64 << 20  # larger copies are timed at this size and scaled
 
 
-@functools.cache
 def copy_cost(nbytes: int) -> float:
-    """Seconds a send's copy of ``nbytes`` costs: into freshly allocated memory, as the output
-    of an unplaced op is (a fresh buffer of megabytes is often new pages to fault in)."""
+    """Seconds a send's copy of ``nbytes`` costs: as given by $RDMAFLOW_PLACEMENT_COSTS, else
+    measured once per size."""
+    given = given_costs()
+    return nbytes / (given["copy_gb_per_s"] * 1e9) if given is not None else _measured_copy_cost(nbytes)
+
+
+@functools.cache
+def _measured_copy_cost(nbytes: int) -> float:
+    """Into freshly allocated memory, as the output of an unplaced op is (a fresh buffer of
+    megabytes is often new pages to fault in)."""
     n = max(1, min(nbytes, COPY_PROBE_MAX))
     src = torch.ones(n, dtype=torch.uint8)
     return _best_of(5, lambda: torch.empty(n, dtype=torch.uint8).copy_(src)) * nbytes / n
@@ -179,6 +222,8 @@ class Placement(TorchDispatchMode):
         self.arena = arena
         self.enabled = enabled
         self.weigh = weigh     # settle() may decline a phase whose mode costs more than its copies
+        if enabled and weigh:
+            given_costs()      # a malformed $RDMAFLOW_PLACEMENT_COSTS fails here, not mid-step
         self.phases: dict[str, PhaseTrace] = {}
         self._trace: PhaseTrace | None = None
         self._count = 0
