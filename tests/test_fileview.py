@@ -337,6 +337,11 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         os.fsync(grad)
         # SGD with momentum: the second step moves by lr x (momentum x 2.0 + 1.0)
         np.testing.assert_allclose(np.frombuffer(os.pread(weights, 8, 0), np.float32), -LR * (3.0 + MOMENTUM * 2.0))
+        # A push with nothing written is a gradient of zeros for every variable, as any element
+        # never written is: momentum still moves them (they were left alone before).
+        os.fsync(grad)
+        np.testing.assert_allclose(np.frombuffer(os.pread(weights, 8, 0), np.float32),
+                                   -LR * (3.0 + MOMENTUM * 2.0) - LR * MOMENTUM * (1.0 + MOMENTUM * 2.0), rtol=1e-6)
         # The shard dies: the next push fails with EIO, and so does everything after it.
         j.proc("shard0").kill()
         j.wait(DETECT_TIMEOUT, [j.proc("shard0")])

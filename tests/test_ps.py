@@ -252,6 +252,8 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
         batches = [job.make_batch(seed, w, t, cfg["batch"]) for w in range(workers)]
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
+        if cfg.get("discard"):
+            job.discarded_backward(model, x, y)
         opt.zero_grad(set_to_none=not cfg.get("keep_grads"))
         job.loss_fn(model, x, y).backward()
         opt.step()
@@ -419,6 +421,19 @@ def test_a_parameter_without_a_gradient_is_not_stepped(tmp_path, optim, overlap,
     when gradients are zeroed with set_to_none=False (keep): that layer's grad still never
     exists in torch, though the worker's, its send buffer, is never None."""
     with Job(tmp_path, dict(sync_cfg("variable", optim), model="unused", overlap=overlap, keep_grads=keep)) as j:
+        j.start_local(2, 2)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 2)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_discarded_backward_leaves_nothing_on_the_shards(tmp_path, keep):
+    """With overlap, each step first runs a backward that also reaches a large unused layer (its
+    weight is pushed on its own while backward runs), zeroes, and runs the step's backward, which
+    does not reach it. Torch steps that layer with zeros (keep: set_to_none=False) or not at all:
+    the shards must not apply the discarded gradient that reached them."""
+    cfg = dict(sync_cfg("variable", "sgd", steps=4), model="unused_large", overlap=True, keep_grads=keep, discard=True)
+    with Job(tmp_path, cfg) as j:
         j.start_local(2, 2)
         j.check_ok(j.wait())
         assert_matches_reference(j, 2, 2)

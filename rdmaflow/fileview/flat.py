@@ -156,7 +156,9 @@ class FlatModel:
     def step(self) -> None:
         """Pushes what the writes did not, and the push flag; returns once that has landed
         (reads and the next step's writes wait for the new weights, chunk by chunk). The next
-        step's gradient starts at zero."""
+        step's gradient starts at zero. The gradient file is every variable's gradient, zeros
+        where nothing was written: each is stepped, also in a push with no write."""
+        self.opt.mark_gradients()
         self.opt.step(wait=False)
         self.opt.zero_grad()
         with self._partial_lock:

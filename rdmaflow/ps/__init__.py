@@ -182,6 +182,12 @@ class DistributedOptimizer:
         buffer themselves (the file view); needs ``overlap=False``. Thread-safe."""
         return self.worker.push_range(start, stop)
 
+    def mark_gradients(self) -> None:
+        """Every parameter has a gradient in this step's push (its buffer's values, zeros where
+        nothing was written), as if backward had reached each; until ``zero_grad(set_to_none=True)``.
+        For callers that fill the gradient buffer themselves. Does not block. Thread-safe."""
+        self.worker.mark_gradients()
+
     def wait_range(self, start: int, stop: int, timeout: float | None = None) -> None:
         """Blocks until the newest weights of flat elements [start, stop) have landed: they can
         be read, and the next step's gradient of those elements can be written and pushed.

@@ -575,6 +575,12 @@ class Worker:
             self.push_writes += len(futs)
         return futs
 
+    def mark_gradients(self) -> None:
+        """Every trained parameter has a gradient in this step's push, as if backward had
+        reached each: for a caller that fills the gradient buffer itself. Thread-safe."""
+        with self._lock:
+            self._seen = set(range(len(self._params)))
+
     def _stage_grad(self, i: int) -> None:
         """Puts parameter i's gradient into the registered buffer of this step."""
         p, info = self._params[i]
@@ -712,11 +718,14 @@ class Worker:
         One has none if its grad is None, or if its grad is the send buffer (never None) and
         backward has not reached it since a zero_grad(set_to_none=True), unless it was written
         by hand (nonzero). A step whose gradient push_range wrote has them all."""
-        if self._ranges or len(self._seen) == len(self._params):
+        if self._ranges:
+            return self._every_grad
+        grads = [p.grad for p, _ in self._params]
+        if len(self._seen) == len(self._params) and all(g is not None for g in grads):
+            # (None: the model's zero_grad() dropped it after backward had reached it.)
             return self._every_grad
         has = []
-        for i, (p, info) in enumerate(self._params):
-            g = p.grad
+        for i, (g, (_, info)) in enumerate(zip(grads, self._params)):
             if g is None:
                 has.append(False)
             elif i in self._seen or g.data_ptr() != self._gview(self.gbuf, info).data_ptr():
@@ -843,6 +852,15 @@ class Worker:
         if set_to_none:
             self._seen = set()
         t0 = time.monotonic()
+        with self._lock:
+            # A backward since the last step() is thrown away: what its hooks already pushed into
+            # this step's slots must be written again from the zeroed buffer (behind a fence),
+            # and every unit waits for its parameters' gradients anew.
+            self._dirty |= self._pushed
+            self._fired = set()
+            self._pending = list(self._unit_need)
+            self._push_futs[self.gbuf].extend(self._cur_futs)  # they read the buffer left behind
+            self._cur_futs = []
         self.gbuf ^= 1
         self._wait_pushes(self.gbuf)  # pushed two steps ago: long done
         self.flat_grads[self.gbuf].zero_()

@@ -10,7 +10,10 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
     steps, batch, seed                      -> worker w's batch of step t is make_batch(seed, w, t, batch)
     out                                     -> directory for the results (below)
     model     "many": every process builds the many-small-tensors model (make_model);
-              "unused": the MLP and a layer its forward never uses
+              "unused": the MLP and a layer its forward never uses; "unused_large": that layer
+              large enough that backward pushes it on its own (above BATCH_BYTES)
+    discard                                 -> each step first runs a backward that also reaches
+              the unused layer, then zeroes (the step's loss was thrown away), as discarded_backward
     variant   {worker: "extra"|"names"|"shape"|"dtype"}: that worker builds a different model
     setup_after_store_gone {worker: seconds}: that worker creates its DistributedOptimizer only
               once the job's store is unreachable (or after that many seconds)
@@ -67,10 +70,10 @@ class ScaleShift(torch.nn.Module):
 class WithUnused(torch.nn.Module):
     """The MLP, and a layer that its forward never uses."""
 
-    def __init__(self):
+    def __init__(self, unused_out: int = OUT):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
-        self.unused = torch.nn.Linear(IN, OUT)
+        self.unused = torch.nn.Linear(IN, unused_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -87,6 +90,8 @@ def make_model(seed: int, variant: str | None = None) -> torch.nn.Module:
                                    torch.nn.Linear(HIDDEN, OUT))
     if variant == "unused":  # a layer the forward never reaches (an unused head): no gradients
         return WithUnused()
+    if variant == "unused_large":  # its weight, 8 x 8200 floats, is over BATCH_BYTES
+        return WithUnused(8200)
     if variant == "extra":
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT),
                                     torch.nn.Linear(OUT, OUT))
@@ -149,6 +154,11 @@ def reschedule(opt: torch.optim.Optimizer, scheduler, t: int) -> None:
 def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dtype = next(model.parameters()).dtype  # a float64 variant gets float64 data
     return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
+
+
+def discarded_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A backward whose gradients the loop then zeroes: every parameter, the unused layer too."""
+    (3 * loss_fn(model, x, y) + model.unused(x).square().mean()).backward()
 
 
 def trace(msg: str) -> None:
@@ -217,6 +227,8 @@ def main() -> None:
         if delay:
             time.sleep(delay)
         x, y = make_batch(seed, w, t, int(cfg.get("batch", 4)))
+        if cfg.get("discard"):
+            discarded_backward(model, x, y)
         if cfg.get("keep_grads"):
             # Through the optimizer, which switches send buffers: the model's zero_grad would zero
             # in place the buffer the last push may still be sending (docs/parameter-server.md).
