@@ -8,6 +8,7 @@ the thread that runs completion callbacks. ``MemRegion``, ``RemoteRegion``, ``Ch
 """
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -106,9 +107,16 @@ def _spin_us(spin_us: int) -> int:
     return spin_us
 
 
+def _count(value, name: str) -> int:
+    """A count argument: an integer (the core checks its range), never a bool or 2.7 truncated."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
 def _copy_threads(copy_threads: int | None) -> int:
     if copy_threads is not None:
-        return int(copy_threads)
+        return _count(copy_threads, "copy_threads")
     env = os.environ.get(COPY_THREADS_ENV, "").strip()
     if env:
         try:
@@ -212,7 +220,7 @@ class Device(_core.Device):
         flagged_writes: FlaggedWrites | str | None = None,
         tcp_congestion: str | None = None,
     ):
-        super().__init__(endpoint, num_cqs=int(num_cqs), qps_per_peer=int(qps_per_peer), secret=_job_secret(secret),
+        super().__init__(endpoint, num_cqs=_count(num_cqs, "num_cqs"), qps_per_peer=_count(qps_per_peer, "qps_per_peer"), secret=_job_secret(secret),
                          busy_poll=bool(busy_poll), spin_us=_spin_us(spin_us),
                          connect_timeout=positive_seconds(connect_timeout, "connect_timeout"),
                          rpc_timeout=positive_seconds(rpc_timeout, "rpc_timeout"), data_error_handling=bool(data_error_handling),

@@ -438,6 +438,10 @@ def test_bad_device_arguments(monkeypatch):
         rdmaflow.Device("127.0.0.1:0")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="num_cqs"):
         rdmaflow.Device("127.0.0.1:0", num_cqs=0, secret="s")
+    for name in ("num_cqs", "qps_per_peer", "copy_threads"):  # never truncated or taken as 1
+        for bad in (2.7, True, "2"):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer, got {bad!r}"):
+                rdmaflow.Device("127.0.0.1:0", secret="s", **{name: bad})
     with pytest.raises(rdmaflow.InvalidArgumentError, match="host:port"):
         rdmaflow.Device("localhost", secret="s")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="copy_threads"):

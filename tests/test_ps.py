@@ -254,7 +254,7 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
         y = torch.cat([b[1] for b in batches])
         if cfg.get("discard"):
             job.discarded_backward(model, x, y)
-        opt.zero_grad(set_to_none=not cfg.get("keep_grads"))
+        opt.zero_grad(set_to_none=not (cfg.get("keep_grads") or cfg.get("inplace_zero")))
         job.loss_fn(model, x, y).backward()
         opt.step()
         if scheduler is not None:
@@ -437,6 +437,18 @@ def test_a_discarded_backward_leaves_nothing_on_the_shards(tmp_path, keep):
         j.start_local(2, 2)
         j.check_ok(j.wait())
         assert_matches_reference(j, 2, 2)
+
+
+def test_gradients_zeroed_in_place_right_after_step_are_safe(tmp_path):
+    """With overlap and zero copy, p.grad is the send buffer. A loop that zeroes it in place with
+    the model's zero_grad(set_to_none=False) right after step() must not change what that step
+    pushed: step() returns once the gradient has left its buffer. The first layer (1 MiB) is the
+    last unit backward pushes, so its WRITE is the one in flight when step() is called."""
+    cfg = dict(sync_cfg("variable", "sgd", steps=8), model="wide", overlap=True, inplace_zero=True, lr=0.003)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 1)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 1)
 
 
 def test_sync_through_rdmaflow_launch(tmp_path):

@@ -170,8 +170,9 @@ class DistributedOptimizer:
     def step(self, *, wait: bool = True) -> None:
         """Pushes this step's gradients. Without overlap it blocks until the new weights are in
         the parameters, or with ``wait=False`` only until the push has landed on the shards
-        (``wait_weights``/``wait_range`` then wait for the weights). With overlap it returns
-        at once. Not thread-safe against ``push_range``/``wait_range`` of the same step."""
+        (``wait_weights``/``wait_range`` then wait for the weights). With overlap it blocks
+        until the push has left the gradient buffers (``p.grad``, which may then be zeroed in
+        place); the next forward waits for the weights. Not thread-safe against ``push_range``/``wait_range`` of the same step."""
         self.worker.step(wait)
 
     def push_range(self, start: int, stop: int) -> list:

@@ -5,8 +5,9 @@ With ``overlap`` (the default) communication runs under computation (Xue et al. 
 
 - a gradient unit is WRITten to its shard the moment backward has accumulated every gradient
   in it (a post-accumulate-grad hook), so pushes run in reverse layer order during backward;
-- synchronous mode: ``step()`` only writes the push flags and returns; the shards deliver the
-  new weights chunk by chunk in forward order, and a forward pre-hook on each layer waits for
+- synchronous mode: ``step()`` writes the push flags and returns once the push has left the
+  gradient buffers (``p.grad`` may then be zeroed in place); the shards deliver the new
+  weights chunk by chunk in forward order, and a forward pre-hook on each layer waits for
   just the chunks holding that layer's weights;
 - asynchronous modes: two parameter buffers (buffer switching). A step computes on one while
   the shards write the next weights into the other; the request for them is timed from moving
@@ -23,6 +24,7 @@ that needs it runs (iRDMA's weights from a host copy).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import os
@@ -650,16 +652,22 @@ class Worker:
             f.result(self.ctx.timeout)
         self._push_futs[buf] = []
 
-    def push(self, t: int) -> list:
-        """Pushes what backward has not pushed yet, then each shard's push flag behind a fence."""
+    @contextlib.contextmanager
+    def _naming_dead_shards(self, t: int):
+        """A channel's failure while pushing step t (posting, or waiting for the WRITEs to
+        leave) names the shard, like a wait for its flags would."""
         try:
-            return self._push(t)
+            yield
         except PeerError:
-            # A shard found dead while posting (not while waiting): name it, like a wait would.
             for s, sh in enumerate(self.shards):
                 if sh["channel"].failed:
                     self._shard_died(s, f"shard {s} at {sh['ep']} died while worker {self.id} pushed step {t}")
             raise
+
+    def push(self, t: int) -> list:
+        """Pushes what backward has not pushed yet, then each shard's push flag behind a fence."""
+        with self._naming_dead_shards(t):
+            return self._push(t)
 
     def _push(self, t: int) -> list:
         with self._lock:
@@ -814,8 +822,8 @@ class Worker:
     def step(self, wait: bool = True) -> None:
         """Pushes this step's gradients to the shards. Without overlap it waits for the new
         weights, or with ``wait=False`` only until the push has landed (``wait_weights`` and
-        ``wait_range`` wait for the weights); with overlap the next forward (sync) or the buffer
-        switch (async) does."""
+        ``wait_range`` wait for the weights); with overlap until the push has left the gradient
+        buffers, and the next forward (sync) or the buffer switch (async) waits for the weights."""
         self._check_open("step")
         t0 = time.monotonic()
         compute = t0 - self._compute_start
@@ -836,6 +844,11 @@ class Worker:
             elif not self.overlap:
                 for f in flags:
                     f.result(self.ctx.timeout)
+        if self.overlap:
+            # The gradient has left its buffer, which is p.grad: the caller may zero it in place
+            # now (model.zero_grad(set_to_none=False)). In sync mode the weights come later anyway.
+            with self._naming_dead_shards(t):
+                self._wait_pushes(self.gbuf)
         t2 = time.monotonic()
         self.profile["step_push"] += t1 - t0
         self.profile["step_wait"] += t2 - t1

@@ -11,7 +11,10 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
     out                                     -> directory for the results (below)
     model     "many": every process builds the many-small-tensors model (make_model);
               "unused": the MLP and a layer its forward never uses; "unused_large": that layer
-              large enough that backward pushes it on its own (above BATCH_BYTES)
+              large enough that backward pushes it on its own (above BATCH_BYTES); "wide": an
+              MLP whose first layer (1 MiB) is the last gradient backward pushes before step()
+    inplace_zero                            -> gradients zeroed with the model's
+              zero_grad(set_to_none=False), in place, right after step() (not the optimizer's)
     discard                                 -> each step first runs a backward that also reaches
               the unused layer, then zeroes (the step's loss was thrown away), as discarded_backward
     variant   {worker: "extra"|"names"|"shape"|"dtype"}: that worker builds a different model
@@ -51,6 +54,7 @@ import torch
 IN, HIDDEN, OUT = 8, 16, 2
 
 
+WIDE = 32768  # the "wide" model's hidden layer
 MANY = 60  # scale-and-shift layers of the "many" model: 2 * 60 + 4 tensors, most of 16 floats
 
 
@@ -92,6 +96,8 @@ def make_model(seed: int, variant: str | None = None) -> torch.nn.Module:
         return WithUnused()
     if variant == "unused_large":  # its weight, 8 x 8200 floats, is over BATCH_BYTES
         return WithUnused(8200)
+    if variant == "wide":
+        return torch.nn.Sequential(torch.nn.Linear(IN, WIDE), torch.nn.Tanh(), torch.nn.Linear(WIDE, OUT))
     if variant == "extra":
         model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT),
                                     torch.nn.Linear(OUT, OUT))
@@ -229,7 +235,9 @@ def main() -> None:
         x, y = make_batch(seed, w, t, int(cfg.get("batch", 4)))
         if cfg.get("discard"):
             discarded_backward(model, x, y)
-        if cfg.get("keep_grads"):
+        if cfg.get("inplace_zero"):
+            pass  # after the previous step() (below)
+        elif cfg.get("keep_grads"):
             # Through the optimizer, which switches send buffers: the model's zero_grad would zero
             # in place the buffer the last push may still be sending (docs/parameter-server.md).
             opt.zero_grad(set_to_none=False)
@@ -246,6 +254,8 @@ def main() -> None:
             # the store already says so.
             ctx.store.set(f"test/pushed/{w}", str(t + 1))
         opt.step()
+        if cfg.get("inplace_zero"):
+            model.zero_grad(set_to_none=False)  # the buffers the push just sent from
         if scheduler is not None:
             reschedule(torch_opt, scheduler, t)
         losses.append(loss.item())
