@@ -255,7 +255,18 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
         if cfg.get("discard"):
             job.discarded_backward(model, x, y)
         opt.zero_grad(set_to_none=not (cfg.get("keep_grads") or cfg.get("inplace_zero")))
-        job.loss_fn(model, x, y).backward()
+        if cfg.get("clip"):
+            # Each worker clips its own gradient; the shards average the clipped gradients.
+            clipped = []
+            for b in batches:
+                model.zero_grad()
+                job.loss_fn(model, *b).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
+                clipped.append([p.grad.clone() for p in model.parameters()])
+            for p, *gs in zip(model.parameters(), *clipped, strict=True):
+                p.grad = sum(gs) / len(gs)
+        else:
+            job.loss_fn(model, x, y).backward()
         opt.step()
         if scheduler is not None:
             job.reschedule(opt, scheduler, t)
@@ -449,6 +460,23 @@ def test_gradients_zeroed_in_place_right_after_step_are_safe(tmp_path):
         j.start_local(2, 1)
         j.check_ok(j.wait())
         assert_matches_reference(j, 2, 1)
+        for w in range(2):  # nothing changed between backward and step(): nothing is written twice
+            assert j.worker_result(w)["push_writes"] == 2 * cfg["steps"], j.worker_result(w)["push_writes"]
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_gradients_clipped_between_backward_and_step_are_what_the_shards_apply(tmp_path, zero_copy):
+    """With overlap, backward pushes the 1 MiB first layer's gradient as soon as it has it; the
+    loop then clips every gradient in place (clip_grad_norm_, well below the norm). step() finds
+    the gradients changed since backward and writes those units again, behind a fence: the
+    shards apply the clipped gradients (each worker's own, averaged), not backward's."""
+    cfg = dict(sync_cfg("variable", "sgd", steps=5), model="wide", overlap=True, zero_copy=zero_copy, lr=0.05, clip=5.0)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 1)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 1)
+        for w in range(2):  # backward's 2 WRITEs a step, then the changed units again
+            assert j.worker_result(w)["push_writes"] > 2 * cfg["steps"], j.worker_result(w)["push_writes"]
 
 
 def test_sync_through_rdmaflow_launch(tmp_path):

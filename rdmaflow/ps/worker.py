@@ -313,6 +313,10 @@ class Worker:
         self._batch_bytes = [0] * self.role.num_shards
         self.push_writes = 0                     # gradient WRITEs posted, flags not counted
         self._fired: set[int] = set()
+        # Each fired parameter's gradient as its hook left it, and the send buffer's version
+        # counter after the latest hook: what step() checks for changes made since backward.
+        self._at_hook: dict[int, tuple[torch.Tensor, int]] = {}
+        self._hook_version = -1
         self._hooks = []
         self._pull_timer: threading.Timer | None = None
         self._avg_compute: float | None = None
@@ -602,6 +606,9 @@ class Worker:
     def _grad_ready(self, i: int) -> None:
         self._stage_grad(i)
         with self._lock:
+            g = self._params[i][0].grad
+            self._at_hook[i] = (g, g._version)
+            self._hook_version = self.flat_grads[self.gbuf]._version  # after the latest accumulation
             self._fired.add(i)
             self._seen.add(i)
             for u in self.units_of_param[i]:
@@ -669,8 +676,31 @@ class Worker:
         with self._naming_dead_shards(t):
             return self._push(t)
 
+    def _changed_since_backward(self) -> list[int]:
+        """The parameters backward produced a gradient for this step whose gradient was changed
+        since (clip_grad_norm_, a scaling, a new p.grad): replaced, or modified in place. With
+        zero copy each is a view of the send buffer, and views share the buffer's version
+        counter, which every accumulation moves: all changed if it moved after the latest hook.
+        A gradient set to None since (the model's zero_grad()) is no gradient: not a change to
+        stage, which would put the zeroed buffer back in p.grad. Caller holds the lock."""
+        moved = self.zero_copy and self.flat_grads[self.gbuf]._version != self._hook_version
+        changed = []
+        for i in self._fired:
+            g, version = self._at_hook[i]
+            now = self._params[i][0].grad
+            if now is None:
+                continue
+            if now is not g or moved or (not self.zero_copy and now._version != version):
+                changed.append(i)
+        return changed
+
     def _push(self, t: int) -> list:
         with self._lock:
+            if self.overlap:
+                # A gradient changed after backward pushed it is staged and written again.
+                for i in self._changed_since_backward():
+                    self._stage_grad(i)
+                    self._dirty.update(u for u in self.units_of_param[i] if u in self._pushed)
             # Before staging turns None into zeros. Hyperparameters go only once they differ
             # from the job's (a shard without them keeps its own: the job's, or a checkpoint's).
             hyper = self._hyper_now()
@@ -707,6 +737,7 @@ class Worker:
             self._cur_futs = []
             self._pushed = set()
             self._fired = set()
+            self._at_hook = {}
             self._dirty = set()
             self._ranges = []
             self._pending = list(self._unit_need)
@@ -871,6 +902,7 @@ class Worker:
             # and every unit waits for its parameters' gradients anew.
             self._dirty |= self._pushed
             self._fired = set()
+            self._at_hook = {}
             self._pending = list(self._unit_need)
             self._push_futs[self.gbuf].extend(self._cur_futs)  # they read the buffer left behind
             self._cur_futs = []

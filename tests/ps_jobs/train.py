@@ -13,6 +13,8 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
               "unused": the MLP and a layer its forward never uses; "unused_large": that layer
               large enough that backward pushes it on its own (above BATCH_BYTES); "wide": an
               MLP whose first layer (1 MiB) is the last gradient backward pushes before step()
+    clip                                    -> torch.nn.utils.clip_grad_norm_(params, clip)
+              between backward and step() (the worker's own gradient, as clip_reference does)
     inplace_zero                            -> gradients zeroed with the model's
               zero_grad(set_to_none=False), in place, right after step() (not the optimizer's)
     discard                                 -> each step first runs a backward that also reaches
@@ -249,6 +251,8 @@ def main() -> None:
             opt.zero_grad()
         loss = loss_fn(model, x, y)
         loss.backward()
+        if cfg.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg["clip"]))
         if track:
             # Announced before the push: once a shard has applied this worker's step t+1,
             # the store already says so.
