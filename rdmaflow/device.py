@@ -220,7 +220,8 @@ class Device(_core.Device):
         flagged_writes: FlaggedWrites | str | None = None,
         tcp_congestion: str | None = None,
     ):
-        super().__init__(endpoint, num_cqs=_count(num_cqs, "num_cqs"), qps_per_peer=_count(qps_per_peer, "qps_per_peer"), secret=_job_secret(secret),
+        super().__init__(endpoint, num_cqs=_count(num_cqs, "num_cqs"), qps_per_peer=_count(qps_per_peer, "qps_per_peer"),
+                         secret=_job_secret(secret),
                          busy_poll=bool(busy_poll), spin_us=_spin_us(spin_us),
                          connect_timeout=positive_seconds(connect_timeout, "connect_timeout"),
                          rpc_timeout=positive_seconds(rpc_timeout, "rpc_timeout"), data_error_handling=bool(data_error_handling),

@@ -172,7 +172,9 @@ class DistributedOptimizer:
         the parameters, or with ``wait=False`` only until the push has landed on the shards
         (``wait_weights``/``wait_range`` then wait for the weights). With overlap it blocks
         until the push has left the gradient buffers (``p.grad``, which may then be zeroed in
-        place); the next forward waits for the weights. Not thread-safe against ``push_range``/``wait_range`` of the same step."""
+        place); the next forward waits for the weights. Gradients changed after backward
+        (clipping) are what it sends. Not thread-safe against ``push_range``/``wait_range`` of
+        the same step."""
         self.worker.step(wait)
 
     def push_range(self, start: int, stop: int) -> list:
