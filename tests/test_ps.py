@@ -437,13 +437,16 @@ def test_a_parameter_without_a_gradient_is_not_stepped(tmp_path, optim, overlap,
         assert_matches_reference(j, 2, 2)
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_a_discarded_backward_leaves_nothing_on_the_shards(tmp_path, keep):
+@pytest.mark.parametrize("zeroing", ["optimizer, to none", "optimizer, in place", "model, in place"])
+def test_a_discarded_backward_leaves_nothing_on_the_shards(tmp_path, zeroing):
     """With overlap, each step first runs a backward that also reaches a large unused layer (its
     weight is pushed on its own while backward runs), zeroes, and runs the step's backward, which
-    does not reach it. Torch steps that layer with zeros (keep: set_to_none=False) or not at all:
-    the shards must not apply the discarded gradient that reached them."""
-    cfg = dict(sync_cfg("variable", "sgd", steps=4), model="unused_large", overlap=True, keep_grads=keep, discard=True)
+    does not reach it. Torch steps that layer with zeros (set_to_none=False) or not at all:
+    the shards must not apply the discarded gradient that reached them. The model's own
+    zero_grad is invisible to the worker: only the buffer it zeroes in place says so."""
+    keep = zeroing != "optimizer, to none"
+    cfg = dict(sync_cfg("variable", "sgd", steps=4), model="unused_large", overlap=True, keep_grads=keep,
+               model_zero=zeroing.startswith("model"), discard=True)
     with Job(tmp_path, cfg) as j:
         j.start_local(2, 2)
         j.check_ok(j.wait())

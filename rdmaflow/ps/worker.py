@@ -317,6 +317,10 @@ class Worker:
         # counter after the latest hook: what step() checks for changes made since backward.
         self._at_hook: dict[int, tuple[torch.Tensor, int]] = {}
         self._hook_version = -1
+        # A hook fired twice since the last step() or zero_grad(): a second backward, after
+        # accumulating or after the model's own in-place zero_grad, which the worker cannot tell
+        # apart (with zero copy both move the buffer's one version counter).
+        self._refired = False
         self._hooks = []
         self._pull_timer: threading.Timer | None = None
         self._avg_compute: float | None = None
@@ -609,6 +613,7 @@ class Worker:
             g = self._params[i][0].grad
             self._at_hook[i] = (g, g._version)
             self._hook_version = self.flat_grads[self.gbuf]._version  # after the latest accumulation
+            self._refired |= i in self._fired
             self._fired.add(i)
             self._seen.add(i)
             for u in self.units_of_param[i]:
@@ -680,10 +685,12 @@ class Worker:
         """The parameters backward produced a gradient for this step whose gradient was changed
         since (clip_grad_norm_, a scaling, a new p.grad): replaced, or modified in place. With
         zero copy each is a view of the send buffer, and views share the buffer's version
-        counter, which every accumulation moves: all changed if it moved after the latest hook.
-        A gradient set to None since (the model's zero_grad()) is no gradient: not a change to
-        stage, which would put the zeroed buffer back in p.grad. Caller holds the lock."""
-        moved = self.zero_copy and self.flat_grads[self.gbuf]._version != self._hook_version
+        counter, which every accumulation moves: all changed if it moved after the latest hook,
+        or if a second backward ran (a gradient only the first reached may have been zeroed in
+        place between them: the model's zero_grad(set_to_none=False)). A gradient set to None
+        since (the model's zero_grad()) is no gradient: not a change to stage, which would put
+        the zeroed buffer back in p.grad. Caller holds the lock."""
+        moved = self.zero_copy and (self._refired or self.flat_grads[self.gbuf]._version != self._hook_version)
         changed = []
         for i in self._fired:
             g, version = self._at_hook[i]
@@ -738,6 +745,7 @@ class Worker:
             self._pushed = set()
             self._fired = set()
             self._at_hook = {}
+            self._refired = False
             self._dirty = set()
             self._ranges = []
             self._pending = list(self._unit_need)
@@ -903,6 +911,7 @@ class Worker:
             self._dirty |= self._pushed
             self._fired = set()
             self._at_hook = {}
+            self._refired = False
             self._pending = list(self._unit_need)
             self._push_futs[self.gbuf].extend(self._cur_futs)  # they read the buffer left behind
             self._cur_futs = []

@@ -19,6 +19,8 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
               zero_grad(set_to_none=False), in place, right after step() (not the optimizer's)
     discard                                 -> each step first runs a backward that also reaches
               the unused layer, then zeroes (the step's loss was thrown away), as discarded_backward
+    model_zero                              -> with keep_grads, zeroed with the model's
+              zero_grad(set_to_none=False) before backward, in place (the optimizer never sees it)
     variant   {worker: "extra"|"names"|"shape"|"dtype"}: that worker builds a different model
     setup_after_store_gone {worker: seconds}: that worker creates its DistributedOptimizer only
               once the job's store is unreachable (or after that many seconds)
@@ -239,6 +241,8 @@ def main() -> None:
             discarded_backward(model, x, y)
         if cfg.get("inplace_zero"):
             pass  # after the previous step() (below)
+        elif cfg.get("keep_grads") and cfg.get("model_zero"):
+            model.zero_grad(set_to_none=False)  # after a step(), which waited until its push left
         elif cfg.get("keep_grads"):
             # Through the optimizer, which switches send buffers: the model's zero_grad would zero
             # in place the buffer the last push may still be sending (docs/parameter-server.md).
