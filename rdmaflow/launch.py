@@ -23,6 +23,7 @@ import os
 import secrets
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -205,11 +206,28 @@ def run_torchrun(argv: list[str], env: dict) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+def unservable(port: int) -> str | None:
+    """Why this host could not serve the job's store on ``port``, or None. Node 0 serves it on
+    every address (torchrun's agent, or rank 0 under --min-workers); a port another process
+    holds failed there only after torchrun had started, with c10d's long traceback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's own socket
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def run(ns: argparse.Namespace) -> int:
     argv, env = command(ns)
     if ns.dry_run:
         print(dry_run(ns, argv, env))
         return 0
+    why = unservable(ns.master_port) if ns.node_rank == 0 else None
+    if why:
+        raise SystemExit(f"rdmaflow launch: node 0 serves the job's store on --master-port {ns.master_port}, and this "
+                         f"host cannot ({why}): another job may hold it; pick a free port")
     if ns.min_workers is not None:
         return supervise(ns, env)
     return run_torchrun(argv, env)

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -307,6 +308,24 @@ def test_a_dry_run_prints_commands_that_run_the_same_job(tmp_path, extra):
         seen[how] = envs
     assert seen["dry-run"] == seen["launcher"]
     assert seen["launcher"][0]["RDMAFLOW_SHARDS_PER_NODE"] == "2" and seen["launcher"][0]["RDMAFLOW_RESUME"] == "1"
+
+
+@pytest.mark.parametrize("extra", [[], ["--min-workers", "1"]])
+def test_launch_says_at_once_that_the_master_port_is_taken(tmp_path, extra):
+    """Node 0 serves the job's store on --master-port (torchrun's agent, or rank 0 under
+    --min-workers). A port another process listens on failed only inside torchrun, with c10d's
+    traceback (DistNetworkError, EADDRINUSE); the launcher now says so before starting anything."""
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "rdmaflow", "launch", *extra, "--master-port", str(port), str(script)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode != 0 and "ran" not in p.stdout, p.stdout + p.stderr
+    assert f"store on --master-port {port}, and this host cannot (Address already in use)" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, []), (signal.SIGINT, []),
