@@ -41,7 +41,6 @@ from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import (
     BATCH_BYTES,
     MIN_CHUNK_BYTES,
-    covered_once,
     describe_difference,
     make_plan,
     runs_of,
@@ -61,6 +60,7 @@ from rdmaflow.ps.protocol import (
     write_record,
     write_runs_then_flag,
 )
+from rdmaflow.ps.step_gradients import StepGradients
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 from rdmaflow.transfer.common import stream_done
 
@@ -164,7 +164,9 @@ class Worker:
         self._closed = False
         self._lock = threading.Lock()
         # Where a step's time goes (seconds, summed); RDMAFLOW_PS_PROFILE=1 prints it at close.
-        self.profile = {"compute": 0.0, "forward_wait": 0.0, "zero_grad": 0.0, "step_push": 0.0, "step_wait": 0.0}
+        # push_out: of step_wait, the wait for the push to leave the gradient buffers (overlap).
+        self.profile = {"compute": 0.0, "forward_wait": 0.0, "zero_grad": 0.0, "step_push": 0.0, "step_wait": 0.0,
+                        "push_out": 0.0}
         self._logged = dict(self.profile)  # the profile at the last log line (log_every)
         cfg = {"mode": mode, "staleness": staleness, "policy": policy, "block_bytes": block_bytes,
                "overlap": self.overlap, "min_workers": nw if min_workers is None else int(min_workers),
@@ -302,25 +304,13 @@ class Worker:
         self.bytes_per_step = 2 * plan.total * isz
         self._version = S + 1      # the weight version the parameters will hold
         self._ready = False        # whether all of it has landed
-        self._pushed: set[int] = set()
-        self._dirty: set[int] = set()
-        self._pending = list(self._unit_need)
+        self._step = StepGradients(self.units_of_param, len(self.units), self.zero_copy)
         self._push_futs: list[list] = [[], []]  # of finished steps, per gradient buffer
         self._cur_futs: list = []                # of this step's units
-        self._ranges: list[tuple[int, int]] = []  # element ranges push_range wrote this step
         # Per shard, the small units waiting for one WRITE per run (docs/parameter-server.md).
         self._batch: list[set[int]] = [set() for _ in range(self.role.num_shards)]
         self._batch_bytes = [0] * self.role.num_shards
         self.push_writes = 0                     # gradient WRITEs posted, flags not counted
-        self._fired: set[int] = set()
-        # Each fired parameter's gradient as its hook left it, and the send buffer's version
-        # counter after the latest hook: what step() checks for changes made since backward.
-        self._at_hook: dict[int, tuple[torch.Tensor, int]] = {}
-        self._hook_version = -1
-        # A hook fired twice since the last step() or zero_grad(): a second backward, after
-        # accumulating or after the model's own in-place zero_grad, which the worker cannot tell
-        # apart (with zero copy both move the buffer's one version counter).
-        self._refired = False
         self._hooks = []
         self._pull_timer: threading.Timer | None = None
         self._avg_compute: float | None = None
@@ -398,13 +388,9 @@ class Worker:
                 for u in chunk:
                     self.chunk_of[uidx[u.key]] = k
         self.units_of_param: list[list[int]] = []
-        self._unit_need = [0] * len(self.units)
         for _, info in self._params:
-            touched = [i for i in units_holding(starts, info.offset, info.offset + info.numel)
-                       if self.units[i].offset + self.units[i].numel > info.offset]
-            self.units_of_param.append(touched)
-            for i in touched:
-                self._unit_need[i] += 1
+            self.units_of_param.append([i for i in units_holding(starts, info.offset, info.offset + info.numel)
+                                        if self.units[i].offset + self.units[i].numel > info.offset])
 
     def _install_hooks(self) -> None:
         index = {id(p): i for i, (p, _) in enumerate(self._params)}
@@ -580,7 +566,7 @@ class Worker:
         futs = [self.shards[s]["channel"].memcpy(self.grad_region, lo_b, self.shards[s]["data_remote"], ro, n, WRITE)
                 for s, lo_b, ro, n in runs]
         with self._lock:
-            self._ranges.append((lo, hi))
+            self._step.ranges.append((lo, hi))
             self._cur_futs.extend(futs)
             self.push_writes += len(futs)
         return futs
@@ -610,18 +596,10 @@ class Worker:
     def _grad_ready(self, i: int) -> None:
         self._stage_grad(i)
         with self._lock:
-            g = self._params[i][0].grad
-            self._at_hook[i] = (g, g._version)
-            self._hook_version = self.flat_grads[self.gbuf]._version  # after the latest accumulation
-            self._refired |= i in self._fired
-            self._fired.add(i)
             self._seen.add(i)
-            for u in self.units_of_param[i]:
-                self._pending[u] -= 1
-                if u in self._pushed:
-                    self._dirty.add(u)  # accumulated again (several backward passes): push again at step()
-                elif self._pending[u] <= 0:
-                    self._push_unit(u, self.step_count + 1)
+            # The send buffer's version counter now: after this accumulation, the latest.
+            for u in self._step.hook(i, self._params[i][0].grad, self.flat_grads[self.gbuf]._version):
+                self._push_unit(u, self.step_count + 1)
 
     def _push_unit(self, u: int, t: int) -> None:
         """Queues unit u's gradient for step t in its shard's batch; the batch is written once
@@ -631,7 +609,7 @@ class Worker:
         if u not in self._batch[s]:
             self._batch[s].add(u)
             self._batch_bytes[s] += unit.numel * self.itemsize
-        self._pushed.add(u)
+        self._step.written.add(u)
         if self._batch_bytes[s] >= BATCH_BYTES:
             self._write_batch(s, t)
 
@@ -681,33 +659,14 @@ class Worker:
         with self._naming_dead_shards(t):
             return self._push(t)
 
-    def _changed_since_backward(self) -> list[int]:
-        """The parameters backward produced a gradient for this step whose gradient was changed
-        since (clip_grad_norm_, a scaling, a new p.grad): replaced, or modified in place. With
-        zero copy each is a view of the send buffer, and views share the buffer's version
-        counter, which every accumulation moves: all changed if it moved after the latest hook,
-        or if a second backward ran (a gradient only the first reached may have been zeroed in
-        place between them: the model's zero_grad(set_to_none=False)). A gradient set to None
-        since (the model's zero_grad()) is no gradient: not a change to stage, which would put
-        the zeroed buffer back in p.grad. Caller holds the lock."""
-        moved = self.zero_copy and (self._refired or self.flat_grads[self.gbuf]._version != self._hook_version)
-        changed = []
-        for i in self._fired:
-            g, version = self._at_hook[i]
-            now = self._params[i][0].grad
-            if now is None:
-                continue
-            if now is not g or moved or (not self.zero_copy and now._version != version):
-                changed.append(i)
-        return changed
-
     def _push(self, t: int) -> list:
         with self._lock:
+            step = self._step
             if self.overlap:
                 # A gradient changed after backward pushed it is staged and written again.
-                for i in self._changed_since_backward():
+                for i in step.changed([p.grad for p, _ in self._params], self.flat_grads[self.gbuf]._version):
                     self._stage_grad(i)
-                    self._dirty.update(u for u in self.units_of_param[i] if u in self._pushed)
+                    step.rewrite(i)
             # Before staging turns None into zeros. Hyperparameters go only once they differ
             # from the job's (a shard without them keeps its own: the job's, or a checkpoint's).
             hyper = self._hyper_now()
@@ -717,16 +676,13 @@ class Worker:
                     self._stage_grad(i)
             else:
                 for i in range(len(self._params)):
-                    if i not in self._fired:
+                    if i not in step.fired:
                         self._stage_grad(i)  # no gradient this step (unused), or set by hand
-            if self._ranges:
-                self._pushed, touched = covered_once(self.units, self._ranges)
-                self._dirty = touched - self._pushed
-            for s in sorted({self.units[u].shard for u in self._dirty}):
+            step.apply_ranges(self.units)
+            for s in sorted({self.units[u].shard for u in step.dirty}):
                 self.shards[s]["channel"].fence()  # a unit written again lands after its earlier WRITE
-            for u in range(len(self.units)):
-                if u not in self._pushed or u in self._dirty:
-                    self._push_unit(u, t)
+            for u in step.to_write():
+                self._push_unit(u, t)
             if self.cuda is not None:
                 stream_done(self.flat_grads[self.gbuf])  # staged and accumulated on the GPU
             self._send_record(t, record)
@@ -742,13 +698,7 @@ class Worker:
                 futs.append(written[-1])
             self._push_futs[self.gbuf].extend(self._cur_futs + futs)
             self._cur_futs = []
-            self._pushed = set()
-            self._fired = set()
-            self._at_hook = {}
-            self._refired = False
-            self._dirty = set()
-            self._ranges = []
-            self._pending = list(self._unit_need)
+            step.reset()
         return futs
 
     def _hyper_now(self) -> list[float]:
@@ -765,7 +715,7 @@ class Worker:
         One has none if its grad is None, or if its grad is the send buffer (never None) and
         backward has not reached it since a zero_grad(set_to_none=True), unless it was written
         by hand (nonzero). A step whose gradient push_range wrote has them all."""
-        if self._ranges:
+        if self._step.ranges:
             return self._every_grad
         grads = [p.grad for p, _ in self._params]
         if len(self._seen) == len(self._params) and all(g is not None for g in grads):
@@ -886,8 +836,10 @@ class Worker:
         if self.overlap:
             # The gradient has left its buffer, which is p.grad: the caller may zero it in place
             # now (model.zero_grad(set_to_none=False)). In sync mode the weights come later anyway.
+            t_out = time.monotonic()
             with self._naming_dead_shards(t):
                 self._wait_pushes(self.gbuf)
+            self.profile["push_out"] += time.monotonic() - t_out
         t2 = time.monotonic()
         self.profile["step_push"] += t1 - t0
         self.profile["step_wait"] += t2 - t1
@@ -908,11 +860,7 @@ class Worker:
             # A backward since the last step() is thrown away: what its hooks already pushed into
             # this step's slots must be written again from the zeroed buffer (behind a fence),
             # and every unit waits for its parameters' gradients anew.
-            self._dirty |= self._pushed
-            self._fired = set()
-            self._at_hook = {}
-            self._refired = False
-            self._pending = list(self._unit_need)
+            self._step.discard()
             self._push_futs[self.gbuf].extend(self._cur_futs)  # they read the buffer left behind
             self._cur_futs = []
         self.gbuf ^= 1
