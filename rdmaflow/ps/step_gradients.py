@@ -6,7 +6,7 @@ before ``step()``: a second backward (gradient accumulation), a ``zero_grad()`` 
 backward), ``clip_grad_norm_``, a scaling, a new ``p.grad``. The shard must apply what the
 gradient is at ``step()``, as torch's optimizer would. This class is the bookkeeping of that,
 with no I/O: the worker posts the WRITEs, and rewrites each unit named here behind a fence, so
-that it lands after its earlier WRITE (docs/parameter-server.md, "Overlap").
+that it lands after its earlier WRITE (docs/parameter-server.md, "A step, who writes what where").
 
 Not thread-safe: the worker calls it under its lock.
 """
