@@ -197,6 +197,7 @@ bool wait_future(const Future& f, double timeout) {
   }
 }
 
+// The error of a completed future, None if it succeeded.
 py::object future_exception(const Future& f) {
   if (!f->done() || f->ok()) return py::none();
   py::object cls = py::reinterpret_borrow<py::object>(exc_for(f->error_kind()));
@@ -296,8 +297,17 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("timeout") = py::none(),
           "Waits for completion; raises the transfer's error, if any.")
-      .def("exception", &future_exception,
-           "The error the transfer failed with, None if pending or successful.");
+      .def(
+          "exception",
+          [](const Future& f, const py::object& timeout) {
+            const double t = wait_seconds(timeout);
+            if (!wait_future(f, t))
+              throw Error(ErrorKind::Timeout, "transfer did not complete within " + seconds_text(t) + " s");
+            return future_exception(f);
+          },
+          py::arg("timeout") = py::none(),
+          "Waits for completion, as result() does (and concurrent.futures' exception()); returns "
+          "the error the transfer failed with, or None if it succeeded.");
 
   py::class_<MemRegion, std::shared_ptr<MemRegion>>(m, "MemRegion", py::buffer_protocol(),
                                                      py::dynamic_attr(),

@@ -136,6 +136,32 @@ def test_zero_length_memcpy_completes(pair):
     assert f.done() and f.exception() is None
 
 
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)
+def test_exception_waits_for_the_transfer_as_result_does(spawn_peer, transport):
+    """Future.exception(timeout) waits for completion, as result() and concurrent.futures'
+    exception() do. It returned None at once for a pending transfer, which reads as success.
+    Over tcp a stopped peer drains nothing, so a 64 MiB put stays pending."""
+    n = 64 * MiB
+    peer = spawn_peer()
+    peer.call("alloc", name="r", nbytes=n)
+    with local_device(same_host=False) as dev:
+        local = dev.alloc_region(n)
+        remote = dev.lookup_region(peer.endpoint, "r")
+        ch = dev.channel(peer.endpoint)
+        ch.memcpy(local, 0, remote, 0, 8, rdmaflow.WRITE).result(30)  # connected, rkey unpacked
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            f = ch.memcpy(local, 0, remote, 0, n, rdmaflow.WRITE)
+            with pytest.raises(rdmaflow.TimeoutError, match="did not complete within 0.05 s"):
+                f.exception(0.05)
+            assert not f.done()
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="timeout must be a number"):
+                f.exception("1")
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        assert f.exception(30) is None and f.done()
+
+
 def test_descriptor_from_another_job(spawn_peer, transport):
     foreign = spawn_peer(secret=secrets.token_hex(16))
     desc = bytes.fromhex(foreign.call("alloc", name="x", nbytes=4096)["descriptor"])
