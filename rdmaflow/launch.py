@@ -219,11 +219,25 @@ def unservable(port: int) -> str | None:
     return None
 
 
+def unresolved(addr: str, port: int) -> str | None:
+    """Why ``addr`` names no address this host can reach the store at, or None. torchrun's
+    ranks retried such a name for minutes, printing c10d warnings, before they failed."""
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    return None
+
+
 def run(ns: argparse.Namespace) -> int:
     argv, env = command(ns)
     if ns.dry_run:
         print(dry_run(ns, argv, env))
         return 0
+    why = unresolved(ns.master_addr, ns.master_port)
+    if why:
+        raise SystemExit(f"rdmaflow launch: --master-addr {ns.master_addr!r} does not resolve on this host ({why}): "
+                         "give node 0's address or host name")
     why = unservable(ns.master_port) if ns.node_rank == 0 else None
     if why:
         raise SystemExit(f"rdmaflow launch: node 0 serves the job's store on --master-port {ns.master_port}, and this "

@@ -328,6 +328,20 @@ def test_launch_says_at_once_that_the_master_port_is_taken(tmp_path, extra):
     assert "Traceback" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("extra", [[], ["--min-workers", "1"]])
+def test_launch_says_at_once_that_the_master_addr_does_not_resolve(tmp_path, extra):
+    """Every rank reaches the job's store at --master-addr. A name that resolves to nothing
+    (``.invalid`` never does) kept torchrun's ranks retrying, c10d warning every few seconds,
+    for more than 90 s; the launcher now says so before starting anything."""
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    p = subprocess.run([sys.executable, "-m", "rdmaflow", "launch", *extra, "--master-addr", "no-such-host.invalid",
+                        str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode != 0 and "ran" not in p.stdout, p.stdout + p.stderr
+    assert "--master-addr 'no-such-host.invalid' does not resolve on this host" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "c10d" not in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, []), (signal.SIGINT, []),
                                         (signal.SIGTERM, ["--min-workers", "1"]),
                                         (signal.SIGHUP, ["--min-workers", "1"])])
