@@ -197,6 +197,13 @@ bool wait_future(const Future& f, double timeout) {
   }
 }
 
+// Waits for f, at most timeout seconds (None: no limit); TimeoutError if it is still pending.
+void wait_completed(const Future& f, const py::object& timeout) {
+  const double t = wait_seconds(timeout);
+  if (!wait_future(f, t))
+    throw Error(ErrorKind::Timeout, "transfer did not complete within " + seconds_text(t) + " s");
+}
+
 // The error of a completed future, None if it succeeded.
 py::object future_exception(const Future& f) {
   if (!f->done() || f->ok()) return py::none();
@@ -290,9 +297,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "result",
           [](const Future& f, const py::object& timeout) {
-            const double t = wait_seconds(timeout);
-            if (!wait_future(f, t))
-              throw Error(ErrorKind::Timeout, "transfer did not complete within " + seconds_text(t) + " s");
+            wait_completed(f, timeout);
             if (!f->ok()) throw Error(f->error_kind(), f->error());
           },
           py::arg("timeout") = py::none(),
@@ -300,9 +305,7 @@ PYBIND11_MODULE(_core, m) {
       .def(
           "exception",
           [](const Future& f, const py::object& timeout) {
-            const double t = wait_seconds(timeout);
-            if (!wait_future(f, t))
-              throw Error(ErrorKind::Timeout, "transfer did not complete within " + seconds_text(t) + " s");
+            wait_completed(f, timeout);
             return future_exception(f);
           },
           py::arg("timeout") = py::none(),

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager, suppress
 
 import pytest
@@ -154,6 +155,23 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP, then waits until every thread of ``pid`` has stopped. ``kill`` returns once the
+    signal is queued: a thread running on the other core runs on a moment, and a peer answered
+    a lookup sent right after the signal (a test's failure under a loaded machine)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(st in "Tt" for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout} s: threads {states}"
+        time.sleep(0.001)
 
 
 def processes_with_env(marker: str) -> list[int]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import local_device
+from conftest import local_device, stop_process
 
 import rdmaflow
 from rdmaflow.bench.processes import free_port
@@ -149,7 +149,7 @@ def test_exception_waits_for_the_transfer_as_result_does(spawn_peer, transport):
         remote = dev.lookup_region(peer.endpoint, "r")
         ch = dev.channel(peer.endpoint)
         ch.memcpy(local, 0, remote, 0, 8, rdmaflow.WRITE).result(30)  # connected, rkey unpacked
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        stop_process(peer.proc.pid)
         try:
             f = ch.memcpy(local, 0, remote, 0, n, rdmaflow.WRITE)
             with pytest.raises(rdmaflow.TimeoutError, match="did not complete within 0.05 s"):
@@ -319,7 +319,7 @@ def test_a_lookup_refuses_an_overlong_name_and_says_its_own_timeout(pair):
                        match=r"names looked up must be 1 to 4096 bytes long \(got 5000\)"):
         dev.lookup(peer.endpoint, "n" * 5000)
     ch.memcpy(local, 0, remote, 0, 64, rdmaflow.WRITE).result(30)
-    os.kill(peer.proc.pid, signal.SIGSTOP)  # connected, but no answer
+    stop_process(peer.proc.pid)  # connected, but no answer
     try:
         with pytest.raises(rdmaflow.TimeoutError, match=f"timed out after 1.5 s looking up 'r' at {peer.endpoint}"):
             dev.lookup(peer.endpoint, "r", 1.5)
