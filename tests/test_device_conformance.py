@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import local_device
+from conftest import local_device, stop_process
 
 import rdmaflow
 
@@ -280,7 +280,7 @@ def test_writes_posted_on_the_callers_thread_arrive_while_it_computes(spawn_peer
         ch.memcpy(local, 0, remote, 0, 8, rdmaflow.WRITE).result(30)  # the endpoint's lanes are known
         # The peer stopped: nothing drains, so the socket fills and the posts cannot finish on
         # the caller's thread (on loopback a running peer drains 1 MiB within the drive).
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        stop_process(peer.proc.pid)
         try:
             time.sleep(0.05)  # this device's progress thread asleep: the first post runs inline
             futs = [ch.write_flagged(local, 8 + k * size, remote, 8 + k * size, size, 0, k + 1, 0)

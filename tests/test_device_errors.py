@@ -244,7 +244,7 @@ def test_a_word_waiting_for_its_data_when_the_region_is_freed_is_not_written(spa
             # The owner stopped while the put is posted and its free is queued: resumed, it takes the
             # free in at once while 255 MiB are still to come off its socket. (Racing a running
             # owner, the put finished first three tries in a row on a loaded machine.)
-            os.kill(peer.proc.pid, signal.SIGSTOP)
+            stop_process(peer.proc.pid)
             try:
                 fut = ch.write_flagged(local, 0, remote, 0, n - 64, n - 8, 7, n - 8)
                 freeing = threading.Thread(target=peer.call, args=("free",), kwargs={"name": "r", "timeout": 60})

@@ -21,6 +21,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import stop_process
 
 from rdmaflow.bench.perftest import ucx_env
 from rdmaflow.bench.processes import free_port
@@ -691,7 +692,7 @@ def test_an_arena_tensor_stays_held_until_each_of_its_writes_completed(jobs):
             time.sleep(0.05)
 
     wait_for("READY")
-    os.kill(job.procs[0].pid, signal.SIGSTOP)  # shard 0, which holds key 0
+    stop_process(job.procs[0].pid)  # shard 0, which holds key 0
     try:
         (job.tmp / "held.stopped").touch()
         wait_for("CHECKED")
