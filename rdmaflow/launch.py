@@ -221,7 +221,7 @@ def unservable(port: int) -> str | None:
 
 def unresolved(addr: str, port: int) -> str | None:
     """Why ``addr`` names no address this host can reach the store at, or None. torchrun's
-    ranks retried such a name for minutes, printing c10d warnings, before they failed."""
+    ranks retried such a name, printing c10d warnings, for more than 90 s."""
     try:
         socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:

@@ -159,8 +159,9 @@ def pid_alive(pid: int) -> bool:
 
 def stop_process(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP, then waits until every thread of ``pid`` has stopped. ``kill`` returns once the
-    signal is queued: a thread running on the other core runs on a moment, and a peer answered
-    a lookup sent right after the signal (a test's failure under a loaded machine)."""
+    signal is queued; the group stop begins when one of the process's threads takes it, and on
+    a busy machine that thread may wait for a core while the others run on: a peer answered a
+    lookup sent right after the signal."""
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while True:
