@@ -148,13 +148,19 @@ def local_device(**kw):
         d.close()
 
 
+def _proc_state(stat_path: str) -> str | None:
+    """The state letter in a /proc ``stat`` file (R, S, T, Z, ...), None once it is gone. The
+    command name before it may hold spaces and parentheses: the state follows the last ')'."""
+    try:
+        with open(stat_path) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (dead, not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return _proc_state(f"/proc/{pid}/stat") not in (None, "Z")
 
 
 def stop_process(pid: int, timeout: float = 10.0) -> None:
@@ -165,10 +171,8 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        states = [st for tid in os.listdir(f"/proc/{pid}/task")
+                  if (st := _proc_state(f"/proc/{pid}/task/{tid}/stat")) is not None]
         if states and all(st in "Tt" for st in states):
             return
         assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout} s: threads {states}"
