@@ -115,6 +115,31 @@ size_t check_offset(int64_t v, const char* what) {
   return size_t(v);
 }
 
+// A public call's offset or size from Python, checked as check_offset does: an int or anything
+// with __index__ (numpy's integers); pybind11's own caster would take True as 1 and say of 2.5
+// only that no overload matched.
+size_t offset_arg(py::handle v, const char* what) {
+  auto invalid = [&] {
+    return Error(ErrorKind::Invalid, std::string(what) + " must be an integer, got " +
+                                         std::string(py::str(py::repr(v))));
+  };
+  if (PyBool_Check(v.ptr())) throw invalid();
+  py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
+  if (!i) {
+    PyErr_Clear();
+    throw invalid();
+  }
+  int overflow = 0;
+  long long n = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+  if (overflow > 0)
+    throw Error(ErrorKind::OutOfBounds, std::string(what) + " is past 64 bits, got " +
+                                            std::string(py::str(i)));
+  if (overflow < 0 || n < 0)
+    throw Error(ErrorKind::OutOfBounds, std::string(what) + " must not be negative, got " +
+                                            std::string(py::str(i)));
+  return size_t(n);
+}
+
 // A rider from Python's four arguments, its offsets checked; rider_remote null: none (remote
 // stays null and the offsets are not looked at).
 Channel::Rider checked_rider(const std::shared_ptr<RemoteRegion>& rider_remote, int64_t rider_offset,
@@ -374,12 +399,12 @@ PYBIND11_MODULE(_core, m) {
                                                 "A queue pair to one peer (Xue et al. §3.1).")
       .def(
           "memcpy",
-          [](Channel& ch, const std::shared_ptr<MemRegion>& local, int64_t local_offset,
-             const std::shared_ptr<RemoteRegion>& remote, int64_t remote_offset, int64_t nbytes,
+          [](Channel& ch, const std::shared_ptr<MemRegion>& local, py::handle local_offset,
+             const std::shared_ptr<RemoteRegion>& remote, py::handle remote_offset, py::handle nbytes,
              Direction direction, py::object callback) {
-            size_t lo = check_offset(local_offset, "local_offset");
-            size_t ro = check_offset(remote_offset, "remote_offset");
-            size_t n = check_offset(nbytes, "nbytes");
+            size_t lo = offset_arg(local_offset, "local_offset");
+            size_t ro = offset_arg(remote_offset, "remote_offset");
+            size_t n = offset_arg(nbytes, "nbytes");
             Callback cb = make_callback(callback);
             try {
               return ch.memcpy(local, lo, remote, ro, n, direction, std::move(cb));

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import torch
 
 from rdmaflow import _core
+from rdmaflow.arena import integer, shape_of
 
 
 def _dtype_size(dtype: torch.dtype) -> int:
@@ -23,9 +24,7 @@ def region_tensor(region: _core.MemRegion, dtype: torch.dtype, shape: Sequence[i
         raise _core.RegionError(f"region {region.id} was freed")
     if not isinstance(dtype, torch.dtype):
         raise _core.InvalidArgumentError(f"dtype must be a torch.dtype, got {dtype!r}")
-    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise _core.InvalidArgumentError(f"shape {shape} has a negative dimension")
+    shape, offset = shape_of(shape), integer(offset, "offset")
     esize = _dtype_size(dtype)
     count = 1
     for s in shape:

@@ -40,6 +40,18 @@ MAX_BYTES = 1 << 62  # the largest region asked for (the core's sizes are 64-bit
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)((K|M|G)I?B?|B)?")
 
 
+def integer(value, what: str) -> int:
+    """``value`` as an int (anything with ``__index__``: numpy's and 0-d integer tensors too);
+    InvalidArgumentError naming ``what`` for anything else. A bool is no count, and int() would
+    take "3" and cut 2.7 to 2."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
+
+
 def byte_count(value, what: str) -> int:
     """``value``, an integer or a size such as "256M" or "1GiB" (K, M, G: powers of 1024), as a
     positive number of bytes; InvalidArgumentError naming ``what`` when it is not one."""

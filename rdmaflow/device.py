@@ -8,7 +8,6 @@ the thread that runs completion callbacks. ``MemRegion``, ``RemoteRegion``, ``Ch
 """
 from __future__ import annotations
 
-import numbers
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -18,7 +17,7 @@ from typing_extensions import Self
 
 from rdmaflow import _core
 from rdmaflow._core import Channel, FlaggedWrites, Future, MemRegion, RemoteRegion, SameHost
-from rdmaflow.arena import Arena, arena_of, as_torch_device, byte_count, create_arena, cuda_device_of
+from rdmaflow.arena import Arena, arena_of, as_torch_device, byte_count, create_arena, cuda_device_of, integer
 from rdmaflow.deadline import Deadline, positive_seconds
 from rdmaflow.errors import InvalidArgumentError
 
@@ -107,16 +106,9 @@ def _spin_us(spin_us: int) -> int:
     return spin_us
 
 
-def _count(value, name: str) -> int:
-    """A count argument: an integer (the core checks its range), never a bool or 2.7 truncated."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
-    return int(value)
-
-
 def _copy_threads(copy_threads: int | None) -> int:
     if copy_threads is not None:
-        return _count(copy_threads, "copy_threads")
+        return integer(copy_threads, "copy_threads")
     env = os.environ.get(COPY_THREADS_ENV, "").strip()
     if env:
         try:
@@ -220,7 +212,7 @@ class Device(_core.Device):
         flagged_writes: FlaggedWrites | str | None = None,
         tcp_congestion: str | None = None,
     ):
-        super().__init__(endpoint, num_cqs=_count(num_cqs, "num_cqs"), qps_per_peer=_count(qps_per_peer, "qps_per_peer"),
+        super().__init__(endpoint, num_cqs=integer(num_cqs, "num_cqs"), qps_per_peer=integer(qps_per_peer, "qps_per_peer"),
                          secret=_job_secret(secret),
                          busy_poll=bool(busy_poll), spin_us=_spin_us(spin_us),
                          connect_timeout=positive_seconds(connect_timeout, "connect_timeout"),

@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import local_device, stop_process
@@ -50,6 +51,32 @@ def test_out_of_bounds_offsets_and_lengths(pair):
         local.tensor(torch.float32, MiB)  # 4 MiB view of a 1 MiB region
     # The channel still works after the rejected calls.
     ch.memcpy(local, 0, remote, 0, MiB, rdmaflow.WRITE).result(30)
+
+
+def test_offsets_and_sizes_that_are_not_integers_are_refused(pair):
+    """memcpy's offsets and size, and a region view's shape and offset, are integers (numpy's
+    too); True is not taken as 1, 2.7 is not cut to 2, and each error names the argument."""
+    _, _, local, remote, ch = pair
+    names = ("local_offset", "remote_offset", "nbytes")
+    local.tensor(torch.uint8, 8).fill_(7)
+    for i, name in enumerate(names):
+        for bad in (True, 2.5, "8", None):
+            args = [0, 0, 8]
+            args[i] = bad
+            with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer, got {bad!r}"):
+                ch.memcpy(local, args[0], remote, args[1], args[2], rdmaflow.WRITE)
+        args = [0, 0, 8]
+        args[i] = 1 << 64
+        with pytest.raises(rdmaflow.OutOfBoundsError, match=f"{name} is past 64 bits"):
+            ch.memcpy(local, args[0], remote, args[1], args[2], rdmaflow.WRITE)
+    ch.memcpy(local, np.int64(0), remote, np.int64(8), np.int64(8), rdmaflow.WRITE).result(30)
+    ch.memcpy(local, 16, remote, 8, 8, rdmaflow.READ).result(30)
+    assert local.tensor(torch.uint8, 8, 16).tolist() == [7] * 8
+    for shape, offset, name in [([2.7], 0, "a shape"), ((True,), 0, "a shape"), (2, True, "offset"),
+                                (2, 4.0, "offset"), ("2", 0, "a shape")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=name):
+            local.tensor(torch.float32, shape, offset)
+    assert local.tensor(torch.float32, [np.int64(2)], np.int64(4)).shape == (2,)
 
 
 def test_slot_sender(pair):

@@ -870,6 +870,8 @@ def test_declaration_is_canonical_and_checked():
                                 ([1], [(2,)], torch.bool),                # no such dtype
                                 ([-1], [(2,)], torch.float32),            # negative key
                                 ([True], [(2,)], torch.float32),          # not an integer
+                                ([1], [(True, 2)], torch.float32),        # True is no dimension
+                                ([1], [b"\x02"], torch.float32),          # nor are bytes a shape
                                 ([], [], torch.float32),                  # nothing
                                 ([1, 2], [(2,)], torch.float32)]:         # counts differ
         with pytest.raises(rdmaflow.InvalidArgumentError):

@@ -37,6 +37,8 @@ def _shape(s, key: int) -> tuple[int, ...]:
     if isinstance(s, int) and not isinstance(s, bool):
         s = (s,)
     try:
+        if isinstance(s, (str, bytes)) or any(isinstance(d, bool) for d in s):
+            raise TypeError  # True is no dimension
         shape = tuple(operator.index(d) for d in s)
     except TypeError:
         raise InvalidArgumentError(f"the shape of key {key} must be a tuple of integers, got {s!r}") from None

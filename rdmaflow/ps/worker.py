@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import operator
 import os
 import sys
 import threading
@@ -36,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
+from rdmaflow.arena import integer
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import (
@@ -71,20 +71,10 @@ SHARD_DEVICES = ("cpu", "cuda")
 EMA = 0.3  # weight of the newest sample in the moving averages of adaptive pulling
 
 
-def _whole(value, what: str) -> int:
-    """``value`` as an int, else InvalidArgumentError naming ``what`` (a bool is not a count)."""
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
-
-
 def checked_staleness(mode: str, staleness) -> int:
     """The bound of mode "bounded" (steps ahead of the slowest worker): an integer, >= 0 there.
     Other modes take no bound: a staleness given with them would be ignored, so it is refused."""
-    staleness = _whole(staleness, "staleness")
+    staleness = integer(staleness, "staleness")
     if mode == "bounded" and staleness < 0:
         raise InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
     if mode != "bounded" and staleness != 0:
@@ -132,12 +122,12 @@ class Worker:
                  log_every: int = 0, progress: bool | None = None, shard_device: str | None = None):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
-        staleness, block_bytes = checked_staleness(mode, staleness), _whole(block_bytes, "block_bytes")
-        checkpoint_every, log_every = _whole(checkpoint_every, "checkpoint_every"), _whole(log_every, "log_every")
+        staleness, block_bytes = checked_staleness(mode, staleness), integer(block_bytes, "block_bytes")
+        checkpoint_every, log_every = integer(checkpoint_every, "checkpoint_every"), integer(log_every, "log_every")
         nw = ctx.role.num_workers
         if min_workers is None and os.environ.get("RDMAFLOW_MIN_WORKERS"):
             min_workers = int(os.environ["RDMAFLOW_MIN_WORKERS"])  # rdmaflow launch --min-workers
-        if min_workers is not None and not 1 <= _whole(min_workers, "min_workers") <= nw:
+        if min_workers is not None and not 1 <= integer(min_workers, "min_workers") <= nw:
             raise InvalidArgumentError(f"min_workers must be between 1 and the {nw} workers, got {min_workers}")
         if checkpoint_every < 0:
             raise InvalidArgumentError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
@@ -473,7 +463,7 @@ class Worker:
 
     def _element_range(self, lo, hi, op: str) -> tuple[int, int]:
         """[lo, hi) checked: whole numbers with 0 <= lo <= hi <= the model's flat elements."""
-        lo, hi = _whole(lo, f"{op}'s start"), _whole(hi, f"{op}'s stop")
+        lo, hi = integer(lo, f"{op}'s start"), integer(hi, f"{op}'s stop")
         if not 0 <= lo <= hi <= self.plan.total:
             raise InvalidArgumentError(f"{op}: [{lo}, {hi}) is not a range of the model's {self.plan.total} "
                                        "flat elements")
