@@ -506,7 +506,8 @@ class Sender(Endpoint):
 
     @property
     def receiver_closed(self) -> bool:
-        """Whether the receiver was closed (it consumes nothing more). Never blocks."""
+        """Whether the receiver was closed (it consumes nothing more), as far as its closing word
+        has landed here: over UCX that is some time after its close() returned. Never blocks."""
         return self.ack.get() >= CLOSED
 
     def consumed(self) -> int:
