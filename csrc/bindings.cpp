@@ -132,7 +132,7 @@ size_t offset_arg(py::handle v, const char* what) {
   int overflow = 0;
   long long n = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
   if (overflow > 0)
-    throw Error(ErrorKind::OutOfBounds, std::string(what) + " is past 64 bits, got " +
+    throw Error(ErrorKind::OutOfBounds, std::string(what) + " must be below 2**63, got " +
                                             std::string(py::str(i)));
   if (overflow < 0 || n < 0)
     throw Error(ErrorKind::OutOfBounds, std::string(what) + " must not be negative, got " +
