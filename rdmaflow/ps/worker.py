@@ -48,7 +48,7 @@ from rdmaflow.ps.layout import (
     spec_of,
     units_holding,
 )
-from rdmaflow.ps.optim import describe_optimizer, fixed_changes, hyper_fields, hyper_values
+from rdmaflow.ps.optim import describe_optimizer, hyper_fields
 from rdmaflow.ps.protocol import (
     ABORT,
     DONE,
@@ -57,10 +57,10 @@ from rdmaflow.ps.protocol import (
     WorkerLayout,
     progress,
     record_bytes,
-    write_record,
     write_runs_then_flag,
 )
 from rdmaflow.ps.step_gradients import StepGradients
+from rdmaflow.ps.step_record import StepRecord
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 from rdmaflow.transfer.common import stream_done
 
@@ -201,12 +201,9 @@ class Worker:
         isz = self.itemsize = plan.itemsize
         # Asynchronous overlap computes on one parameter buffer while the other fills.
         self.switching = self.overlap and self.mode != "sync"
-        # The hyperparameters that may change (an LR scheduler's lr): sent with a push that
-        # follows a change; the others must stay as they were.
-        self._hyper_fields = hyper_fields(cfg["optim"])
-        self._hyper_fixed = mine["optim"]  # this worker's own optimizer, described for the config
+        # The hyperparameters that may change (an LR scheduler's lr) go in the step record.
         L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards, 2 if self.switching else 1,
-                                       0 if self.cuda else 2, len(self._hyper_fields), len(plan.params))
+                                       0 if self.cuda else 2, len(hyper_fields(cfg["optim"])), len(plan.params))
         arena = self.dev.create_arena(L.total + (1 << 20))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
@@ -258,15 +255,9 @@ class Worker:
         self.pull_src = [raw[L.pull_src + FLAG * s : L.pull_src + FLAG * s + 8].view(torch.int64)
                          for s in range(self.role.num_shards)]
         n = record_bytes(L.hyper_count, L.param_count)
-        self._record_src = [raw[L.record_src + i * L.record_stride : L.record_src + i * L.record_stride + n]
-                            for i in range(2)]
-        self._record_futs: list[list] = [[], []]
-        self._record_next = 0
-        # Per record slot of the shards: what was last written there (at first, what a shard
-        # does without a record: the job's hyperparameters, every parameter with a gradient).
-        self._every_grad = [True] * len(plan.params)
-        self._hyper_start = hyper_values(cfg["optim"]["hyper"], self._hyper_fields)
-        self._record_sent = [(None, self._every_grad)] * (2 if self.switching else 1)
+        self._record = StepRecord(cfg["optim"], mine["optim"], len(plan.params), 2 if self.switching else 1,
+                                  [raw[L.record_src + i * L.record_stride : L.record_src + i * L.record_stride + n]
+                                   for i in range(2)])
         # The parameters whose gradient exists, as torch would have it: backward reached them
         # since the last zero_grad(set_to_none=True) (a zero_copy grad is never None).
         self._seen: set[int] = set()
@@ -659,8 +650,7 @@ class Worker:
                     step.rewrite(i)
             # Before staging turns None into zeros. Hyperparameters go only once they differ
             # from the job's (a shard without them keeps its own: the job's, or a checkpoint's).
-            hyper = self._hyper_now()
-            record = (None if hyper == self._hyper_start else hyper, self._has_grad())
+            record = self._record.of(self.optimizer, self._has_grad())
             if not self.overlap:
                 for i in range(len(self._params)):
                     self._stage_grad(i)
@@ -691,26 +681,17 @@ class Worker:
             step.reset()
         return futs
 
-    def _hyper_now(self) -> list[float]:
-        """The optimizer's numeric hyperparameters now; raises if another one changed."""
-        now = describe_optimizer(self.optimizer)  # also refuses a second parameter group
-        fixed = fixed_changes(self._hyper_fixed, now, self._hyper_fields)
-        if fixed:
-            raise InvalidArgumentError(f"the optimizer's {', '.join(fixed)} changed during training: only its "
-                                       f"numeric hyperparameters may ({', '.join(sorted({k for k, _ in self._hyper_fields}))})")
-        return hyper_values(now["hyper"], self._hyper_fields)
-
     def _has_grad(self) -> list[bool]:
         """Which parameters have a gradient in this push: those torch's optimizer would not skip.
         One has none if its grad is None, or if its grad is the send buffer (never None) and
         backward has not reached it since a zero_grad(set_to_none=True), unless it was written
         by hand (nonzero). A step whose gradient push_range wrote has them all."""
         if self._step.ranges:
-            return self._every_grad
+            return self._record.every_grad
         grads = [p.grad for p, _ in self._params]
         if len(self._seen) == len(self._params) and all(g is not None for g in grads):
             # (None: the model's zero_grad() dropped it after backward had reached it.)
-            return self._every_grad
+            return self._record.every_grad
         has = []
         for i, (g, (_, info)) in enumerate(zip(grads, self._params)):
             if g is None:
@@ -721,25 +702,17 @@ class Worker:
                 has.append(bool(g.any()))
         return has
 
-    def _send_record(self, t: int, record: tuple[list[float], list[bool]]) -> None:
-        """WRITEs (hyperparameters, which parameters have a gradient) into each shard's step
-        record for push t if it differs from what that record slot last got (an LR scheduler's
-        change, an unused parameter); the push flag follows on the same channel, so the shard
-        reads the record with this push."""
-        slot = t % len(self._record_sent)
-        if record == self._record_sent[slot]:
+    def _send_record(self, t: int, record: tuple) -> None:
+        """WRITEs push t's step record into each shard's record slot, when it differs from what
+        that slot last got (step_record.py); the push flag follows on the same channel."""
+        i = self._record.encode(t, record, self.ctx.timeout)
+        if i is None:
             return
-        values, has = record  # values None: the job's, unchanged
-        i, self._record_next = self._record_next, self._record_next ^ 1
-        for f in self._record_futs[i]:  # that source was last sent a record ago
-            f.result(self.ctx.timeout)
-        src = self._record_src[i]
-        write_record(src, t, values, has, len(self._hyper_fields))
-        n, off = len(src), self.base + self.layout.record_src + i * self.layout.record_stride
-        self._record_futs[i] = [sh["channel"].memcpy(self.region, off, sh["remote"],
-                                                     sh["base"] + sh["layout"].record_at(self.id, t), n, WRITE)
-                                for sh in self.shards]
-        self._record_sent[slot] = record
+        L = self.layout
+        n, off = record_bytes(L.hyper_count, L.param_count), self.base + L.record_src + i * L.record_stride
+        self._record.sent(i, [sh["channel"].memcpy(self.region, off, sh["remote"],
+                                                   sh["base"] + sh["layout"].record_at(self.id, t), n, WRITE)
+                              for sh in self.shards])
 
     # -- pulling (asynchronous overlap) -------------------------------------------------------
     def _request_pull(self, r: int, delay: float) -> None:
