@@ -124,6 +124,10 @@ size_t offset_arg(py::handle v, const char* what) {
                                          std::string(py::str(py::repr(v))));
   };
   if (PyBool_Check(v.ptr())) throw invalid();
+  // Nor is a bool tensor, whose __index__ gives 0 or 1 (an int is looked at no further).
+  if (!PyLong_CheckExact(v.ptr()) && py::hasattr(v, "dtype") &&
+      std::string(py::str(v.attr("dtype"))) == "torch.bool")
+    throw invalid();
   py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(v.ptr()));
   if (!i) {
     PyErr_Clear();

@@ -40,14 +40,20 @@ MAX_BYTES = 1 << 62  # the largest region asked for (the core's sizes are 64-bit
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)((K|M|G)I?B?|B)?")
 
 
+def _as_index(value) -> int:
+    """``operator.index(value)``, but TypeError for a bool and a bool tensor too (whose
+    ``__index__`` gives 0 or 1): True is no count and no size."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError("a bool is no integer")
+    return operator.index(value)
+
+
 def integer(value, what: str) -> int:
     """``value`` as an int (anything with ``__index__``: numpy's and 0-d integer tensors too);
     InvalidArgumentError naming ``what`` for anything else. A bool is no count, and int() would
     take "3" and cut 2.7 to 2."""
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be an integer, got {value!r}")
     try:
-        return operator.index(value)
+        return _as_index(value)
     except TypeError:
         raise InvalidArgumentError(f"{what} must be an integer, got {value!r}") from None
 
@@ -62,10 +68,8 @@ def byte_count(value, what: str) -> int:
             if m is None or "." in m[1] and not m[3]:  # a fraction of a byte is no size
                 raise ValueError
             n = int(float(m[1]) * units[m[3] or ""])
-        elif isinstance(value, bool):
-            raise TypeError
         else:
-            n = operator.index(value)
+            n = _as_index(value)
     except (ValueError, TypeError, OverflowError):
         raise InvalidArgumentError(f"{what} must be a number of bytes (an integer, or a size such as '256M'), "
                                    f"got {value!r}") from None
@@ -80,14 +84,12 @@ def shape_of(shape) -> tuple[int, ...]:
     only: int() would take "3" and cut 2.7 to 2."""
     given = shape
     try:
-        if isinstance(shape, bool):
-            raise TypeError
-        shape = (operator.index(shape),)
+        shape = (_as_index(shape),)
     except TypeError:
         try:
-            if isinstance(shape, (str, bytes)) or any(isinstance(s, bool) for s in shape):
+            if isinstance(shape, (str, bytes)):
                 raise TypeError
-            shape = tuple(operator.index(s) for s in shape)
+            shape = tuple(_as_index(s) for s in shape)
         except TypeError:
             raise InvalidArgumentError(f"a shape is an integer or a sequence of integers, got {given!r}") from None
     if any(s < 0 for s in shape):

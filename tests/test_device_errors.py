@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import threading
@@ -60,10 +61,10 @@ def test_offsets_and_sizes_that_are_not_integers_are_refused(pair):
     names = ("local_offset", "remote_offset", "nbytes")
     local.tensor(torch.uint8, 8).fill_(7)
     for i, name in enumerate(names):
-        for bad in (True, 2.5, "8", None):
+        for bad in (True, torch.tensor(True), 2.5, "8", None):  # a bool tensor's __index__ gives 1
             args = [0, 0, 8]
             args[i] = bad
-            with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer, got {bad!r}"):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer, got {re.escape(repr(bad))}"):
                 ch.memcpy(local, args[0], remote, args[1], args[2], rdmaflow.WRITE)
         args = [0, 0, 8]
         args[i] = 1 << 64
@@ -73,7 +74,8 @@ def test_offsets_and_sizes_that_are_not_integers_are_refused(pair):
     ch.memcpy(local, 16, remote, 8, 8, rdmaflow.READ).result(30)
     assert local.tensor(torch.uint8, 8, 16).tolist() == [7] * 8
     for shape, offset, name in [([2.7], 0, "a shape"), ((True,), 0, "a shape"), (2, True, "offset"),
-                                (2, 4.0, "offset"), ("2", 0, "a shape")]:
+                                (2, 4.0, "offset"), ("2", 0, "a shape"), ((torch.tensor(True),), 0, "a shape"),
+                                (2, torch.tensor(True), "offset")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=name):
             local.tensor(torch.float32, shape, offset)
     assert local.tensor(torch.float32, [np.int64(2)], np.int64(4)).shape == (2,)
@@ -549,7 +551,7 @@ def test_arena_sizes_are_bytes(monkeypatch, job_secret):
     anything else is refused by name (a str used to meet a comparison's TypeError, and a bad
     variable int()'s ValueError)."""
     with local_device() as d:
-        for bad in ("a lot", 1.5, True, -5, "1BBBB", "99999999999999999999999", 2**70):
+        for bad in ("a lot", 1.5, True, torch.tensor(True), -5, "1BBBB", "99999999999999999999999", 2**70):
             with pytest.raises(rdmaflow.InvalidArgumentError, match="the arena's nbytes must be"):
                 d.create_arena(bad)
         assert d.create_arena("1M").nbytes == 1 << 20

@@ -871,6 +871,8 @@ def test_declaration_is_canonical_and_checked():
                                 ([-1], [(2,)], torch.float32),            # negative key
                                 ([True], [(2,)], torch.float32),          # not an integer
                                 ([1], [(True, 2)], torch.float32),        # True is no dimension
+                                ([torch.tensor(True)], [(2,)], torch.float32),      # nor a bool tensor
+                                ([1], [(torch.tensor(True), 2)], torch.float32),    # a key or a dimension
                                 ([1], [b"\x02"], torch.float32),          # nor are bytes a shape
                                 ([], [], torch.float32),                  # nothing
                                 ([1, 2], [(2,)], torch.float32)]:         # counts differ
@@ -953,6 +955,7 @@ def test_batched_request_is_checked_and_cut_by_shard():
         (torch.tensor([1, 3]), torch.ones(2, dtype=torch.float64), "float64"),
         (torch.tensor([1.0, 3.0]), torch.ones(2), "keys must be integers"),
         (torch.tensor([-1, 3]), torch.ones(2), "key must be in"),
+        (torch.tensor(True), torch.ones(()), "key must be an integer"),  # 0-d: one key, not key 1
         (torch.tensor([1 << 40]), torch.ones(1), "not declared"),
     ]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=match):

@@ -340,7 +340,8 @@ def test_receiver_construction_errors(job_secret):
             DynamicReceiver(d, "b", depth=0)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="negative"):
             StaticReceiver(d, "c", (4, -2), torch.float32)
-        for shape in ("ab", None, 2.7, (2.7,), ("3",), True, (True,), (2, False), b"\x04"):  # True is no size
+        for shape in ("ab", None, 2.7, (2.7,), ("3",), True, (True,), (2, False), b"\x04",  # True is no size
+                      torch.tensor(True), (torch.tensor(True), 2), torch.tensor([True, True])):
             with pytest.raises(rdmaflow.InvalidArgumentError, match="a shape is an integer or a sequence of integers"):
                 StaticReceiver(d, "d", shape, torch.float32)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="past 64 bits"):

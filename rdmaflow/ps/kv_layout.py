@@ -4,11 +4,11 @@ block (KVClientArea). The protocol that uses them is described in kv.py."""
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 
 from rdmaflow import InvalidArgumentError
+from rdmaflow.arena import integer
 from rdmaflow.ps.protocol import aligned
 from rdmaflow.transfer.dtypes import FLOAT_DTYPES, dtype_name
 
@@ -19,15 +19,9 @@ DTYPES = dict(FLOAT_DTYPES, int32=torch.int32, int64=torch.int64)
 
 
 def key_of(k, what: str = "key") -> int:
-    if isinstance(k, bool):
-        raise InvalidArgumentError(f"{what} must be an integer, got {k!r}")
-    try:
-        k = operator.index(k)
-    except TypeError:
-        if isinstance(k, torch.Tensor) and k.numel() == 1 and not k.is_floating_point():
-            k = int(k.item())
-        else:
-            raise InvalidArgumentError(f"{what} must be an integer, got {k!r}") from None
+    """A key (an integer in [0, 2**63), as :func:`rdmaflow.arena.integer` takes it), or
+    InvalidArgumentError naming ``what``."""
+    k = integer(k, what)
     if not 0 <= k < (1 << 63):
         raise InvalidArgumentError(f"{what} must be in [0, 2**63), got {k}")
     return k
@@ -37,10 +31,10 @@ def _shape(s, key: int) -> tuple[int, ...]:
     if isinstance(s, int) and not isinstance(s, bool):
         s = (s,)
     try:
-        if isinstance(s, (str, bytes)) or any(isinstance(d, bool) for d in s):
-            raise TypeError  # True is no dimension
-        shape = tuple(operator.index(d) for d in s)
-    except TypeError:
+        if isinstance(s, (str, bytes)):
+            raise TypeError
+        shape = tuple(integer(d, "a dimension") for d in s)  # True is no dimension
+    except (TypeError, InvalidArgumentError):
         raise InvalidArgumentError(f"the shape of key {key} must be a tuple of integers, got {s!r}") from None
     if any(d <= 0 for d in shape):
         raise InvalidArgumentError(f"the shape of key {key} must have positive dimensions, got {list(shape)}")
