@@ -12,6 +12,7 @@
 // Prints GB/s and us per message at the receiver, the first 1000 messages left out.
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -23,6 +24,11 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+// A send or receive that failed for good (the peer gone): the run ends rather than spinning.
+static int would_block(ssize_t r) {
+  return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+}
 
 static double now(void) {
   struct timespec t;
@@ -40,10 +46,10 @@ static void receive(int s, size_t msg, int count, int window, size_t seg, double
       ssize_t r = recv(s, buf + have, seg - have, 0);
       if (r > 0)
         have += (size_t)r;
-      else if (r == 0)
-        exit(1);
-      else
+      else if (would_block(r))
         sched_yield();
+      else
+        exit(1);
     }
     float* f = (float*)(slots + (size_t)(k % window) * msg);
     memcpy(f, buf, msg);
@@ -56,7 +62,10 @@ static void receive(int s, size_t msg, int count, int window, size_t seg, double
       for (double end = now() + extra_us * 1e-6; now() < end;) {
       }
     char c = 1;
-    while (send(s, &c, 1, MSG_NOSIGNAL) != 1) sched_yield();
+    for (ssize_t r; (r = send(s, &c, 1, MSG_NOSIGNAL)) != 1;) {
+      if (!would_block(r)) exit(1);
+      sched_yield();
+    }
     if (k == 1000) t0 = now();
   }
   const double dt = now() - t0, n = count - 1001;
@@ -102,14 +111,17 @@ int main(int argc, char** argv) {
       ssize_t r = recv(s, cb, sizeof cb, MSG_DONTWAIT);
       if (r > 0)
         credits += (int)r;
-      else if (r == 0)
-        return 1;
-      else
+      else if (would_block(r))
         sched_yield();
+      else
+        return 1;
     }
     for (size_t off = 0; off < msg;) {
       ssize_t r = send(s, src + off, msg - off, MSG_NOSIGNAL);
-      if (r > 0) off += (size_t)r;
+      if (r > 0)
+        off += (size_t)r;
+      else if (!would_block(r))
+        return 1;
     }
     credits--;
   }
