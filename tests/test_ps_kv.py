@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -521,6 +522,49 @@ ctx = ps.init()
 report_error(lambda: ps.KVStore([0], [(2,)]))
 """
 
+# 2 workers x 2 shards over tcp: pushes, then save() (collective), then pushes that must not be
+# in the file; a file worker 0 cannot write fails save() on both workers.
+SNAPSHOT = COMMON + """
+here = pathlib.Path(__file__).parent
+ctx = ps.init()
+w = ctx.role.index
+KEYS, SHAPES = [0, 1, 2, 5], [(3,), (2, 2), (), (1000,)]
+kv = ps.KVStore(KEYS, SHAPES, torch.float64)
+for i in range(5):   # not waited for: the save's barrier must take them in
+    kv.push(KEYS, [torch.full(s, float(w + 1), dtype=torch.float64) for s in SHAPES])
+kv.save(str(here / "kv.snapshot.tmp"))  # worker 1's path is not used
+if w == 0:
+    os.rename(here / "kv.snapshot.tmp", here / "kv.snapshot")  # the restoring job starts on it
+kv.wait(kv.push(KEYS, [torch.full(s, 100.0, dtype=torch.float64) for s in SHAPES]))
+bad = {}
+for name, path in [("under_a_file", here / "snapshot.py" / "kv.snapshot"), ("not_a_path", 3.5)]:
+    try:
+        kv.save(path)
+        bad[name] = "no error"
+    except _core.InvalidArgumentError as e:
+        bad[name] = str(e)
+kv.barrier()
+final = [sorted(set(t.flatten().tolist())) for t in kv.wait(kv.pull(KEYS))]
+kv.close()
+report(worker=w, bad=bad, final=final)
+"""
+
+# 1 worker x 1 shard (another shard and worker count than the job that saved), started as
+# `rdmaflow launch --resume` starts a job: init= the snapshot SNAPSHOT saved.
+RESTORE = COMMON + """
+here = pathlib.Path(__file__).parent
+t0 = time.monotonic()
+while not (here / "kv.snapshot").exists():   # every rank, before the job's setup starts its clocks
+    assert time.monotonic() - t0 < 140, "the snapshot job never saved"
+    time.sleep(0.05)
+os.environ["RDMAFLOW_RESUME"] = "1"
+ctx = ps.init()
+kv = ps.KVStore([5, 2, 1, 0], [(1000,), (), (2, 2), (3,)], torch.float64, init=here / "kv.snapshot")
+got = kv.wait(kv.pull([0, 1, 2, 5]))
+report(values=[sorted(set(t.flatten().tolist())) for t in got], shapes=[list(t.shape) for t in got])
+kv.close()
+"""
+
 JOBS = {
     # name: (script, workers, shards, UCX transport: tcp puts are applied by the target's
     # progress thread, sm ones by the sender's kernel call; whether rank 0 serves the store)
@@ -539,6 +583,8 @@ JOBS = {
     "threads": (THREADS, 1, 2, "tcp", False),
     "held": (HELD, 1, 2, "tcp", False),
     "resume": (RESUME, 1, 1, "sm", False),
+    "snapshot": (SNAPSHOT, 2, 2, "tcp", False),
+    "restore": (RESTORE, 1, 1, "sm", False),
 }
 
 
@@ -704,13 +750,63 @@ def test_an_arena_tensor_stays_held_until_each_of_its_writes_completed(jobs):
     assert res["values"] == [1.0], res
 
 
-def test_resume_is_refused_for_a_kv_job(jobs):
-    """A KVStore job has no checkpoints: --resume restarted its values from zero, unsaid."""
+def test_resume_without_a_snapshot_is_refused_for_a_kv_job(jobs):
+    """--resume without init=<snapshot> restarted a KVStore job's values from zero, unsaid."""
     job = jobs("resume")
     (res,) = job.results()
     assert res["error"].startswith("InvalidArgumentError: rdmaflow launch --resume"), res
-    assert "a KVStore job has none" in res["error"], res
+    assert "give KVStore init= the path its save() wrote" in res["error"], res
     assert job.procs[0].returncode != 0 and "the job was aborted" in job.output(0), job.output()
+
+
+def test_a_snapshot_holds_the_pushes_before_save_and_restarts_a_job_of_another_size(jobs):
+    res = finished_ok(jobs("snapshot"))
+    for r in res:
+        # 5 pushes of w + 1 from workers 0 and 1, then 100 from each after the save.
+        assert r["final"] == [[15.0 + 200.0]] * 4, r
+        assert "snapshot.py/kv.snapshot: FileExistsError" in r["bad"]["under_a_file"], r
+        assert "path must be a file name, got float" in r["bad"]["not_a_path"], r
+    assert "could not write" in res[1]["bad"]["under_a_file"], "worker 1 hears worker 0's failure"
+    (got,) = finished_ok(jobs("restore"))
+    assert got["values"] == [[15.0]] * 4, "the file holds the values as of the save, none pushed after"
+    assert got["shapes"] == [[3], [2, 2], [], [1000]], got
+
+
+def test_a_snapshot_of_another_declaration_or_none_is_refused(tmp_path):
+    import torch
+
+    import rdmaflow
+    from rdmaflow.ps import kv, kv_snapshot
+
+    decl = kv.declaration([1, 4], [(2,), ()], torch.float32)
+    path = str(tmp_path / "s.pt")
+    kv_snapshot.save(path, decl, torch.arange(3, dtype=torch.float32))
+    a, b = kv_snapshot.load(path, decl)
+    assert a.tolist() == [0.0, 1.0] and b.shape == () and b.item() == 2.0
+    cases = [
+        (kv.declaration([1, 4], [(2,), ()], torch.float64), "dtype float64 here, float32 in the snapshot"),
+        (kv.declaration([1, 5], [(2,), ()], torch.float32), "keys [5] are declared here only"),
+        (kv.declaration([1, 4], [(2,), (1,)], torch.float32), "key 4 has shape [1] here, [] in the snapshot"),
+    ]
+    for other, why in cases:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=r"another declaration: " + re.escape(why)):
+            kv_snapshot.load(path, other)
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="is missing"):
+        kv_snapshot.load(str(tmp_path / "none.pt"), decl)
+    (tmp_path / "junk.pt").write_bytes(b"not a snapshot")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="is unreadable"):
+        kv_snapshot.load(str(tmp_path / "junk.pt"), decl)
+    torch.save({"format": "something else"}, tmp_path / "other.pt")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="not a key-value snapshot"):
+        kv_snapshot.load(str(tmp_path / "other.pt"), decl)
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="holds a list"):
+        kv_snapshot.load(str(tmp_path / "list.pt"), decl)
+    state = torch.load(path, weights_only=True)
+    for damage in ({"values": torch.zeros(2)}, {"values": "x"}, {"keys": None}, {"keys": [[1]]}):
+        torch.save(dict(state, **damage), tmp_path / "bad.pt")
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="damaged|another declaration"):
+            kv_snapshot.load(str(tmp_path / "bad.pt"), decl)
 
 
 def test_pulls_never_see_half_applied_values(jobs):

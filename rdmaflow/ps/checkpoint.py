@@ -51,16 +51,40 @@ def unwritable(root: str) -> str | None:
     return None
 
 
+def write_whole(obj, path: str) -> None:
+    """torch.save(obj) to ``path`` under a temporary name, then renamed: a file that exists is
+    whole, and one that was there before is replaced only by a whole one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def read(path: str, what: str) -> dict:
+    """The dict torch.save wrote to ``path`` (tensors and plain values only), or
+    InvalidArgumentError naming ``what`` and the path when it is missing or unreadable."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"{what} {path} is missing") from None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise InvalidArgumentError(f"{what} {path} is unreadable: {e}") from None
+    if not isinstance(state, dict):
+        raise InvalidArgumentError(f"{what} {path} holds a {type(state).__name__}, not what rdmaflow writes")
+    return state
+
+
 def save(root: str, step: int, shard: int, num_shards: int, fingerprint: dict, weights: torch.Tensor,
          optimizer_state: dict) -> str:
     path = shard_file(root, step, shard, num_shards)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
     # A copy: the weights are a view into the registered arena, and torch.save writes a view's
     # whole storage. In host memory, also from a shard on a GPU.
-    torch.save({"step": step, "shard": shard, "num_shards": num_shards, "fingerprint": fingerprint,
-                "weights": weights.detach().to("cpu", copy=True), "optimizer": optimizer_state}, tmp)
-    os.replace(tmp, path)
+    write_whole({"step": step, "shard": shard, "num_shards": num_shards, "fingerprint": fingerprint,
+                 "weights": weights.detach().to("cpu", copy=True), "optimizer": optimizer_state}, path)
     return path
 
 
@@ -83,12 +107,7 @@ def latest(root: str, num_shards: int) -> int | None:
 
 def load(root: str, step: int, shard: int, num_shards: int, fingerprint: dict) -> dict:
     path = shard_file(root, step, shard, num_shards)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise InvalidArgumentError(f"checkpoint {path} is missing") from None
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise InvalidArgumentError(f"checkpoint {path} is unreadable: {e}") from None
+    state = read(path, "checkpoint")
     if state.get("fingerprint") != fingerprint:
         raise InvalidArgumentError(
             f"checkpoint {path} was written by a different job: {state.get('fingerprint')} there, "

@@ -9,7 +9,9 @@
     outs = kv.wait(kv.pull([0, 1, 7]))     # pulls see this worker's own pushes
     kv.push(torch.tensor([0, 7]), flat)    # batched form: keys as a tensor, values concatenated
     kv.barrier()                           # every worker's pushes before it are seen after it
+    kv.save("kv.snapshot")                 # collective: worker 0 writes every key's values
     kv.close()
+    # a later job, of any size: ps.KVStore(keys, shapes, init="kv.snapshot")
 
 Keys are non-negative integers declared once, collectively, with a shape each and one dtype
 for the job; key ``k`` lives on shard ``k % num_shards``. A shard applies a push request as one
@@ -19,10 +21,12 @@ unit: the default handler as one vectorised ``index_add_`` over the request, a u
 
 Modules: kv_layout.py (the declaration; KVLayout, KVServerArea, KVClientArea: where everything
 is), kv_request.py (a push or pull checked and cut by shard), kv_client.py (KVStore, the
-worker), kv_server.py (KVShard, and ``job_kind``: which kind of shard a job runs).
+worker), kv_server.py (KVShard, and ``job_kind``: which kind of shard a job runs),
+kv_snapshot.py (the file ``save()`` writes and ``init=`` reads).
 
 The data path is one-sided, like the rest of the parameter server (see protocol.py): the
-side RPC and the c10d store are used at setup only. Both sides compute the same layout from the
+side RPC and the c10d store are used at setup only, and by ``save()``, whose worker 0 tells the
+others through the store whether it wrote the file (kv_snapshot.py). Both sides compute the same layout from the
 declaration, so only each block's base offset and arena descriptor are exchanged. A request is
 "batched": all the keys of one push (or pull) that live on one shard travel as one request with
 one flag, whatever their number.

@@ -1,15 +1,17 @@
-"""The worker's end of the key-value API: KVStore (push, pull, wait, barrier, close) and the
+"""The worker's end of the key-value API: KVStore (push, pull, wait, barrier, save, close) and the
 handles it returns. The protocol is described in kv.py."""
 from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 
 import torch
 
 from rdmaflow import READ, WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.deadline import Deadline, checked_timeout
+from rdmaflow.ps import kv_snapshot
 from rdmaflow.ps.checkpoint import resuming
 from rdmaflow.ps.context import dumps
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
@@ -68,7 +70,9 @@ def _serialized(method):
 class KVStore:
     """The worker's end of the key-value API. Construct it on every worker with the same
     declaration (``keys``, ``shapes``, ``dtype``); ``init`` (worker 0 only, others ignore it)
-    gives the initial values, else they are zeros. One KVStore per job.
+    gives the initial values, else they are zeros: one tensor per key, in ``keys``' order, or the
+    path of a snapshot ``save()`` wrote (of this declaration; a job of any shard and worker
+    count may read it). One KVStore per job.
 
     Thread-safe: push, pull, wait, barrier and close may be called from several threads; each
     call holds the store for its whole duration (a ``wait`` or ``barrier`` too, until it
@@ -105,14 +109,17 @@ class KVStore:
                 keys = list(keys.tolist() if isinstance(keys, torch.Tensor) else keys)
             except TypeError:
                 raise InvalidArgumentError(f"keys must be a sequence of integers, got {keys!r}") from None
-            if resuming():  # restarting from zeros (or init) would lose what the job had stored
+            snapshot = isinstance(init, (str, os.PathLike))
+            # Restarting from zeros (or a list of tensors) would lose what the job had stored;
+            # worker 0's init alone decides the values.
+            if resuming() and self.id == 0 and not snapshot:
                 raise InvalidArgumentError(
-                    "rdmaflow launch --resume (RDMAFLOW_RESUME=1) restarts a DistributedOptimizer job from its "
-                    "checkpoints; a KVStore job has none. Start it without --resume; to carry values over, "
-                    "pull them before the job ends and give them to the next job's KVStore as init=")
+                    "rdmaflow launch --resume (RDMAFLOW_RESUME=1) restarts a KVStore job from a snapshot: give "
+                    "KVStore init= the path its save() wrote. A KVStore job takes no checkpoints of its own; "
+                    "without a snapshot, start it without --resume")
             decl = declaration(keys, shapes, dtype)
             if init is not None and self.id == 0:
-                init = self._check_init(decl, keys, init)
+                init = kv_snapshot.load(os.fspath(init), decl) if snapshot else self._check_init(decl, keys, init)
             self._setup(decl, init if self.id == 0 else None)
         except Exception as e:
             # A peer lost during setup (a shard that closed its device) is most likely a
@@ -185,6 +192,7 @@ class KVStore:
         self.push_seq = [0] * ns
         self.pull_seq = [0] * ns
         self.barrier_seq = 0
+        self.save_seq = 0
         self._in_barrier = False
         self._pending: list[_PullPart | None] = [None] * ns
         self._unflushed: list = []  # futures of push flags not yet known to be visible
@@ -475,6 +483,44 @@ class KVStore:
                         watch=range(len(self.shards)), why=self._barrier_stragglers)
         self._in_barrier = False
         self.stats["barriers"] += 1
+
+    @_serialized
+    def save(self, path, timeout: float | None = None) -> None:
+        """Writes every key's values to the file ``path`` (kv_snapshot.py), for a later job's
+        ``KVStore(..., init=path)``. Collective: every worker calls it, and it blocks until worker
+        0 has written the whole file (under a temporary name, then renamed). The values are those
+        of a barrier: every push any worker made before its save() is in the file, none made after
+        its save() returned. Worker 0 writes ``path`` on its own host; the others' ``path`` is
+        unused. A file worker 0 cannot write raises InvalidArgumentError with the reason on every
+        worker; TimeoutError after ``timeout`` (default: the job's step timeout) for all of it."""
+        if self._closed:
+            raise InvalidArgumentError("save: this KVStore is closed")
+        try:
+            path = os.fspath(path)
+        except TypeError:
+            raise InvalidArgumentError(f"save: path must be a file name, got {type(path).__name__}") from None
+        deadline = Deadline(self.timeout if timeout is None else timeout)
+        self.barrier(deadline.left())
+        # Worker 0 reads the values the barrier left and tells the others through the job's store
+        # how it went; until then no worker returns, so none pushes into the snapshot.
+        self.save_seq += 1
+        outcome = f"kv/save/{self.save_seq}"
+        if self.id != 0:
+            said = self.store.get(outcome, deadline.left())
+            if said != "ok":
+                raise InvalidArgumentError(f"save: worker 0 could not write the snapshot: {said}")
+            return
+        try:
+            flat = self.wait(self.pull(torch.tensor(self.keys, dtype=torch.int64)), deadline.left())
+            kv_snapshot.save(path, self.spec.decl, flat)
+        except OSError as e:
+            why = f"{path}: {type(e).__name__}: {e.strerror or e}"
+            self.store.set(outcome, why)
+            raise InvalidArgumentError(f"save: cannot write the snapshot {why}") from None
+        except BaseException as e:
+            self.store.set(outcome, f"{type(e).__name__}: {e}")
+            raise
+        self.store.set(outcome, "ok")
 
     def _barrier_stragglers(self) -> str:
         """For a barrier that timed out: the live workers that had not entered it, as shard 0
