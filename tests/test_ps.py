@@ -794,6 +794,13 @@ def test_worker_arguments_are_checked_before_joining():
                      ({"log_every": True}, "log_every")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer"):
             Worker(ctx, model, opt, **kw)
+    for value in ("two", "0", "3"):  # rdmaflow launch --min-workers sets it; a ValueError before
+        os.environ["RDMAFLOW_MIN_WORKERS"] = value
+        try:
+            with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$RDMAFLOW_MIN_WORKERS"):
+                Worker(ctx, model, opt)
+        finally:
+            del os.environ["RDMAFLOW_MIN_WORKERS"]
     with pytest.raises(rdmaflow.InvalidArgumentError, match="the optimizer holds 1 tensor"):
         Worker(ctx, model, torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1))
     for mode in ("sync", "async"):  # a bound these modes would ignore

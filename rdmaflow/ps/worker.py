@@ -37,6 +37,7 @@ from tqdm import tqdm
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.arena import integer
 from rdmaflow.deadline import Deadline
+from rdmaflow.job import env_int
 from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import (
     BATCH_BYTES,
@@ -125,10 +126,12 @@ class Worker:
         staleness, block_bytes = checked_staleness(mode, staleness), integer(block_bytes, "block_bytes")
         checkpoint_every, log_every = integer(checkpoint_every, "checkpoint_every"), integer(log_every, "log_every")
         nw = ctx.role.num_workers
+        source = "min_workers"
         if min_workers is None and os.environ.get("RDMAFLOW_MIN_WORKERS"):
-            min_workers = int(os.environ["RDMAFLOW_MIN_WORKERS"])  # rdmaflow launch --min-workers
+            # rdmaflow launch --min-workers
+            min_workers, source = env_int("RDMAFLOW_MIN_WORKERS"), "$RDMAFLOW_MIN_WORKERS"
         if min_workers is not None and not 1 <= integer(min_workers, "min_workers") <= nw:
-            raise InvalidArgumentError(f"min_workers must be between 1 and the {nw} workers, got {min_workers}")
+            raise InvalidArgumentError(f"{source} must be between 1 and the {nw} workers, got {min_workers}")
         if checkpoint_every < 0:
             raise InvalidArgumentError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
         if checkpoint_every and not checkpoint_dir:
@@ -866,8 +869,8 @@ class Worker:
                               **{k: round(v, 4) for k, v in self.profile.items()}}), file=profile_stream(), flush=True)
         for h in self._hooks:
             h.remove()
-        if self._pull_timer is not None:
-            self._pull_timer.join()
+        if self._pull_timer is not None:  # its wait gives up now (_closed); its delay is under a step's compute
+            self._pull_timer.join(self.ctx.timeout)
         self._bar.close()
         try:
             if self.switching:
