@@ -555,6 +555,45 @@ def test_async_modes_train_and_staleness_is_bounded(tmp_path, mode):
             assert fast["observed_gap"] > STALENESS + 2, f"async: worker 0 got only {fast['observed_gap']} steps ahead"
 
 
+def test_adaptive_pulling_waits_the_bubble_and_measures_each_pull_on_its_own_thread():
+    """The delay before a pull request is 0.9 of the average compute less the average pull
+    latency (never negative); a pull that gave up leaves the averages as they were."""
+    import threading
+
+    from rdmaflow.ps.adaptive_pull import EMA, AdaptivePull
+
+    events, give_up = [], threading.Event()
+
+    def send(r):
+        events.append(("send", r, threading.current_thread() is threading.main_thread()))
+
+    def landed(r):
+        time.sleep(0.02)
+        return not give_up.is_set()
+
+    pull = AdaptivePull(send, landed)
+    assert pull.next_delay() == 0.0, "no averages yet: at once"
+    t0 = time.monotonic()
+    pull.request(1, 0.05)
+    assert events == [], "request returns before the delay passed"
+    pull.join(5.0)
+    assert time.monotonic() - t0 >= 0.05 and events == [("send", 1, False)], events
+    assert pull.last == 1
+    pull.computed(1.0)
+    first = pull.next_delay()
+    assert pull.avg_pull is not None and 0.02 <= pull.avg_pull < 0.5, pull.avg_pull
+    assert first == pytest.approx(0.9 * 1.0 - pull.avg_pull)
+    pull.computed(0.0)  # a step that computed nothing: the average moves by EMA, the bubble stays >= 0
+    assert pull.avg_compute == pytest.approx(1 - EMA)
+    give_up.set()
+    before = pull.avg_pull
+    pull.request(2, 0.0)
+    pull.join(5.0)
+    assert pull.next_delay() == pytest.approx(max(0.0, 0.9 * (1 - EMA) - before))
+    assert pull.avg_pull == before, "a pull that gave up is no latency sample"
+    assert pull.bubbles == [0.0, first, pull.bubbles[-1]] and pull.last == 2
+
+
 # -- two hosts ---------------------------------------------------------------------------------
 
 NETNS = netns_unavailable_reason()

@@ -38,6 +38,7 @@ from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, Remo
 from rdmaflow.arena import integer
 from rdmaflow.deadline import Deadline
 from rdmaflow.job import env_int
+from rdmaflow.ps.adaptive_pull import AdaptivePull
 from rdmaflow.ps.context import profile_stream
 from rdmaflow.ps.layout import (
     BATCH_BYTES,
@@ -69,7 +70,6 @@ POLL = 0.05
 REPLY_SLICE = 0.002  # seconds a reply poller waits before it looks for a smaller target
 MODES = ("sync", "async", "bounded")
 SHARD_DEVICES = ("cpu", "cuda")
-EMA = 0.3  # weight of the newest sample in the moving averages of adaptive pulling
 
 
 def checked_staleness(mode: str, staleness) -> int:
@@ -296,11 +296,7 @@ class Worker:
         self._batch_bytes = [0] * self.role.num_shards
         self.push_writes = 0                     # gradient WRITEs posted, flags not counted
         self._hooks = []
-        self._pull_timer: threading.Timer | None = None
-        self._avg_compute: float | None = None
-        self._avg_pull: float | None = None
-        self._last_pull_latency: float | None = None
-        self.bubbles: list[float] = []
+        self._pull = AdaptivePull(self._send_pull_request, self._pull_landed)
         self._await_all(S + 1, "the initial weights")
         self._ready = True
         self.pbuf = S % L.param_buffers
@@ -309,9 +305,9 @@ class Worker:
         else:
             for p, info in self._params:
                 p.data = self._pview(self.pbuf, info)
-        self._last_pull = S
+        self._pull.last = S
         if self.switching:
-            self._request_pull(S + 1, 0.0)
+            self._pull.request(S + 1, 0.0)
         self._install_hooks()
         # Off unless stderr is a terminal (progress=None), so that logs stay free of bars.
         self._bar = tqdm(desc=f"rdmaflow ps worker {self.id}", unit="step", initial=S, file=sys.stderr,
@@ -717,57 +713,46 @@ class Worker:
                                                    sh["base"] + sh["layout"].record_at(self.id, t), n, WRITE)
                               for sh in self.shards])
 
-    # -- pulling (asynchronous overlap) -------------------------------------------------------
-    def _request_pull(self, r: int, delay: float) -> None:
-        """Asks every shard for its current weights into buffer r % 2 (pull r), after ``delay``."""
-        self._last_pull = r
+    # -- pulling (asynchronous overlap; when: adaptive_pull.py) --------------------------------
+    def _send_pull_request(self, r: int) -> None:
+        """Asks every shard for its current weights into buffer r % 2 (pull r)."""
+        for s, sh in enumerate(self.shards):
+            if sh["channel"].failed:
+                continue
+            try:
+                sh["channel"].fence()  # after this worker's latest push flag
+                self.pull_src[s].fill_(r)
+                sh["channel"].memcpy(self.region, self.base + self.layout.pull_src + FLAG * s, sh["remote"],
+                                     sh["base"] + sh["layout"].pull + FLAG * self.id, 8, WRITE)
+            except RdmaflowError:
+                pass  # the wait for the weights reports the shard
 
-        def send():
-            requested = time.monotonic()
-            for s, sh in enumerate(self.shards):
-                if sh["channel"].failed:
-                    continue
-                try:
-                    sh["channel"].fence()  # after this worker's latest push flag
-                    self.pull_src[s].fill_(r)
-                    sh["channel"].memcpy(self.region, self.base + self.layout.pull_src + FLAG * s, sh["remote"],
-                                         sh["base"] + sh["layout"].pull + FLAG * self.id, 8, WRITE)
-                except RdmaflowError:
-                    pass  # the wait for the weights reports the shard
-            # The communication thread sees the pull land: its latency feeds the bubble. A shard
-            # that fails to deliver is reported by the step that waits for these weights.
-            deadline = Deadline(self.ctx.step_timeout)
-            for s, n in enumerate(self.nchunks):
-                if not wait_flag(self.reply[s], progress(r + 1, n), deadline, f"pull {r} from shard {s}",
-                                 give_up=lambda: self._closed, on_timeout=lambda: None, poll=POLL):
-                    return
-            self._last_pull_latency = time.monotonic() - requested
+    def _pull_landed(self, r: int) -> bool:
+        """Waits until pull r's weights are in, on the pull's own thread, so that its latency is
+        measured; False if it gave up (closed, or a step's time passed: the step that waits for
+        these weights reports the shard)."""
+        deadline = Deadline(self.ctx.step_timeout)
+        return all(wait_flag(self.reply[s], progress(r + 1, n), deadline, f"pull {r} from shard {s}",
+                             give_up=lambda: self._closed, on_timeout=lambda: None, poll=POLL)
+                   for s, n in enumerate(self.nchunks))
 
-        self._last_pull_latency = None
-        self._pull_timer = threading.Timer(max(delay, 0.0), send)
-        self._pull_timer.daemon = True
-        self._pull_timer.start()
+    @property
+    def bubbles(self) -> list[float]:
+        """The delay chosen before each pull request (asynchronous overlap), in seconds."""
+        return self._pull.bubbles
 
     def _switch(self, t: int) -> None:
         """Buffer switching at the end of step t: computation t + 1 runs on pull t's weights."""
         self._await_all(t + 1, f"the weights of pull {t}")
-        if self._pull_timer is not None:
-            self._pull_timer.join(self.ctx.timeout)
+        self._pull.join(self.ctx.timeout)
         self.pbuf = t % 2
         if self._copy_in:
             self._load(range(len(self._params)), None)
         else:
             for p, info in self._params:
                 p.data = self._pview(self.pbuf, info)
-        # The bubble: request the next pull so that it lands as the next computation ends.
-        pull = self._last_pull_latency
-        if pull is not None:
-            self._avg_pull = pull if self._avg_pull is None else (1 - EMA) * self._avg_pull + EMA * pull
-        bubble = 0.0
-        if self._avg_compute is not None and self._avg_pull is not None:
-            bubble = max(0.0, 0.9 * self._avg_compute - self._avg_pull)
-        self.bubbles.append(bubble)
-        self._request_pull(t + 1, bubble)
+        # The next pull is timed to land as the next computation ends.
+        self._pull.request(t + 1, self._pull.next_delay())
 
     # -- the step -----------------------------------------------------------------------------
     def _check_open(self, op: str) -> None:
@@ -782,7 +767,7 @@ class Worker:
         self._check_open("step")
         t0 = time.monotonic()
         compute = t0 - self._compute_start
-        self._avg_compute = compute if self._avg_compute is None else (1 - EMA) * self._avg_compute + EMA * compute
+        self._pull.computed(compute)
         if not self.switching:
             self.wait_weights()  # the weights this step computed on (a step without a forward)
         t = self.step_count + 1
@@ -869,13 +854,12 @@ class Worker:
                               **{k: round(v, 4) for k, v in self.profile.items()}}), file=profile_stream(), flush=True)
         for h in self._hooks:
             h.remove()
-        if self._pull_timer is not None:  # its wait gives up now (_closed); its delay is under a step's compute
-            self._pull_timer.join(self.ctx.timeout)
+        self._pull.join(self.ctx.timeout)  # its wait gives up now (_closed); its delay is under a step's compute
         self._bar.close()
         try:
             if self.switching:
                 # The pull asked for last must land before DONE: nothing writes here after it.
-                self._await_all(self._last_pull + 1, f"the weights of pull {self._last_pull}")
+                self._await_all(self._pull.last + 1, f"the weights of pull {self._pull.last}")
             else:
                 self.wait_weights()
         finally:
