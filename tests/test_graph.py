@@ -573,6 +573,12 @@ def test_stage_and_schedule_arguments_are_refused_by_name(one_rank, monkeypatch)
         sched.step(x, target=y, losses=())
     with pytest.raises(rdmaflow.InvalidArgumentError, match="does not require grad"):
         sched.step(x, target=y)
+    for rows in (6, 16):  # cut 3 + 3 or 8 + 8 against the inputs' 4 + 4
+        with pytest.raises(rdmaflow.InvalidArgumentError,
+                           match=rf"the target has {rows} rows; the batch has 8 \(2 microbatches of the 4 rows"):
+            sched.step(x, target=torch.randn(rows, 4))
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="the target's tensor 1 has 6 rows"):
+        sched.step(x, target=(y, torch.zeros(6)))
     stage.close()
     with pytest.raises(rdmaflow.InvalidArgumentError, match="stage 0 is closed"):
         sched.step(x, target=y)

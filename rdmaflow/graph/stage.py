@@ -312,8 +312,17 @@ class PipelineStage:
         leaves, spec = tree_flatten(target)
         if not leaves:
             raise rdmaflow.InvalidArgumentError("target= holds no tensor")
-        per_leaf = [self._split(t, "target" if len(leaves) == 1 else f"target's tensor {i}")
-                    for i, t in enumerate(leaves)]
+        names = ["target" if len(leaves) == 1 else f"target's tensor {i}" for i in range(len(leaves))]
+        per_leaf = [self._split(t, name) for t, name in zip(leaves, names)]
+        # Microbatch m's target must be the rows of microbatch m's inputs: cut from a batch of
+        # other rows, it would be another microbatch's (a loss of another shape, or silently wrong).
+        M = self.plan.n_microbatches
+        captured = next((shape[0] for shape, _ in self.plan.inputs if shape and isinstance(shape[0], int)), None)
+        for t, name in zip(leaves, names):
+            if captured is not None and t.shape[0] != M * captured:
+                raise rdmaflow.InvalidArgumentError(
+                    f"the {name} has {t.shape[0]} rows; the batch has {M * captured} ({M} microbatches of the "
+                    f"{captured} rows pipeline() captured): a target holds the batch's rows, in its order")
         targets = [tree_unflatten([chunks[m] for chunks in per_leaf], spec) for m in range(self.plan.n_microbatches)]
         return targets, [c.shape[0] / leaves[0].shape[0] for c in per_leaf[0]]
 
