@@ -594,6 +594,61 @@ def test_adaptive_pulling_waits_the_bubble_and_measures_each_pull_on_its_own_thr
     assert pull.bubbles == [0.0, first, pull.bubbles[-1]] and pull.last == 2
 
 
+def test_threads_sharing_a_reply_word_poll_it_one_at_a_time_and_each_returns_at_its_target():
+    """wait_range from several threads (the file view's readers): one polls the shard's reply
+    word, for the smallest target asked, the others sleep; each returns once the word reaches
+    its own target, or raises TimeoutError naming the shard when its deadline passes."""
+    import threading
+
+    import rdmaflow
+    from rdmaflow.deadline import Deadline
+    from rdmaflow.ps.shared_wait import SharedWait
+
+    word, lock = [0], threading.Lock()
+    polling, most, polled = [0], [0], []
+
+    def poll(target, what, seconds):
+        with lock:
+            polling[0] += 1
+            most[0] = max(most[0], polling[0])
+            polled.append(target)
+        try:
+            end = time.monotonic() + seconds
+            while word[0] < target:
+                if time.monotonic() > end:
+                    raise rdmaflow.TimeoutError("slice")
+                time.sleep(0.0002)
+        finally:
+            with lock:
+                polling[0] -= 1
+
+    shared = SharedWait("shard 1", lambda: word[0], poll)
+    returned, errors = {}, []
+
+    def waiter(target):
+        try:
+            shared.wait(target, f"target {target}", Deadline(10.0))
+            returned[target] = word[0]
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=waiter, args=(t,)) for t in (3, 1, 5, 2, 4, 5)]
+    for th in threads:
+        th.start()
+    for v in range(1, 6):
+        time.sleep(0.02)
+        word[0] = v
+    for th in threads:
+        th.join(10)
+    assert errors == [] and not any(th.is_alive() for th in threads), errors
+    assert all(got >= target for target, got in returned.items()) and sorted(returned) == [1, 2, 3, 4, 5]
+    assert most[0] == 1, "two threads polled the word at once"
+    assert min(polled) == 1, "a poller waits for the smallest target asked (target 3's poll came first)"
+    with pytest.raises(rdmaflow.TimeoutError, match=r"shard 1 did not deliver target 9 within 0.05 s"):
+        shared.wait(9, "target 9", Deadline(0.05))
+    shared.wait(5, "reached", Deadline(0.0))  # already there: no poll, no deadline
+
+
 # -- two hosts ---------------------------------------------------------------------------------
 
 NETNS = netns_unavailable_reason()

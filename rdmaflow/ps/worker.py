@@ -61,13 +61,13 @@ from rdmaflow.ps.protocol import (
     record_bytes,
     write_runs_then_flag,
 )
+from rdmaflow.ps.shared_wait import SharedWait
 from rdmaflow.ps.step_gradients import StepGradients
 from rdmaflow.ps.step_record import StepRecord
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 from rdmaflow.transfer.common import stream_done
 
 POLL = 0.05
-REPLY_SLICE = 0.002  # seconds a reply poller waits before it looks for a smaller target
 MODES = ("sync", "async", "bounded")
 SHARD_DEVICES = ("cpu", "cuda")
 
@@ -250,9 +250,9 @@ class Worker:
                 self._params.append((p, info))
         self._loaded = [0] * len(self._params)  # the weight version each parameter's own copy holds
         self.reply = [Word.at(raw, L.reply + FLAG * s) for s in range(self.role.num_shards)]
-        self._reply_cv = [threading.Condition() for _ in range(self.role.num_shards)]
-        self._reply_polling = [False] * self.role.num_shards
-        self._reply_targets: list[list[int]] = [[] for _ in range(self.role.num_shards)]
+        self._reply_waits = [SharedWait(f"shard {s}", self.reply[s].get,
+                                        lambda target, what, seconds, s=s: self._wait_word(s, target, what, seconds))
+                             for s in range(self.role.num_shards)]
         self.push_src = [raw[L.push_src + FLAG * s : L.push_src + FLAG * s + 8].view(torch.int64)
                          for s in range(self.role.num_shards)]
         self.pull_src = [raw[L.pull_src + FLAG * s : L.pull_src + FLAG * s + 8].view(torch.int64)
@@ -479,40 +479,13 @@ class Worker:
             s = self.units[i].shard
             need[s] = max(need.get(s, 0), self.chunk_of[i])
         for s, k in sorted(need.items()):
-            self._wait_reply(s, progress(v, k), f"the weights of version {v}", deadline, deadline.timeout)
+            self._wait_reply(s, progress(v, k), f"the weights of version {v}", deadline)
 
-    def _wait_reply(self, s: int, target: int, what: str, deadline: Deadline, timeout: float) -> None:
-        """Waits until shard s's reply word reaches ``target``. Of the threads waiting on one
-        shard, one polls the word for the smallest target asked for and the others sleep until it
-        moves (many spinning waiters would starve the threads that receive the weights)."""
-        word, cv = self.reply[s], self._reply_cv[s]
-        if word.get() >= target:
-            self._check_reply(word)
-            return
-        with cv:
-            waiting = self._reply_targets[s]
-            waiting.append(target)
-            try:
-                while word.get() < target:
-                    if deadline.passed():
-                        raise TimeoutError(f"shard {s} did not deliver {what} within {timeout:g} s")
-                    if self._reply_polling[s]:
-                        cv.wait(deadline.slice(POLL))
-                        continue
-                    self._reply_polling[s] = True
-                    low = min(waiting)
-                    cv.release()
-                    try:
-                        self._wait_word(s, low, what, deadline.slice(REPLY_SLICE))
-                    except TimeoutError:
-                        pass  # a slice: look again at the smallest target and the deadline
-                    finally:
-                        cv.acquire()
-                        self._reply_polling[s] = False
-                        cv.notify_all()
-            finally:
-                waiting.remove(target)
-        self._check_reply(word)
+    def _wait_reply(self, s: int, target: int, what: str, deadline: Deadline) -> None:
+        """Waits until shard s's reply word reaches ``target``: of the threads waiting on one
+        shard, one polls the word and the others sleep (shared_wait.py)."""
+        self._reply_waits[s].wait(target, what, deadline)
+        self._check_reply(self.reply[s])
 
     # -- pushing ------------------------------------------------------------------------------
     def push_range(self, lo: int, hi: int) -> list:
