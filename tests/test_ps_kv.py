@@ -525,6 +525,8 @@ report_error(lambda: ps.KVStore([0], [(2,)]))
 # 2 workers x 2 shards over tcp: pushes, then save() (collective), then pushes that must not be
 # in the file; a file worker 0 cannot write fails save() on both workers.
 SNAPSHOT = COMMON + """
+import rdmaflow
+import rdmaflow.ps.kv_snapshot
 here = pathlib.Path(__file__).parent
 ctx = ps.init()
 w = ctx.role.index
@@ -543,10 +545,30 @@ for name, path in [("under_a_file", here / "snapshot.py" / "kv.snapshot"), ("not
         bad[name] = "no error"
     except _core.InvalidArgumentError as e:
         bad[name] = str(e)
+# A save that times out on worker 1 while worker 0 writes the file (a slow disk: 2 s) is the one
+# its next call waits for; the save after that is a new one on both workers.
+late = None
+if w == 0:
+    write = rdmaflow.ps.kv_snapshot.save
+    def slow_write(*args):
+        time.sleep(2.0)
+        write(*args)
+    rdmaflow.ps.kv_snapshot.save = slow_write
+    kv.save(str(here / "kv.late"))
+    rdmaflow.ps.kv_snapshot.save = write
+else:
+    try:
+        kv.save(str(here / "kv.late"), timeout=1.0)
+        late = "no error"
+    except rdmaflow.TimeoutError as e:
+        late = f"timeout: {e}"
+    kv.save(str(here / "kv.late"))
+kv.save(str(here / "kv.again"))
+again = [sorted(set(t.flatten().tolist())) for t in ps.kv_snapshot.load(str(here / "kv.again"), kv.spec.decl)]
 kv.barrier()
 final = [sorted(set(t.flatten().tolist())) for t in kv.wait(kv.pull(KEYS))]
 kv.close()
-report(worker=w, bad=bad, final=final)
+report(worker=w, bad=bad, final=final, late=late, again=again, saves=kv.save_seq)
 """
 
 # 1 worker x 1 shard (another shard and worker count than the job that saved), started as
@@ -767,6 +789,10 @@ def test_a_snapshot_holds_the_pushes_before_save_and_restarts_a_job_of_another_s
         assert "snapshot.py/kv.snapshot: FileExistsError" in r["bad"]["under_a_file"], r
         assert "path must be a file name, got float" in r["bad"]["not_a_path"], r
     assert "could not write" in res[1]["bad"]["under_a_file"], "worker 1 hears worker 0's failure"
+    assert res[1]["late"].startswith("timeout") and "kv/save/3" in res[1]["late"], res[1]
+    assert [r["saves"] for r in res] == [4, 4], "the timed-out save and its retry are one save"
+    for r in res:
+        assert r["again"] == [[215.0]] * 4, r
     (got,) = finished_ok(jobs("restore"))
     assert got["values"] == [[15.0]] * 4, "the file holds the values as of the save, none pushed after"
     assert got["shapes"] == [[3], [2, 2], [], [1000]], got

@@ -193,6 +193,7 @@ class KVStore:
         self.pull_seq = [0] * ns
         self.barrier_seq = 0
         self.save_seq = 0
+        self._saving: int | None = None  # a save() past its barrier whose outcome this worker has not seen
         self._in_barrier = False
         self._pending: list[_PullPart | None] = [None] * ns
         self._unflushed: list = []  # futures of push flags not yet known to be visible
@@ -492,7 +493,9 @@ class KVStore:
         of a barrier: every push any worker made before its save() is in the file, none made after
         its save() returned. Worker 0 writes ``path`` on its own host; the others' ``path`` is
         unused. A file worker 0 cannot write raises InvalidArgumentError with the reason on every
-        worker; TimeoutError after ``timeout`` (default: the job's step timeout) for all of it."""
+        worker; TimeoutError after ``timeout`` (default: the job's step timeout) for all of it.
+        After a TimeoutError on a worker other than 0, that save is still under way there: the
+        next call waits for its outcome instead of starting another (as ``barrier`` does)."""
         if self._closed:
             raise InvalidArgumentError("save: this KVStore is closed")
         try:
@@ -500,16 +503,20 @@ class KVStore:
         except TypeError:
             raise InvalidArgumentError(f"save: path must be a file name, got {type(path).__name__}") from None
         deadline = Deadline(self.timeout if timeout is None else timeout)
-        self.barrier(deadline.left())
+        if self._saving is None:
+            self.barrier(deadline.left())  # after a TimeoutError, barrier() itself waits for it again
+            self.save_seq += 1
+            self._saving = self.save_seq
         # Worker 0 reads the values the barrier left and tells the others through the job's store
         # how it went; until then no worker returns, so none pushes into the snapshot.
-        self.save_seq += 1
-        outcome = f"kv/save/{self.save_seq}"
+        outcome = f"kv/save/{self._saving}"
         if self.id != 0:
             said = self.store.get(outcome, deadline.left())
+            self._saving = None
             if said != "ok":
                 raise InvalidArgumentError(f"save: worker 0 could not write the snapshot: {said}")
             return
+        self._saving = None  # worker 0 settles the outcome below, whatever happens
         try:
             flat = self.wait(self.pull(torch.tensor(self.keys, dtype=torch.int64)), deadline.left())
             kv_snapshot.save(path, self.spec.decl, flat)
