@@ -7,9 +7,10 @@ The file is a torch.save dict::
      "dtype": "float32", "keys": [[key, shape], ...],   # the declaration, keys ascending
      "values": flat tensor}                              # every key's values, in that order
 
-It holds the stored values only (not state a handler keeps of its own), by key, not by shard, so a job of another shard or worker count may read it; the
-declaration (keys, shapes, dtype) must be the reading job's. Written under a temporary name and
-renamed (checkpoint.write_whole), so a file that exists is whole.
+It holds the stored values only (not state a handler keeps of its own), by key, not by
+shard, so a job of another shard or worker count may read it; the declaration (keys, shapes,
+dtype) must be the reading job's. Written under a temporary name and renamed
+(checkpoint.write_whole), so a file that exists is whole.
 """
 from __future__ import annotations
 
