@@ -31,10 +31,10 @@ class AdaptivePull:
     ``join``; each request runs ``send`` and ``landed`` on a timer thread of its own, at most one
     at a time (``join`` the last one before the next ``request``)."""
 
-    def __init__(self, send: Callable[[int], None], landed: Callable[[int], bool]):
+    def __init__(self, send: Callable[[int], None], landed: Callable[[int], bool], last: int = 0):
         self._send, self._landed = send, landed
         self._timer: threading.Timer | None = None
-        self.last: int | None = None  # the pull requested last
+        self.last = last  # the pull requested last; at first the job's start step (its initial weights)
         self.avg_compute: float | None = None
         self.avg_pull: float | None = None
         self._latency: float | None = None  # of the last pull, once its weights landed

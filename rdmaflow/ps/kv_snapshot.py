@@ -26,11 +26,11 @@ FORMAT, VERSION = "rdmaflow.kv", 1
 
 
 def save(path: str, decl: dict, values: torch.Tensor) -> None:
-    """Writes ``values`` (every declared key's, flat, in the declaration's order) to ``path``."""
-    numel = sum(math.prod(s) for _, s in decl["keys"])
-    assert values.dim() == 1 and values.numel() == numel and values.dtype == DTYPES[decl["dtype"]]
+    """Writes ``values`` (every declared key's, flat, in the declaration's order, in host memory)
+    to ``path``. A tensor of its own, as a pull returns it: torch.save writes a view's whole
+    storage."""
     write_whole({"format": FORMAT, "version": VERSION, "dtype": decl["dtype"], "keys": decl["keys"],
-                 "values": values.detach().to("cpu", copy=True)}, path)
+                 "values": values}, path)
 
 
 def load(path: str, decl: dict) -> list[torch.Tensor]:
@@ -50,8 +50,9 @@ def load(path: str, decl: dict) -> list[torch.Tensor]:
         raise InvalidArgumentError(f"snapshot {path} was saved with another declaration: {diff}")
     values = state.get("values")
     shapes = [tuple(s) for _, s in decl["keys"]]
-    numel = sum(math.prod(s) for s in shapes)
-    if (not isinstance(values, torch.Tensor) or values.dim() != 1 or values.numel() != numel
+    sizes = [math.prod(s) for s in shapes]
+    if (not isinstance(values, torch.Tensor) or values.dim() != 1 or values.numel() != sum(sizes)
             or values.dtype != DTYPES[decl["dtype"]]):
-        raise InvalidArgumentError(f"snapshot {path} is damaged: its values are not {numel} {decl['dtype']} numbers")
-    return [t.view(s) for t, s in zip(values.split([math.prod(s) for s in shapes]), shapes)]
+        raise InvalidArgumentError(f"snapshot {path} is damaged: its values are not {sum(sizes)} {decl['dtype']} "
+                                   "numbers")
+    return [t.view(s) for t, s in zip(values.split(sizes), shapes)]

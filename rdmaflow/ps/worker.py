@@ -296,7 +296,7 @@ class Worker:
         self._batch_bytes = [0] * self.role.num_shards
         self.push_writes = 0                     # gradient WRITEs posted, flags not counted
         self._hooks = []
-        self._pull = AdaptivePull(self._send_pull_request, self._pull_landed)
+        self._pull = AdaptivePull(self._send_pull_request, self._pull_landed, last=S)
         self._await_all(S + 1, "the initial weights")
         self._ready = True
         self.pbuf = S % L.param_buffers
@@ -305,7 +305,6 @@ class Worker:
         else:
             for p, info in self._params:
                 p.data = self._pview(self.pbuf, info)
-        self._pull.last = S
         if self.switching:
             self._pull.request(S + 1, 0.0)
         self._install_hooks()
