@@ -1266,6 +1266,27 @@ def test_poll_does_not_block_or_consume(tpeer, dev):
         wait_any([])
 
 
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)
+def test_a_poll_applies_a_transfer_that_waits_in_the_socket(tpeer, dev):
+    """Over tcp a transfer lands only when the receiving side's worker progresses. Right after a
+    recv(), which drove the worker, its progress thread stays parked for a millisecond or more,
+    so a transfer that arrives then waits in the socket until somebody drives the worker. A
+    poll() that finds the flag unset drives it once and sees the transfer; before, poll() said
+    False until the progress thread next woke. Each transfer has left the peer before the first
+    poll(); nearly every one must be seen by that poll (one could arrive while the progress
+    thread holds the worker, and that poll then finds it busy)."""
+    peer = tpeer()
+    r = StaticReceiver(dev, "ps", POLL_SHAPE, torch.float32, depth=2)
+    peer.call("static_sender", remote=dev.endpoint, name="ps")
+    n, first = 60, 0
+    for i in range(n):
+        peer.call("send", name="ps", n=1, start=i, seed=11, wait_consumed=False, wait_sent=True)
+        first += r.poll()
+        t = r.recv(timeout=WAIT)
+        assert mismatch(t, static_tensor(11, i, POLL_SHAPE, torch.float32)) is None
+    assert first >= 0.8 * n, f"the first poll() saw {first} of {n} transfers that had left the peer"
+
+
 def test_a_closed_receiver_or_one_whose_device_closed_is_not_waited_for(job_secret):
     """poll() of a closed receiver said False, so wait_any waited for it until its timeout (with
     None, for ever); a receiver whose device was closed was waited for until the timeout too."""
@@ -1387,6 +1408,25 @@ def test_racing_sender_and_receiver_sharing_one_core(tpeer, dev, transport, nbyt
     peer = tpeer()
     with sharing_one_core(os.getpid(), peer.proc.pid):
         race(peer, dev, nbytes, n, direct=transport == "sm")
+
+
+def received_by_polling(r: StaticReceiver, timeout: float) -> torch.Tensor:
+    """``r``'s next transfer, found by poll() in a loop with no sleep and no wait, then taken by
+    a recv() that may not wait."""
+    deadline = time.monotonic() + timeout
+    while not r.poll():
+        assert time.monotonic() < deadline, f"no transfer landed on '{r.name}' within {timeout} s of polling"
+    return r.recv(timeout=0.0)
+
+
+@pytest.mark.parametrize("nbytes,n", [(8, 3000), (64 * 1024, 1000), (MiB, 200)])
+def test_racing_against_a_receiver_that_only_polls(tpeer, dev, transport, nbytes, n):
+    """The race above with this side's receives made by poll() in a loop, as the graph
+    executor's are: over UCX a poll that finds nothing drives the worker once, so over tcp this
+    thread applies most writes itself (a message's handler, or at 1 MiB the WRITE and the
+    flag's WRITE behind it), with the progress thread beside it. The flag is never seen
+    before its data: every element of every tensor checked, both ways."""
+    race(tpeer(), dev, nbytes, n, transport == "sm", poll_only=True)
 
 
 @contextlib.contextmanager
@@ -1549,11 +1589,12 @@ def assert_flagged_path(counts: dict, n: int, by_message: bool, words: str | Non
     assert counts["dropped"] == 0, counts
 
 
-def race(peer, dev, nbytes: int, n: int, direct: bool, depth: int = 2, release: bool = False) -> dict:
+def race(peer, dev, nbytes: int, n: int, direct: bool, depth: int = 2, release: bool = False,
+         poll_only: bool = False) -> dict:
     """Runs n rounds of send-one, receive-one against ``peer`` doing the same (int64 tensors of
     nbytes filled with the round's number; with ``release`` each send hands the tensor received
-    last back); asserts every element of every tensor either side received, and returns the
-    peer's answer."""
+    last back; with ``poll_only`` this side receives by polling, then ``recv(timeout=0)``);
+    asserts every element of every tensor either side received, and returns the peer's answer."""
     numel = nbytes // 8
     r = StaticReceiver(dev, f"race_in_{nbytes}", (numel,), torch.int64, depth=depth)
     peer.call("static_receiver", name=f"race_out_{nbytes}", shape=[numel], dtype="int64", depth=depth)
@@ -1570,7 +1611,7 @@ def race(peer, dev, nbytes: int, n: int, direct: bool, depth: int = 2, release: 
             futs[j].result(60)
         bufs[j].fill_(i + 1)
         futs[j] = s.send(bufs[j], timeout=60, release=r if release else None)
-        t = r.recv(timeout=60)
+        t = received_by_polling(r, 60) if poll_only else r.recv(timeout=60)
         lo, hi = int(t.min()), int(t.max())
         if bad is None and not lo == hi == i + 1:
             bad = {"i": i, "min": lo, "max": hi}

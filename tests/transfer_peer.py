@@ -216,6 +216,8 @@ def main() -> None:
                 e.state = {"sent": sent}
                 raise
             sent += 1
+            if cmd.get("wait_sent"):
+                f.result(timeout)  # it has left this process (over tcp: it is in the receiver's socket)
             if crash_after is not None and sent == crash_after:
                 if cmd.get("crash_wait", True):
                     f.result(timeout)  # the record / tensor and its flag have landed

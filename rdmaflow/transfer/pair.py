@@ -309,15 +309,23 @@ class Receiver(Endpoint):
         """Whether the next transfer has landed (its flag is set, so ``recv()`` returns at once).
         Never blocks and consumes nothing; raises PeerError when it has not landed and the
         sender's channel failed or the sender was closed before sending it, InvalidArgumentError
-        once this receiver is closed (``wait_any`` would wait for it in vain)."""
+        once this receiver is closed (``wait_any`` would wait for it in vain).
+
+        Over UCX, a poll that finds nothing progresses the sender's channel's worker once, as
+        ``recv()``'s wait does: over tcp a write is applied by this side's progress, and a caller
+        polling in a loop may hold the core the progress thread would need."""
         if self.closed:
             raise InvalidArgumentError(f"poll: receiver '{self.name}' is closed")
         k = self.seq + 1
-        if self.flags[(k - 1) % self.depth].get() >= k:
+        flag = self.flags[(k - 1) % self.depth]
+        if flag.get() >= k:
             return True
         channel = self._sender_if_known()
-        if channel is not None and channel.failed:
-            raise peer_failed(f"'{self.name}' waits for transfer {k}", channel)
+        if channel is not None:
+            if channel.failed:
+                raise peer_failed(f"'{self.name}' waits for transfer {k}", channel)
+            if self._ack_window is None and channel.progress_now() and flag.get() >= k:
+                return True
         return self._check_sender_open(k)
 
     def close(self) -> None:
