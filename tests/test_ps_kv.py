@@ -444,8 +444,14 @@ report_error(body)
 # 1 worker x 2 shards: one KVStore used from four threads at once (pushes, pulls, waits).
 THREADS = COMMON + """
 import threading
-ctx = ps.init()
-kv = ps.KVStore([0, 1, 2], [(3,), (), (50,)])
+
+def handler(key, stored, pushed):
+    if key == 3:
+        time.sleep(2)  # shard 1 (key % 2) takes 2 s over key 3's push
+    stored.add_(pushed)
+
+ctx = ps.init(kv_handler=handler)
+kv = ps.KVStore([0, 1, 2, 3], [(3,), (), (50,), (1,)])
 N, T = 200, 4
 errors = []
 
@@ -466,8 +472,19 @@ for th in threads:
     th.join(60)
 kv.barrier()
 got = kv.wait(kv.pull([0, 1, 2]))
-report(errors=errors, alive=[th.is_alive() for th in threads], sums=[g.tolist() for g in got],
-       expect=[[N * T] * 3, N * T, [N * sum(range(T))] * 50])
+# A wait does not hold the store: a thread waits for a pull that shard 1 answers only once it has
+# applied key 3's push (2 s), while this thread pushes and pulls key 0 on shard 0.
+kv.push(3, torch.full((1,), 9.0))
+slow = kv.pull(3)
+order = []
+waiter = threading.Thread(target=lambda: order.append(("slow", kv.wait(slow).tolist())))
+waiter.start()
+time.sleep(0.2)  # the waiter is in its wait
+kv.wait(kv.push(0, torch.ones(3)))
+order.append(("other", kv.wait(kv.pull(0)).tolist()))
+waiter.join(30)
+report(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_alive()], sums=[g.tolist() for g in got],
+       expect=[[N * T] * 3, N * T, [N * sum(range(T))] * 50], order=order)
 kv.close()
 """
 
@@ -746,6 +763,8 @@ def test_one_kvstore_used_from_several_threads(jobs):
     res = finished_ok(jobs("threads"))[0]
     assert res["errors"] == [] and not any(res["alive"]), res
     assert res["sums"] == res["expect"], "every thread's pushes are applied exactly once"
+    # One thread's wait for a slow shard held back another thread's push to the other shard.
+    assert res["order"] == [["other", [200.0 * 4 + 1] * 3], ["slow", [9.0]]], res["order"]
 
 
 def test_an_arena_tensor_stays_held_until_each_of_its_writes_completed(jobs):

@@ -74,10 +74,12 @@ class KVStore:
     path of a snapshot ``save()`` wrote (of this declaration; a job of any shard and worker
     count may read it). One KVStore per job.
 
-    Thread-safe: push, pull, wait, barrier and close may be called from several threads; each
-    call holds the store for its whole duration (a ``wait`` or ``barrier`` too, until it
-    returns), so calls take turns and a push's sequence numbers and staging area are never
-    shared by two calls at once."""
+    Thread-safe: every method may be called from several threads. push, pull, barrier, save and
+    close each hold the store for their whole duration (a push also while it waits for a
+    shard's acknowledgement of the last one, a barrier until it returns), so they take turns
+    and a push's sequence numbers and staging area are never shared by two calls at once.
+    ``wait`` blocks without holding it: one thread waiting for a pull does not hold back
+    another's pushes."""
 
     def __init__(self, keys, shapes, dtype: torch.dtype = torch.float32, *, init=None, ctx=None,
                  timeout: float | None = None):
@@ -423,12 +425,15 @@ class KVStore:
             else:
                 part.values.index_copy_(0, part.positions, got)
 
-    @_serialized
     def wait(self, handle: KVHandle, timeout: float | None = None):
         """Waits until ``handle`` completed. A push: its values are at the shards (visible to
         every later pull). A pull: returns the list of pulled tensors (a tensor if pull was
         given one key, not a list; one flat tensor in the batched form). Raises PeerError if a
-        shard died, TimeoutError after ``timeout`` (default: the job's step timeout)."""
+        shard died, TimeoutError after ``timeout`` (default: the job's step timeout).
+
+        Blocks without holding the store: other threads' calls go on while this one waits
+        (several threads may wait at once, on one handle too). Only the copy of a pull's reply
+        out of its landing area takes turns with them, as the other calls do."""
         if not isinstance(handle, KVHandle):
             raise InvalidArgumentError(
                 f"wait() takes a handle from push() or pull(), got {type(handle).__name__}")
@@ -436,15 +441,20 @@ class KVStore:
             return handle._result
         deadline = Deadline(self.timeout if timeout is None else timeout)
         what = f"{handle.kind} of keys {short(handle.keys)}"
-        self._wait_futures(handle._futs, deadline, what)
-        if handle.kind == "pull":
-            for part in handle._parts:
-                self._complete(part, deadline)
-            handle._result = self._pulled(handle._request, handle._result)
-        handle._keep.clear()
-        handle._futs.clear()
-        handle.done = True
-        return handle._result
+        self._wait_futures(list(handle._futs), deadline, what)
+        for part in handle._parts:  # (a pull's) each shard's reply: its landing area is copied below
+            if not part.done:
+                self._wait_word(self.reply, part.s, part.seq, part.s, f"shard {part.s}'s reply to a pull", deadline)
+        with self._lock:  # a pull made meanwhile may have copied the reply out already (part.done)
+            if not handle.done:
+                if handle.kind == "pull":
+                    for part in handle._parts:
+                        self._complete(part, deadline)
+                    handle._result = self._pulled(handle._request, handle._result)
+                handle._keep.clear()
+                handle._futs.clear()
+                handle.done = True
+            return handle._result
 
     def _pulled(self, req: Request, flat: torch.Tensor):
         """A pull's result in the request's form: the flat tensor, or one tensor per key."""
@@ -457,11 +467,13 @@ class KVStore:
                 out.append(value if given is None else given.copy_(value))
         return out[0] if req.single else out
 
-    @_serialized
     def push_pull(self, keys, tensors, outs=None):
-        """Pushes, then pulls the same keys (the pull sees the push); returns the pulled values."""
-        self.push(keys, tensors)
-        return self.wait(self.pull(keys, outs))
+        """Pushes, then pulls the same keys (the pull sees the push); returns the pulled values.
+        Blocks; the wait for the values holds the store no more than ``wait`` does."""
+        with self._lock:  # no other thread's push between the two
+            self.push(keys, tensors)
+            h = self.pull(keys, outs)
+        return self.wait(h)
 
     @_serialized
     def barrier(self, timeout: float | None = None) -> None:
