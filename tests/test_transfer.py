@@ -1287,6 +1287,30 @@ def test_a_poll_applies_a_transfer_that_waits_in_the_socket(tpeer, dev):
     assert first >= 0.8 * n, f"the first poll() saw {first} of {n} transfers that had left the peer"
 
 
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)
+def test_a_senders_credit_check_applies_an_ack_that_waits_in_the_socket(tpeer, dev):
+    """The sender's side of the test above: with depth 1 each send needs the ack of the last,
+    which over tcp lands only when this side's worker progresses, and a send's post on this
+    thread leaves the progress thread parked for a millisecond or more. has_credit() that finds
+    none drives the worker once; before, the graph executor's credit check read the ack word
+    only, and saw the ack when the progress thread next woke."""
+    peer = tpeer()
+    peer.call("static_receiver", name="cr", shape=list(POLL_SHAPE), dtype="float32", depth=1)
+    s = StaticSender(dev, peer.endpoint, "cr", mode="zerocopy")
+    assert s.has_credit()
+    x = dev.empty(POLL_SHAPE, torch.float32)
+    n, first = 60, 0
+    for i in range(n):
+        x.copy_(static_tensor(12, i, POLL_SHAPE, torch.float32))
+        s.send(x, timeout=WAIT).result(WAIT)
+        assert not s.has_credit(), "a credit before the receiver took the transfer"
+        got = peer.call("recv", name="cr", n=1, seed=12, start=i, timeout=WAIT)  # takes it and acks it
+        assert got["verified"] == 1, got
+        first += s.has_credit()
+        s.wait_consumed(timeout=WAIT)
+    assert first >= 0.8 * n, f"the first has_credit() saw {first} of {n} acks that had left the peer"
+
+
 def test_a_closed_receiver_or_one_whose_device_closed_is_not_waited_for(job_secret):
     """poll() of a closed receiver said False, so wait_any waited for it until its timeout (with
     None, for ever); a receiver whose device was closed was waited for until the timeout too."""

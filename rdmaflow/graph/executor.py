@@ -71,8 +71,7 @@ class SendOp:
         return f"send {self.edge.name} mb{self.mb}"
 
     def credit(self) -> bool:
-        s = self.sender
-        return s.consumed() >= s.seq + 1 - s.depth
+        return self.sender.has_credit()
 
     def run(self, timeout: float | None):
         fut = self.sender.send(self.tensor, timeout=timeout)

@@ -9,7 +9,8 @@
 - ``DynamicSender`` / ``DynamicReceiver``: any shape; fixed-size metadata written, the receiver
   allocates and READs the data.
 - ``receiver.poll()`` and ``wait_any(receivers)``: whether a transfer has landed, and the
-  first of several to land.
+  first of several to land; ``sender.has_credit()``: whether the next send finds its slot free.
+  None of them blocks.
 
 The building blocks the upper layers share: ``Word`` and ``wait_flag`` (8-byte flags in
 registered memory and the one loop that waits on them), ``pack_header`` / ``unpack_header``

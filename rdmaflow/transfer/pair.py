@@ -524,6 +524,16 @@ class Sender(Endpoint):
         v = self.ack.get()
         return v - CLOSED if v >= CLOSED else v
 
+    def has_credit(self) -> bool:
+        """Whether the next send() finds its slot free without waiting: the receiver has consumed
+        the transfer that last used it (or was closed). Never blocks. Where acks come over UCX,
+        a look that finds no credit drives the channel's worker once and looks again, as
+        ``Receiver.poll()`` does: over tcp an ack lands only by this side's progress."""
+        need = self.seq + 1 - self.depth
+        if self.ack.get() >= need:  # (CLOSED + n is above any need)
+            return True
+        return self._direct is None and self.channel.progress_now() and self.ack.get() >= need
+
     def wait_consumed(self, k: int | None = None, timeout: float | None = ENDPOINT_TIMEOUT) -> None:
         """Waits until the receiver has consumed transfer ``k`` (default: every transfer sent),
         at most ``timeout`` seconds (default: the sender's; None: no limit). Raises PeerError
