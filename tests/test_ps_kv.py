@@ -483,8 +483,20 @@ time.sleep(0.2)  # the waiter is in its wait
 kv.wait(kv.push(0, torch.ones(3)))
 order.append(("other", kv.wait(kv.pull(0)).tolist()))
 waiter.join(30)
-report(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_alive()], sums=[g.tolist() for g in got],
-       expect=[[N * T] * 3, N * T, [N * sum(range(T))] * 50], order=order)
+# Nor does a push's wait for a shard's acknowledgement of the last push: a thread pushes key 3
+# again while shard 1 is still applying the last push of it, and this thread meanwhile pushes
+# and pulls key 0.
+kv.push(3, torch.full((1,), 9.0))
+pushing = []
+pusher = threading.Thread(target=lambda: (kv.push(3, torch.ones(1)), pushing.append("second push of key 3")))
+pusher.start()
+time.sleep(0.2)  # the pusher waits for shard 1's acknowledgement
+kv.wait(kv.push(0, torch.ones(3)))
+pushing.append(("other", kv.wait(kv.pull(0)).tolist()))
+pusher.join(30)
+report(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_alive(), pusher.is_alive()],
+       sums=[g.tolist() for g in got], expect=[[N * T] * 3, N * T, [N * sum(range(T))] * 50], order=order,
+       pushing=pushing, key3=kv.wait(kv.pull(3)).tolist())
 kv.close()
 """
 
@@ -763,8 +775,11 @@ def test_one_kvstore_used_from_several_threads(jobs):
     res = finished_ok(jobs("threads"))[0]
     assert res["errors"] == [] and not any(res["alive"]), res
     assert res["sums"] == res["expect"], "every thread's pushes are applied exactly once"
-    # One thread's wait for a slow shard held back another thread's push to the other shard.
+    # One thread's wait for a slow shard held back another thread's push to the other shard:
+    # its wait for a pull's reply, and then its push's wait for the last push's acknowledgement.
     assert res["order"] == [["other", [200.0 * 4 + 1] * 3], ["slow", [9.0]]], res["order"]
+    assert res["pushing"] == [["other", [200.0 * 4 + 2] * 3], "second push of key 3"], res["pushing"]
+    assert res["key3"] == [19.0], res
 
 
 def test_an_arena_tensor_stays_held_until_each_of_its_writes_completed(jobs):

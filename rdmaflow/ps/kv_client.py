@@ -2,6 +2,7 @@
 handles it returns. The protocol is described in kv.py."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -74,12 +75,12 @@ class KVStore:
     path of a snapshot ``save()`` wrote (of this declaration; a job of any shard and worker
     count may read it). One KVStore per job.
 
-    Thread-safe: every method may be called from several threads. push, pull, barrier, save and
-    close each hold the store for their whole duration (a push also while it waits for a
-    shard's acknowledgement of the last one, a barrier until it returns), so they take turns
-    and a push's sequence numbers and staging area are never shared by two calls at once.
-    ``wait`` blocks without holding it: one thread waiting for a pull does not hold back
-    another's pushes."""
+    Thread-safe: every method may be called from several threads. push and pull hold the store
+    while they post, barrier, save and close for their whole duration, so they take turns and a
+    push's sequence numbers and staging area are never shared by two calls at once. Their
+    waits for a shard (a push for its acknowledgement of the last push, a pull for the reply to
+    the last pull), and ``wait``, block without holding it: one thread waiting for a slow shard
+    does not hold back another's pushes and pulls to other shards."""
 
     def __init__(self, keys, shapes, dtype: torch.dtype = torch.float32, *, init=None, ctx=None,
                  timeout: float | None = None):
@@ -282,6 +283,29 @@ class KVStore:
                 raise self._fail(f"shard {s} at {self.shards[s]['ep']} died while worker {self.id} waited "
                                  f"for {what}: {e}", dead_shard=s) from None
 
+    @contextlib.contextmanager
+    def _locked_when(self, op: str, due, deadline: Deadline):
+        """Holds the store's lock once every word ``due()`` names has reached its value: ``due``,
+        called under the lock, lists (words, shard, value, what). Each is waited for without
+        the lock, so that other threads' calls go on meanwhile; then the lock is taken again and
+        the list read anew (another thread may have used what came). InvalidArgumentError once
+        the store is closed."""
+        while True:
+            self._lock.acquire()
+            if self._closed:
+                self._lock.release()
+                raise InvalidArgumentError(f"{op}: this KVStore is closed")
+            missing = next(((w, s, v, what) for w, s, v, what in due() if int(w[s]) < v), None)
+            if missing is None:
+                break
+            self._lock.release()
+            w, s, v, what = missing
+            self._wait_word(w, s, v, s, what, deadline)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _write(self, s: int, local_off: int, remote_off: int, nbytes: int, what: str):
         """WRITEs nbytes at local_off of this worker's region to remote_off of shard s's block;
         returns the (shard, future) pair."""
@@ -297,32 +321,34 @@ class KVStore:
             raise InvalidArgumentError(f"{op}: this KVStore is closed")
         return Request(self.spec, keys, values, op, **kw)
 
-    @_serialized
     def push(self, keys, tensors) -> KVHandle:
         """Sends ``tensors`` to their keys' shards, which apply the handler to them: one request
-        per shard, applied there as one unit. Returns at once with a handle; the tensors may be
-        reused when push returns, except ones that live in the device's arena (sent without a
-        copy): keep those unchanged until ``wait``. ``keys`` a 1-D integer tensor and ``tensors``
-        one flat tensor of their values concatenated: the batched form (see kv_request.py)."""
+        per shard, applied there as one unit. Returns with a handle once each of those shards
+        has acknowledged this worker's last push to it (waiting for that without holding the
+        store); the tensors may be reused when push returns, except ones that live in the
+        device's arena (sent without a copy): keep those unchanged until ``wait``. ``keys`` a
+        1-D integer tensor and ``tensors`` one flat tensor of their values concatenated: the
+        batched form (see kv_request.py)."""
         req = self._request(keys, tensors, "push")
         h = KVHandle("push", req)
         deadline = Deadline(self.timeout)
         parts = list(req.by_shard())
         # One push request per shard in flight: the staging and the shard's area are free once
         # acked. Every shard's ack first, so that a push that times out has sent nothing.
-        for s, _ in parts:
-            self._wait_word(self.ack, s, self.push_seq[s], s, f"shard {s}'s acknowledgement of the last push", deadline)
-        for s, positions in parts:
-            self._push_to(s, req, positions, h)
-        self.stats["pushes"] += len(req)
-        if len(self._unflushed) > 4096:
-            self._unflushed = [p for p in self._unflushed if not p[1].done()]
-        # Tensors sent without a copy stay referenced until every WRITE of the push completed,
-        # even if the handle is dropped: their arena memory must not be reused while a WRITE
-        # reads it. WRITEs to different shards complete in any order.
-        self._held = [(futs, keep) for futs, keep in self._held if not all(f.done() for f in futs)]
-        if h._keep:
-            self._held.append(([f for _, f in h._futs], list(h._keep)))
+        acked = lambda: [(self.ack, s, self.push_seq[s], f"shard {s}'s acknowledgement of the last push")
+                         for s, _ in parts]
+        with self._locked_when("push", acked, deadline):
+            for s, positions in parts:
+                self._push_to(s, req, positions, h)
+            self.stats["pushes"] += len(req)
+            if len(self._unflushed) > 4096:
+                self._unflushed = [p for p in self._unflushed if not p[1].done()]
+            # Tensors sent without a copy stay referenced until every WRITE of the push completed,
+            # even if the handle is dropped: their arena memory must not be reused while a WRITE
+            # reads it. WRITEs to different shards complete in any order.
+            self._held = [(futs, keep) for futs, keep in self._held if not all(f.done() for f in futs)]
+            if h._keep:
+                self._held.append(([f for _, f in h._futs], list(h._keep)))
         return h
 
     def _push_to(self, s: int, req: Request, positions, h: KVHandle) -> None:
@@ -375,19 +401,29 @@ class KVStore:
         h._futs.append(pair)
         self._unflushed.append(pair)
 
-    @_serialized
     def pull(self, keys, outs=None) -> KVHandle:
         """Asks the keys' shards for their values, one request per shard; ``wait`` copies them into
         ``outs`` (or into new tensors when ``outs`` is None) and returns them. A pull sees this
         worker's earlier pushes, and every other worker's push whose ``wait`` returned before it.
-        The batched form (``keys`` a 1-D integer tensor) returns one flat tensor."""
+        The batched form (``keys`` a 1-D integer tensor) returns one flat tensor. Returns once
+        the replies to this worker's last pull from each of those shards have landed (waiting
+        for them without holding the store): their landing areas are reused."""
         req = self._request(keys, outs, "pull", values_optional=True)
         h = KVHandle("pull", req)
         deadline = Deadline(self.timeout)
-        spec, L = self.spec, self.layout
         h._result = req.flat if req.flat is not None else torch.empty(req.elements, dtype=self.dtype)
         parts = list(req.by_shard())
-        for s, _ in parts:  # landing areas are reused: earlier pulls first, before anything is sent
+        landed = lambda: [(self.reply, s, p.seq, f"shard {s}'s reply to a pull")
+                          for s, _ in parts if (p := self._pending[s]) is not None]
+        with self._locked_when("pull", landed, deadline):
+            self._pull_from(req, parts, h, deadline)
+        return h
+
+    def _pull_from(self, req: Request, parts: list, h: KVHandle, deadline: Deadline) -> None:
+        """Sends ``req``'s part for each shard of ``parts``, whose last pull's reply has landed
+        (copied out first: its landing area is reused)."""
+        spec, L = self.spec, self.layout
+        for s, _ in parts:
             if self._pending[s] is not None:
                 self._complete(self._pending[s], deadline)
         for s, positions in parts:
@@ -405,7 +441,6 @@ class KVStore:
             part = self._pending[s] = _PullPart(s, self.pull_seq[s], elements, h._result)
             h._parts.append(part)
         self.stats["pulls"] += len(req)
-        return h
 
     def _complete(self, part: _PullPart, deadline: Deadline) -> None:
         """Waits for shard s's reply to a pull and copies it out of the landing area."""
