@@ -494,9 +494,10 @@ time.sleep(0.2)  # the pusher waits for shard 1's acknowledgement
 kv.wait(kv.push(0, torch.ones(3)))
 pushing.append(("other", kv.wait(kv.pull(0)).tolist()))
 pusher.join(30)
+key3 = kv.wait(kv.pull(3)).tolist()
 report(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_alive(), pusher.is_alive()],
        sums=[g.tolist() for g in got], expect=[[N * T] * 3, N * T, [N * sum(range(T))] * 50], order=order,
-       pushing=pushing, key3=kv.wait(kv.pull(3)).tolist())
+       pushing=pushing, key3=key3, push_pull=[t.tolist() for t in kv.push_pull([3, 0], [torch.ones(1), torch.ones(3)])])
 kv.close()
 """
 
@@ -780,6 +781,7 @@ def test_one_kvstore_used_from_several_threads(jobs):
     assert res["order"] == [["other", [200.0 * 4 + 1] * 3], ["slow", [9.0]]], res["order"]
     assert res["pushing"] == [["other", [200.0 * 4 + 2] * 3], "second push of key 3"], res["pushing"]
     assert res["key3"] == [19.0], res
+    assert res["push_pull"] == [[20.0], [200.0 * 4 + 3] * 3], res
 
 
 def test_an_arena_tensor_stays_held_until_each_of_its_writes_completed(jobs):

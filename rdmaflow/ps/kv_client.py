@@ -503,12 +503,11 @@ class KVStore:
         return out[0] if req.single else out
 
     def push_pull(self, keys, tensors, outs=None):
-        """Pushes, then pulls the same keys (the pull sees the push); returns the pulled values.
-        Blocks; the wait for the values holds the store no more than ``wait`` does."""
-        with self._lock:  # no other thread's push between the two
-            self.push(keys, tensors)
-            h = self.pull(keys, outs)
-        return self.wait(h)
+        """Pushes, then pulls the same keys (the pull sees the push, and whatever other threads
+        pushed between the two); returns the pulled values. Blocks; its waits for the shards
+        hold the store no more than push, pull and wait do."""
+        self.push(keys, tensors)
+        return self.wait(self.pull(keys, outs))
 
     @_serialized
     def barrier(self, timeout: float | None = None) -> None:
