@@ -284,15 +284,15 @@ class KVStore:
                                  f"for {what}: {e}", dead_shard=s) from None
 
     @contextlib.contextmanager
-    def _locked_when(self, op: str, due, deadline: Deadline):
+    def _locked_when(self, op: str | None, due, deadline: Deadline):
         """Holds the store's lock once every word ``due()`` names has reached its value: ``due``,
         called under the lock, lists (words, shard, value, what). Each is waited for without
         the lock, so that other threads' calls go on meanwhile; then the lock is taken again and
-        the list read anew (another thread may have used what came). InvalidArgumentError once
-        the store is closed."""
+        the list read anew (another thread may have used what came). With ``op``,
+        InvalidArgumentError once the store is closed."""
         while True:
             self._lock.acquire()
-            if self._closed:
+            if op is not None and self._closed:
                 self._lock.release()
                 raise InvalidArgumentError(f"{op}: this KVStore is closed")
             missing = next(((w, s, v, what) for w, s, v, what in due() if int(w[s]) < v), None)
@@ -305,6 +305,11 @@ class KVStore:
             yield
         finally:
             self._lock.release()
+
+    def _replies(self, parts) -> list:
+        """For ``_locked_when``: the reply words of the pull parts (None skipped) not yet copied out."""
+        return [(self.reply, p.s, p.seq, f"shard {p.s}'s reply to a pull") for p in parts
+                if p is not None and not p.done]
 
     def _write(self, s: int, local_off: int, remote_off: int, nbytes: int, what: str):
         """WRITEs nbytes at local_off of this worker's region to remote_off of shard s's block;
@@ -413,9 +418,7 @@ class KVStore:
         deadline = Deadline(self.timeout)
         h._result = req.flat if req.flat is not None else torch.empty(req.elements, dtype=self.dtype)
         parts = list(req.by_shard())
-        landed = lambda: [(self.reply, s, p.seq, f"shard {s}'s reply to a pull")
-                          for s, _ in parts if (p := self._pending[s]) is not None]
-        with self._locked_when("pull", landed, deadline):
+        with self._locked_when("pull", lambda: self._replies(self._pending[s] for s, _ in parts), deadline):
             self._pull_from(req, parts, h, deadline)
         return h
 
@@ -477,10 +480,9 @@ class KVStore:
         deadline = Deadline(self.timeout if timeout is None else timeout)
         what = f"{handle.kind} of keys {short(handle.keys)}"
         self._wait_futures(list(handle._futs), deadline, what)
-        for part in handle._parts:  # (a pull's) each shard's reply: its landing area is copied below
-            if not part.done:
-                self._wait_word(self.reply, part.s, part.seq, part.s, f"shard {part.s}'s reply to a pull", deadline)
-        with self._lock:  # a pull made meanwhile may have copied the reply out already (part.done)
+        # A pull's replies, then their copy out of the landing areas, unless a pull made
+        # meanwhile copied them out already (part.done); after close() too, which copies them.
+        with self._locked_when(None, lambda: self._replies(handle._parts), deadline):
             if not handle.done:
                 if handle.kind == "pull":
                     for part in handle._parts:
