@@ -446,8 +446,8 @@ THREADS = COMMON + """
 import threading
 
 def handler(key, stored, pushed):
-    if key == 3:
-        time.sleep(2)  # shard 1 (key % 2) takes 2 s over key 3's push
+    if key == 3 or (key == 2 and pushed[0] < 0):
+        time.sleep(2)  # shard 1 (key % 2) takes 2 s over key 3's push, shard 0 over key 2's below 0
     stored.add_(pushed)
 
 ctx = ps.init(kv_handler=handler)
@@ -495,9 +495,23 @@ kv.wait(kv.push(0, torch.ones(3)))
 pushing.append(("other", kv.wait(kv.pull(0)).tolist()))
 pusher.join(30)
 key3 = kv.wait(kv.pull(3)).tolist()
-report(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_alive(), pusher.is_alive()],
+# Nor does a barrier's wait for shard 0: a thread enters one while shard 0 takes 2 s over a push
+# of key 2 (it relays the barrier after that), and this thread meanwhile pushes and pulls key 1
+# on shard 1.
+kv.push(2, torch.full((50,), -1.0))
+barrier = []
+barrierer = threading.Thread(target=lambda: (kv.barrier(), barrier.append("barrier")))
+barrierer.start()
+time.sleep(0.2)  # the barrierer waits for shard 0
+kv.wait(kv.push(1, torch.tensor(1.0)))
+barrier.append(("other", kv.wait(kv.pull(1)).tolist()))
+kv.barrier()  # shard 0 still sleeps: this thread takes part in the barrier under way
+barrier.append("joined")
+barrierer.join(30)
+report(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_alive(), pusher.is_alive(),
+                                                                 barrierer.is_alive()],
        sums=[g.tolist() for g in got], expect=[[N * T] * 3, N * T, [N * sum(range(T))] * 50], order=order,
-       pushing=pushing, key3=key3, push_pull=[t.tolist() for t in kv.push_pull([3, 0], [torch.ones(1), torch.ones(3)])])
+       pushing=pushing, key3=key3, barrier=barrier, stats=kv.stats, push_pull=[t.tolist() for t in kv.push_pull([3, 0], [torch.ones(1), torch.ones(3)])])
 kv.close()
 """
 
@@ -781,6 +795,11 @@ def test_one_kvstore_used_from_several_threads(jobs):
     assert res["order"] == [["other", [200.0 * 4 + 1] * 3], ["slow", [9.0]]], res["order"]
     assert res["pushing"] == [["other", [200.0 * 4 + 2] * 3], "second push of key 3"], res["pushing"]
     assert res["key3"] == [19.0], res
+    # Nor did its wait in a barrier that shard 0 relayed late, which another thread then joined
+    # (so the job made two barriers: one before it, this one).
+    assert res["barrier"][0] == ["other", 200.0 * 4 + 1], res["barrier"]
+    assert sorted(res["barrier"][1:]) == ["barrier", "joined"], res["barrier"]
+    assert res["stats"]["barriers"] == 2, res["stats"]
     assert res["push_pull"] == [[20.0], [200.0 * 4 + 3] * 3], res
 
 

@@ -75,12 +75,12 @@ class KVStore:
     path of a snapshot ``save()`` wrote (of this declaration; a job of any shard and worker
     count may read it). One KVStore per job.
 
-    Thread-safe: every method may be called from several threads. push and pull hold the store
-    while they post, barrier, save and close for their whole duration, so they take turns and a
+    Thread-safe: every method may be called from several threads. push, pull and barrier hold
+    the store while they post, save and close for their whole duration, so they take turns and a
     push's sequence numbers and staging area are never shared by two calls at once. Their
     waits for a shard (a push for its acknowledgement of the last push, a pull for the reply to
-    the last pull), and ``wait``, block without holding it: one thread waiting for a slow shard
-    does not hold back another's pushes and pulls to other shards."""
+    the last pull, a barrier for shard 0 to release it), and ``wait``, block without holding it:
+    one thread waiting for a slow shard does not hold back another's pushes and pulls."""
 
     def __init__(self, keys, shapes, dtype: torch.dtype = torch.float32, *, init=None, ctx=None,
                  timeout: float | None = None):
@@ -511,27 +511,35 @@ class KVStore:
         self.push(keys, tensors)
         return self.wait(self.pull(keys, outs))
 
-    @_serialized
     def barrier(self, timeout: float | None = None) -> None:
         """Returns once every live worker entered this barrier; pushes any worker made before
-        it are visible to pulls made after it. One-sided, through shard 0. After a TimeoutError
+        it are visible to pulls made after it. One-sided, through shard 0. Blocks; it waits for
+        the other workers without holding the store, so other threads' calls go on meanwhile
+        (a push made after the barrier began is not one it covers), and threads of this worker
+        that call it while it is under way take part in the same barrier. After a TimeoutError
         this worker is still in the barrier: the next call waits for that one again."""
-        if self._closed:
-            raise InvalidArgumentError("barrier: this KVStore is closed")
         deadline = Deadline(self.timeout if timeout is None else timeout)
-        if not self._in_barrier:
-            self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
-            self._unflushed = []
-            self.barrier_seq += 1
-            self.barrier_src[0] = self.barrier_seq
-            shard0 = self.spec.shards[0]
-            self._write(0, self.base + self.layout.barrier_src, shard0.word(shard0.barrier, self.id), U64, "barrier")
-            self._in_barrier = True  # entered: a call after a TimeoutError waits for this one again
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("barrier: this KVStore is closed")
+            if not self._in_barrier:
+                self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
+                self._unflushed = []
+                self.barrier_seq += 1
+                self.barrier_src[0] = self.barrier_seq
+                shard0 = self.spec.shards[0]
+                self._write(0, self.base + self.layout.barrier_src, shard0.word(shard0.barrier, self.id), U64,
+                            "barrier")
+                self._in_barrier = True  # entered: a call after a TimeoutError waits for this one again
+            seq = self.barrier_seq
         # Shard 0 relays the barrier, but every shard's pushes must reach it: all are watched.
-        self._wait_word(self.barrier_word, 0, self.barrier_seq, 0, f"barrier {self.barrier_seq}", deadline,
+        # Only shard 0 writes the word, and only upwards, so no other thread can take what came.
+        self._wait_word(self.barrier_word, 0, seq, 0, f"barrier {seq}", deadline,
                         watch=range(len(self.shards)), why=self._barrier_stragglers)
-        self._in_barrier = False
-        self.stats["barriers"] += 1
+        with self._lock:
+            if self._in_barrier and self.barrier_seq == seq:  # the first of its callers to return
+                self._in_barrier = False
+                self.stats["barriers"] += 1
 
     @_serialized
     def save(self, path, timeout: float | None = None) -> None:
@@ -577,6 +585,7 @@ class KVStore:
             raise
         self.store.set(outcome, "ok")
 
+    @_serialized  # the READ lands in the peek words, which every barrier that times out uses
     def _barrier_stragglers(self) -> str:
         """For a barrier that timed out: the live workers that had not entered it, as shard 0
         sees them (one READ of its done and barrier words); empty if that READ fails."""
