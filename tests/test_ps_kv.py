@@ -508,11 +508,28 @@ barrier.append(("other", kv.wait(kv.pull(1)).tolist()))
 kv.barrier()  # shard 0 still sleeps: this thread takes part in the barrier under way
 barrier.append("joined")
 barrierer.join(30)
-report(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_alive(), pusher.is_alive(),
-                                                                 barrierer.is_alive()],
+res = dict(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_alive(), pusher.is_alive(),
+                                                                   barrierer.is_alive()],
        sums=[g.tolist() for g in got], expect=[[N * T] * 3, N * T, [N * sum(range(T))] * 50], order=order,
-       pushing=pushing, key3=key3, barrier=barrier, stats=kv.stats, push_pull=[t.tolist() for t in kv.push_pull([3, 0], [torch.ones(1), torch.ones(3)])])
+       pushing=pushing, key3=key3, barrier=barrier, push_pull=[t.tolist() for t in kv.push_pull([3, 0], [torch.ones(1), torch.ones(3)])])
+res["stats"] = dict(kv.stats)
+# A barrier that waits while another thread closes the store ends at once: a closed worker
+# takes no part in barriers, so shard 0 would never release it for this one.
+kv.push(2, torch.full((50,), -1.0))
+closed = []
+def barrier_then_close():
+    try:
+        kv.barrier()
+        closed.append("returned")
+    except Exception as e:
+        closed.append(f"{type(e).__name__}: {e}")
+closing = threading.Thread(target=barrier_then_close)
+closing.start()
+time.sleep(0.2)  # the barrier waits for shard 0
+t0 = time.monotonic()
 kv.close()
+closing.join(30)
+report(**res, closed=closed, closed_after=time.monotonic() - t0, alive_after_close=closing.is_alive())
 """
 
 # 1 worker x 2 shards over tcp, no same-host mapping: an arena tensor pushed to shard 0 while
@@ -800,6 +817,10 @@ def test_one_kvstore_used_from_several_threads(jobs):
     assert res["barrier"][0] == ["other", 200.0 * 4 + 1], res["barrier"]
     assert sorted(res["barrier"][1:]) == ["barrier", "joined"], res["barrier"]
     assert res["stats"]["barriers"] == 2, res["stats"]
+    # A barrier another thread's close() cut short (within its 2 s in shard 0, not the timeout).
+    assert not res["alive_after_close"] and len(res["closed"]) == 1, res
+    assert res["closed"][0].startswith("InvalidArgumentError: barrier: this KVStore was closed while it waited"), res
+    assert res["closed_after"] < 10, res
     assert res["push_pull"] == [[20.0], [200.0 * 4 + 3] * 3], res
 
 

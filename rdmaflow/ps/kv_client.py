@@ -260,16 +260,22 @@ class KVStore:
         return reason
 
     def _wait_word(self, words: torch.Tensor, j: int, value: int, s: int, what: str, deadline: Deadline,
-                   watch=None, why=None) -> None:
+                   watch=None, why=None, op: str | None = None) -> None:
         """Waits for shard s to write ``value`` into ``words[j]``; the channels of the shards in
-        ``watch`` (default: s) are checked while waiting. ``why()``, on a timeout, says why."""
+        ``watch`` (default: s) are checked while waiting. ``why()``, on a timeout, says why.
+        With ``op``, a store another thread closes meanwhile ends the wait: InvalidArgumentError."""
         def timed_out():
             raise TimeoutError(f"worker {self.id} waited {deadline.timeout:g} s for {what} (shard {s}) in vain"
                                + (why() if why is not None else ""))
 
+        def closed() -> bool:
+            if op is not None and self._closed:
+                raise InvalidArgumentError(f"{op}: this KVStore was closed while it waited for {what}")
+            return False
+
         watched = [s] if watch is None else list(watch)
         wait_flag(Word(words[j : j + 1]), value, deadline, what,
-                  give_up=lambda: any(self._shard_gave_up(w, what) for w in watched),
+                  give_up=lambda: closed() or any(self._shard_gave_up(w, what) for w in watched),
                   abort_reason=self._abort_reason, aborted=WorkerFailure, on_timeout=timed_out)
 
     def _wait_futures(self, futs, deadline: Deadline, what: str) -> None:
@@ -516,8 +522,9 @@ class KVStore:
         it are visible to pulls made after it. One-sided, through shard 0. Blocks; it waits for
         the other workers without holding the store, so other threads' calls go on meanwhile
         (a push made after the barrier began is not one it covers), and threads of this worker
-        that call it while it is under way take part in the same barrier. After a TimeoutError
-        this worker is still in the barrier: the next call waits for that one again."""
+        that call it while it is under way take part in the same barrier; a ``close()`` meanwhile
+        ends it with InvalidArgumentError. After a TimeoutError this worker is still in the
+        barrier: the next call waits for that one again."""
         deadline = Deadline(self.timeout if timeout is None else timeout)
         with self._lock:
             if self._closed:
@@ -534,8 +541,9 @@ class KVStore:
             seq = self.barrier_seq
         # Shard 0 relays the barrier, but every shard's pushes must reach it: all are watched.
         # Only shard 0 writes the word, and only upwards, so no other thread can take what came.
+        # A worker that closed takes no part in barriers: a close meanwhile ends the wait.
         self._wait_word(self.barrier_word, 0, seq, 0, f"barrier {seq}", deadline,
-                        watch=range(len(self.shards)), why=self._barrier_stragglers)
+                        watch=range(len(self.shards)), why=self._barrier_stragglers, op="barrier")
         with self._lock:
             if self._in_barrier and self.barrier_seq == seq:  # the first of its callers to return
                 self._in_barrier = False
