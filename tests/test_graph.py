@@ -447,6 +447,35 @@ def test_inference_of_one_stage_returning_its_input_and_a_scalar(one_rank):
         torch.testing.assert_close(out, torch.stack([m(xm) for xm in x.tensor_split(4)]).detach())
 
 
+class Offset(Seq):
+    """Makes a tensor on its input's device: captured on the meta device, that call says meta."""
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x) + torch.ones(x.shape[0], 16, device=x.device)))
+
+
+def test_a_model_made_on_the_meta_device_runs_once_its_stage_has_memory(one_rank):
+    """No rank need hold the whole model: it is made and captured on the meta device, and each
+    stage gives its own part memory (to_empty, then its weights) before its first step. A step
+    before that says so; a tensor the model makes on its input's device is made on the host."""
+    with torch.device("meta"):
+        model = Offset()
+    pipe = graph.pipeline(model, (torch.randn(MB, 8, device="meta"),))
+    devices = [a for st in pipe.stages for n in st.module.graph.nodes for a in (*n.args, *n.kwargs.values())
+               if isinstance(a, torch.device)]
+    assert devices and all(d.type == "cpu" for d in devices), devices
+    x = torch.randn(16, 8)
+    meta = r"stage 0's a\.weight, a\.bias, b\.weight \.\.\. are on the meta device"
+    with pipe.build_stage(timeout=10) as stage, pytest.raises(rdmaflow.InvalidArgumentError, match=meta):
+        graph.ScheduleGPipe(stage, 4).step(x)
+    torch.manual_seed(2)
+    ref = Offset()
+    with graph.pipeline(model, (torch.randn(MB, 8, device="meta"),)).build_stage(timeout=10) as stage:
+        stage.submod.to_empty(device="cpu")
+        stage.submod.load_state_dict(ref.state_dict())
+        torch.testing.assert_close(graph.ScheduleGPipe(stage, 4).step(x), ref(x).detach())
+
+
 class Structured(Seq):
     """Returns a dict holding tuples, one of a reduction and one of a single tensor."""
 

@@ -9,6 +9,8 @@
 - Every error of issue 14 point 6: split points that differ between ranks, a batch whose shape
   or dtype differs from the plan, a stage killed mid-step: every rank exits with a clear error,
   never a hang. (A model that cannot be captured: test_graph.py.)
+- A model made and captured on the meta device, each stage loading only its own part, trains
+  like one process.
 - A two-stage job across two network-namespace hosts.
 - Issue 15: a transformer whose sequence length changes every step trains like one process
   over 2 and 3 stages, its boundary tensors on the bounded path; a length beyond the declared
@@ -169,6 +171,16 @@ def test_a_constant_buffer_and_a_frozen_parameter_used_by_both_stages(tmp_path):
         j.check_ok(start(j, 2).wait())
         res = assert_matches_reference(j, 2)
     assert all("shift" in r["params"] for r in res)
+
+
+def test_a_model_made_on_the_meta_device_trains_like_one_process(tmp_path):
+    """No rank holds the whole model: every rank makes and captures it on the meta device, and
+    each stage loads only its own part's weights (as from a checkpoint) before training."""
+    cfg = {"model": "cnn", "stages": 3, "schedule": "1f1b", "microbatches": 2, "batch": 8, "steps": 2,
+           "meta": "materialize"}
+    with Job(tmp_path, cfg) as j:
+        j.check_ok(start(j, 3).wait())
+        assert_matches_reference(j, 3)
 
 
 def test_inference_returns_the_models_outputs(tmp_path):

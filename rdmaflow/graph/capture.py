@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.pipelining import SplitPoint, pipe_split
+from torch.fx.node import map_aggregate
 from torch.fx.passes.split_module import split_module
 from torch.overrides import TorchFunctionMode, resolve_name
 
@@ -246,6 +247,7 @@ def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[
         if n.op == "call_function" and n.target == PIPE_SPLIT:
             graph.erase_node(n)
     _local_sizes(graph, part)
+    _make_on_host(graph)
     gm.recompile()
     for s in range(num_stages):
         if not any(p == s and n.op == "call_function" for n, p in part.items()):
@@ -254,6 +256,20 @@ def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     top = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
     return _read_top_graph(gm, top, inputs, num_stages)
+
+
+def _make_on_host(graph: torch.fx.Graph) -> None:
+    """A model captured on the meta device (so that no rank holds all of its weights) leaves
+    ``device=meta`` in the calls that make a tensor on an input's device (``torch.ones(n,
+    device=x.device)``). Stages run on the host, so those calls make their tensors there."""
+    host = torch.device("cpu")
+
+    def on_host(a):
+        return host if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for n in graph.nodes:
+        if n.op == "call_function":
+            n.args, n.kwargs = map_aggregate(n.args, on_host), map_aggregate(n.kwargs, on_host)
 
 
 def _local_sizes(graph: torch.fx.Graph, part: dict) -> None:

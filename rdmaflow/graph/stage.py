@@ -251,6 +251,8 @@ class PipelineStage:
             raise rdmaflow.InvalidArgumentError("the first stage's step() takes the model's inputs")
         if plan.training and self.is_last and target is None:
             raise rdmaflow.InvalidArgumentError("the last stage's step() takes target= for its loss_fn")
+        if not self.steps:
+            self._check_materialized()
         self._chunks = self._split_inputs(args, kwargs) if self.is_first else None
         self._targets, self._shares = self._split_target(target) if self.is_last and plan.training else (None, None)
         self._mbs = [Microbatch() for _ in range(M)]
@@ -351,6 +353,17 @@ class PipelineStage:
             for m, c in enumerate(chunks):
                 _check_input(c, f"microbatch {m} of input {i}", shape, plan.input_ranges[i], dtype)
         return [[chunks[m] for chunks in per_input] for m in range(plan.n_microbatches)]
+
+    def _check_materialized(self) -> None:
+        """A model made on the meta device (so that no rank holds all of it) is captured and
+        split as any other, but each stage must give its own part memory before it runs."""
+        meta = [n for n, t in (*self.submod.named_parameters(), *self.submod.named_buffers()) if t.is_meta]
+        if meta:
+            raise rdmaflow.InvalidArgumentError(
+                f"stage {self.stage_index}'s {', '.join(meta[:3])}{' ...' if len(meta) > 3 else ''} "
+                f"{'is' if len(meta) == 1 else 'are'} on the meta device: before the first step, materialize "
+                f"the stage's part (stage.submod.to_empty(device='cpu'), then load_state_dict or initialize), "
+                f"and make its optimizer after that")
 
     # -- computes -------------------------------------------------------------------------------
     def _forward(self, m: int, inputs: dict) -> list[SendOp]:

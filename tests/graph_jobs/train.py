@@ -23,6 +23,8 @@ Configuration: a JSON object in ``$GRAPH_TEST_CONFIG``:
     too_long       {"step": t, "length": n}: rank 0's batch of step t has sequence length n
     no_target      the last rank calls step() of step 1 without its target=
     rank_steps     {rank: n}: that rank runs n steps, not steps
+    meta           every rank makes and captures the model on the meta device; "materialize":
+                   each stage then gives its part memory and loads that part's weights
     second_pipeline  every rank also builds a forward-only pipeline of a fresh copy of the model
                    while the first one lives, runs batch 0 through it before training, and
                    closes it last (rank{r}.pt's "second_outputs": the last stage's output)
@@ -159,10 +161,20 @@ def main() -> int:
     name, seed, batch, M = cfg["model"], cfg.get("seed", 1), cfg.get("batch", 16), cfg.get("microbatches", 4)
     stages = cfg.get("stages", 2)
     split = SPLITS[name][cfg.get("split_differs", {}).get(str(rank), stages)]
-    model = make_model(name, seed)
     x0, _ = make_batch(name, seed, 0, batch)
-    pipe = graph.pipeline(model, (x0[: batch // M],), split_spec=split, dynamic_shapes=dynamic_shapes(name))
+    meta = cfg.get("meta")
+    if meta:  # made and captured on the meta device: no rank holds the whole model's weights
+        with torch.device("meta"):
+            model = make_model(name, seed)
+        example = x0[: batch // M].to("meta")
+    else:
+        model, example = make_model(name, seed), x0[: batch // M]
+    pipe = graph.pipeline(model, (example,), split_spec=split, dynamic_shapes=dynamic_shapes(name))
     stage = pipe.build_stage(zero_copy=cfg.get("zero_copy", True), trace=cfg.get("trace", False))
+    if meta == "materialize":  # each stage makes its own part, then loads it (as from a checkpoint)
+        stage.submod.to_empty(device="cpu")
+        whole = make_model(name, seed).state_dict()
+        stage.submod.load_state_dict({k: whole[k] for k in stage.submod.state_dict()})
     sched_cls = graph.Schedule1F1B if cfg.get("schedule") == "1f1b" else graph.ScheduleGPipe
     inference = cfg.get("inference", False)
     schedule = sched_cls(stage, M, loss_fn=None if inference else loss_fn)
