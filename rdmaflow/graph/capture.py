@@ -247,7 +247,7 @@ def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[
         if n.op == "call_function" and n.target == PIPE_SPLIT:
             graph.erase_node(n)
     _local_sizes(graph, part)
-    _make_on_host(graph)
+    _make_on_host(gm)
     gm.recompile()
     for s in range(num_stages):
         if not any(p == s and n.op == "call_function" for n, p in part.items()):
@@ -258,16 +258,20 @@ def partition(ep: torch.export.ExportedProgram) -> tuple[list[StageGraph], list[
     return _read_top_graph(gm, top, inputs, num_stages)
 
 
-def _make_on_host(graph: torch.fx.Graph) -> None:
+def _make_on_host(gm: torch.fx.GraphModule) -> None:
     """A model captured on the meta device (so that no rank holds all of its weights) leaves
     ``device=meta`` in the calls that make a tensor on an input's device (``torch.ones(n,
     device=x.device)``). Stages run on the host, so those calls make their tensors there."""
+    inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if not any(t.device.type == "meta" for t in (*gm.parameters(), *gm.buffers(), *inputs)
+               if isinstance(t, torch.Tensor)):
+        return  # captured with memory: a meta device in it is the model's own
     host = torch.device("cpu")
 
     def on_host(a):
         return host if isinstance(a, torch.device) and a.type == "meta" else a
 
-    for n in graph.nodes:
+    for n in gm.graph.nodes:
         if n.op == "call_function":
             n.args, n.kwargs = map_aggregate(n.args, on_host), map_aggregate(n.kwargs, on_host)
 
