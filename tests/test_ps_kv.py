@@ -514,22 +514,28 @@ res = dict(errors=errors, alive=[th.is_alive() for th in threads] + [waiter.is_a
        pushing=pushing, key3=key3, barrier=barrier, push_pull=[t.tolist() for t in kv.push_pull([3, 0], [torch.ones(1), torch.ones(3)])])
 res["stats"] = dict(kv.stats)
 # A barrier that waits while another thread closes the store ends at once: a closed worker
-# takes no part in barriers, so shard 0 would never release it for this one.
+# takes no part in barriers, so shard 0 would never release it for this one. So does a push
+# that waits for shard 1's acknowledgement of the last push of key 3 (2 s in its handler).
 kv.push(2, torch.full((50,), -1.0))
-closed = []
-def barrier_then_close():
+kv.push(3, torch.ones(1))
+closed, push_closed = [], []
+def ends(call, into):
     try:
-        kv.barrier()
-        closed.append("returned")
+        call()
+        into.append("returned")
     except Exception as e:
-        closed.append(f"{type(e).__name__}: {e}")
-closing = threading.Thread(target=barrier_then_close)
+        into.append(f"{type(e).__name__}: {e}")
+closing = threading.Thread(target=ends, args=(kv.barrier, closed))
+pushing_when_closed = threading.Thread(target=ends, args=(lambda: kv.push(3, torch.ones(1)), push_closed))
 closing.start()
-time.sleep(0.2)  # the barrier waits for shard 0
+pushing_when_closed.start()
+time.sleep(0.2)  # the barrier waits for shard 0, the push for shard 1
 t0 = time.monotonic()
 kv.close()
 closing.join(30)
-report(**res, closed=closed, closed_after=time.monotonic() - t0, alive_after_close=closing.is_alive())
+pushing_when_closed.join(30)
+report(**res, closed=closed, closed_after=time.monotonic() - t0, push_closed=push_closed,
+       alive_after_close=closing.is_alive() or pushing_when_closed.is_alive())
 """
 
 # 1 worker x 2 shards over tcp, no same-host mapping: an arena tensor pushed to shard 0 while
@@ -820,6 +826,9 @@ def test_one_kvstore_used_from_several_threads(jobs):
     # A barrier another thread's close() cut short (within its 2 s in shard 0, not the timeout).
     assert not res["alive_after_close"] and len(res["closed"]) == 1, res
     assert res["closed"][0].startswith("InvalidArgumentError: barrier: this KVStore was closed while it waited"), res
+    # So was a push waiting for a shard's acknowledgement (it raised only once the ack came).
+    push_closed = "InvalidArgumentError: push: this KVStore was closed while it waited for shard 1's acknowledgement"
+    assert res["push_closed"] == [push_closed + " of the last push"], res
     assert res["closed_after"] < 10, res
     assert res["push_pull"] == [[20.0], [200.0 * 4 + 3] * 3], res
 

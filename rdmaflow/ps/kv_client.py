@@ -295,7 +295,7 @@ class KVStore:
         called under the lock, lists (words, shard, value, what). Each is waited for without
         the lock, so that other threads' calls go on meanwhile; then the lock is taken again and
         the list read anew (another thread may have used what came). With ``op``,
-        InvalidArgumentError once the store is closed."""
+        InvalidArgumentError once the store is closed, also while waiting."""
         while True:
             self._lock.acquire()
             if op is not None and self._closed:
@@ -306,7 +306,7 @@ class KVStore:
                 break
             self._lock.release()
             w, s, v, what = missing
-            self._wait_word(w, s, v, s, what, deadline)
+            self._wait_word(w, s, v, s, what, deadline, op=op)
         try:
             yield
         finally:
