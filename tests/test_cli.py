@@ -216,7 +216,7 @@ def test_with_tcp_helper():
 def test_bench_device_quick_tcp_csv(tmp_path):
     path = tmp_path / "device.csv"
     marker = os.urandom(8).hex()
-    p = run_cli("bench", "device", "--quick", "--transport", "tcp", "--csv", str(path),
+    p = run_cli("bench", "device", "--quick", "--transport", "tcp", "--out", str(tmp_path),
                 timeout=90, env_extra={"RDMAFLOW_TEST_MARK": marker})
     assert _processes_with_env(marker) == [], "the benchmark left processes behind"
     assert "WRITE/put" in p.stdout

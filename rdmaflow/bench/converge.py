@@ -88,6 +88,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rdmaflow._ucx import ucx_env
+from rdmaflow.bench import flags
 from rdmaflow.bench.harness import write_csv
 from rdmaflow.bench.plots import pyplot, save_figure, style
 from rdmaflow.bench.processes import BenchError, ChildProcess, free_port, new_secret
@@ -420,8 +421,7 @@ def plot(path: str, results: Mapping[str, Mapping[str, Any]], cfg: Mapping[str, 
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS),
-                    help=f"systems to run, in this order (space or comma separated; default: {' '.join(SYSTEMS)})")
+    flags.add_systems(ap, SYSTEMS, f"{', '.join(SYSTEMS)}, run in the order given")
     ap.add_argument("--workers", type=int, default=2, help="worker processes (DDP: the world size; default 2)")
     ap.add_argument("--shards", type=int, default=1, help="rdmaflow parameter-server shards (default 1)")
     ap.add_argument("--epochs", type=int, default=40, help="passes over the training set (default 40)")
@@ -431,35 +431,31 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay (default 0)")
     ap.add_argument("--hidden", type=int, default=128, help="hidden units of the MLP (default 128)")
-    ap.add_argument("--seed", type=int, default=0, help="model initialization and shuffling (default 0)")
+    flags.add_seed(ap, "the model's initialization and the shuffling")
     ap.add_argument("--log-every", type=int, default=1,
                     help="worker 0 records every N-th step (and every epoch's last; default 1)")
-    ap.add_argument("--transport", nargs="+", choices=TRANSPORTS, default=["tcp"],
-                    help="UCX transport of the rdmaflow job: tcp (loopback TCP, as gloo) or sm (cma shared "
-                         "memory); several run rdmaflow once per transport, as rdmaflow-tcp, rdmaflow-sm "
-                         "(default tcp)")
+    flags.add_transport(ap, ("tcp",), note="rdmaflow's (gloo's is TCP); several run rdmaflow once per "
+                                          "transport, as rdmaflow-tcp, rdmaflow-sm")
     ap.add_argument("--target-acc", type=float, default=0.95,
                     help="summary: seconds until the test accuracy first reaches this (default 0.95)")
     ap.add_argument("--target-loss", type=float, default=0.15,
                     help="summary: seconds until the test loss first reaches this (default 0.15)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds of every system, the order rotating each round; the curves and the summary "
-                         "are each system's round with the median training time, with the min and max "
-                         "(default 1)")
+    flags.add_repeats(ap, 1, "rounds of every system, the order rotating each round; the curves and the "
+                             "summary are each system's round with the median training time, with the min "
+                             "and max (default 1)")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="bound on each system's job, start to end, seconds (default 600)")
-    ap.add_argument("--out", default=DEFAULT_OUT,
-                    help=f"directory for curves.csv, summary.csv, converge.png, logs/ (default {DEFAULT_OUT})")
+    flags.add_out(ap, DEFAULT_OUT, f"curves.csv, summary.csv, converge.png, logs/ (default {DEFAULT_OUT})")
     ap.add_argument("--plot", default=None, help="write the plot here instead of OUT/converge.png")
-    ap.add_argument("-v", "--verbose", action="store_true", help="say when each system is done")
+    flags.add_verbose(ap)
 
 
 def run(args: argparse.Namespace) -> int:
-    systems = [s.strip() for item in args.systems for s in item.split(",") if s.strip()]
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad or not systems or len(set(systems)) != len(systems):
-        print(f"error: --systems takes distinct names among {', '.join(SYSTEMS)}; got {' '.join(systems)}",
-              file=sys.stderr)
+    try:
+        systems = flags.choose(args.systems, SYSTEMS, "--systems")
+        transports = flags.transports(args.transport)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = {"workers": args.workers, "shards": args.shards, "epochs": args.epochs, "batch": args.batch,
            "lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay, "hidden": args.hidden,
@@ -481,7 +477,6 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     cfg["data"] = os.path.abspath(os.path.join(args.out, "data.pt"))
     torch.save(data, cfg["data"])
-    transports = list(dict.fromkeys(args.transport))
     runs = []  # (label, system, transport)
     for system in systems:
         if system == "rdmaflow":

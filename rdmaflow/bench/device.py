@@ -49,6 +49,7 @@ from typing import Any
 from typing_extensions import Self
 
 from rdmaflow._ucx import ucx_env, with_tcp
+from rdmaflow.bench import flags
 from rdmaflow.bench.harness import (
     format_size,
     median_ratio,
@@ -66,7 +67,8 @@ QUICK_SIZES = "1M,16M"
 DEFAULT_REPEATS = 5
 QUICK_REPEATS = 3
 TRANSPORTS = ("tcp", "sm")
-DEFAULT_CSV = os.path.join("bench-results", "device.csv")
+DEFAULT_OUT = "bench-results"
+CSV_NAME = "device.csv"
 #: Outstanding memcpys per stream: ucp_put_bw's default outstanding count (docs/benchmarks.md
 #: has the window sweep behind it).
 DEFAULT_WINDOW = 32
@@ -413,10 +415,10 @@ def format_table(results: Mapping[Key, dict[str, Any]], transport: str, sizes: S
         ratios = {s: _ratio(results, transport, "write", s) for s in checked}
         bad = [s for s, x in ratios.items() if x is None or x < ACCEPT_RATIO]
         worst = min((x for x in ratios.values() if x is not None), default=float("nan"))
-        result = "PASS" if not bad else "MISS at " + ",".join(format_size(s) for s in bad)
+        result = "met" if not bad else "missed at " + ",".join(format_size(s) for s in bad)
         paired = [_paired_ratio(results, transport, "write", s) for s in checked]
         pworst = min((x for x in paired if x is not None), default=float("nan"))
-        lines.append(f"WRITE >= {ACCEPT_RATIO:.0%} of perftest put for sizes >= "
+        lines.append(f"target: rdmaflow WRITE >= {ACCEPT_RATIO:.0%} of ucx_perftest put for sizes >= "
                      f"{format_size(ACCEPT_MIN_SIZE)}: {result} (lowest {worst * 100:.0f}%; "
                      f"lowest median of per-repeat ratios {pworst * 100:.0f}%)")
     return "\n".join(lines)
@@ -452,12 +454,9 @@ def csv_rows(results: Mapping[Key, dict[str, Any]], *, window: int, memory: str)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--transport", choices=(*TRANSPORTS, "both"), default="both",
-                    help="UCX transport (default: both, tcp then sm)")
-    ap.add_argument("--sizes", default=None,
-                    help=f"comma list of message sizes (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES})")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help=f"interleaved repeats per cell (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
+    flags.add_transport(ap)
+    flags.add_sizes(ap, None, f"message sizes (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES})")
+    flags.add_repeats(ap, None, f"interleaved rounds (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW,
                     help=f"rdmaflow memcpys kept in flight (default {DEFAULT_WINDOW})")
     ap.add_argument("--refill", type=int, default=None,
@@ -478,10 +477,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="rdmaflow devices busy-poll instead of sleeping on the wakeup fd")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="bound on any single measurement, seconds (default 120)")
-    ap.add_argument("--csv", default=DEFAULT_CSV, help=f"CSV output (default {DEFAULT_CSV})")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"short run: sizes {QUICK_SIZES}, {QUICK_REPEATS} repeats")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print every measurement")
+    flags.add_out(ap, DEFAULT_OUT, f"{CSV_NAME} (default {DEFAULT_OUT}/)")
+    ap.add_argument("--csv", default=None, help=argparse.SUPPRESS)  # older spelling: the CSV file itself
+    flags.add_quick(ap, f"sizes {QUICK_SIZES}, {QUICK_REPEATS} repeats")
+    flags.add_verbose(ap)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -504,7 +503,12 @@ def run(args: argparse.Namespace) -> int:
         QUICK_TARGET_BYTES if args.quick else DEFAULT_TARGET_BYTES)
     seconds = args.target_seconds if args.target_seconds is not None else (
         QUICK_TARGET_SECONDS if args.quick else DEFAULT_TARGET_SECONDS)
-    transports = list(TRANSPORTS) if args.transport == "both" else [args.transport]
+    try:
+        transports = flags.transports(args.transport)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    csv_path = args.csv or os.path.join(args.out, CSV_NAME)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else None
 
     import rdmaflow
@@ -529,9 +533,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_table(r, t, sizes, repeats=repeats, window=args.window, memory=args.memory,
                            refill=args.refill), flush=True)
-        write_csv(args.csv, CSV_COLUMNS, csv_rows(results, window=args.window, memory=args.memory))
+        write_csv(csv_path, CSV_COLUMNS, csv_rows(results, window=args.window, memory=args.memory))
     if results:
-        print(f"\nCSV: {args.csv}")
+        print(f"\nCSV: {csv_path}")
     return status
 
 

@@ -27,8 +27,8 @@ import sys
 import tempfile
 import time
 
+from rdmaflow.bench import flags, plots, processes
 from rdmaflow.bench import harness as h
-from rdmaflow.bench import plots, processes
 from rdmaflow.bench.aio import PREAD, PWRITE, Aio, aio_problem
 
 BARS = [("file-qd32", "file-qd1", 1.5), ("file-qd32", "python-api", 0.3)]
@@ -37,15 +37,15 @@ START_TIMEOUT = 180.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="4K,64K,1M,4M", help="request (block) sizes (default 4K,64K,1M,4M)")
+    flags.add_sizes(p, "4K,64K,1M,4M", "request (block) sizes (default 4K,64K,1M,4M)")
     p.add_argument("--model-bytes", default="16M", help="size of the model, float32 (default 16M)")
     p.add_argument("--steps", type=int, default=5, help="steps per measurement (default 5)")
-    p.add_argument("--repeats", type=int, default=3, help="measurements per cell (default 3)")
+    flags.add_repeats(p, 3, "each --steps steps (default 3)")
     p.add_argument("--depths", default="1,32", help="queue depths (default 1,32)")
-    p.add_argument("--transport", choices=("tcp", "sm"), default="tcp", help="UCX transport of the jobs (default tcp)")
+    flags.add_transport(p, ("tcp",), note="one per run")
     p.add_argument("--no-plain", action="store_true",
                    help="leave out the plain client (queue depth 1, no O_DSYNC: writes return once posted)")
-    p.add_argument("--out", default="bench-results/file", help="directory for CSV, JSON and plot")
+    flags.add_out(p, "bench-results/file", "file.csv, file.json and file.png (default bench-results/file)")
 
 
 def _declaration(path: str, nbytes: int) -> None:
@@ -155,8 +155,9 @@ def run(args) -> int:
         sizes = h.parse_sizes(args.sizes)
         depths = [int(d) for d in args.depths.split(",") if d.strip()]
         nbytes = h.parse_size(args.model_bytes) // 4 * 4
+        transport = flags.transports(args.transport, one=True)[0]
     except ValueError as e:
-        print(f"error: --sizes, --depths, --model-bytes: {e}", file=sys.stderr)
+        print(f"error: --sizes, --depths, --model-bytes, --transport: {e}", file=sys.stderr)
         return 2
     if not sizes or min(sizes) < 1 or not depths or min(depths) < 1 or nbytes < 4 or args.steps < 1 \
             or args.repeats < 1:
@@ -176,7 +177,7 @@ def run(args) -> int:
         _declaration(decl, nbytes)
         mnt = os.path.join(tmp, "mnt")
         os.mkdir(mnt)
-        procs = _start_job(["-m", "rdmaflow", "mount", mnt, "--model", decl], "mount", args.transport, args.out)
+        procs = _start_job(["-m", "rdmaflow", "mount", mnt, "--model", decl], "mount", transport, args.out)
         try:
             _wait_mounted(mnt, procs)
             measure_files(mnt, nbytes, sizes, depths, args.steps, args.repeats, m, profile, not args.no_plain)
@@ -188,7 +189,7 @@ def run(args) -> int:
             unmount(mnt)
         api_steps = (args.steps + 1) * args.repeats
         procs = _start_job(["-m", "rdmaflow.bench._file_api_worker", "--model", decl, "--steps", str(api_steps)],
-                           "api", args.transport, args.out)
+                           "api", transport, args.out)
         try:
             if procs[1].wait(START_TIMEOUT + 60 * api_steps) != 0:
                 raise processes.BenchError(f"the Python API worker failed:\n{procs[1].output()[-2000:]}")
@@ -204,13 +205,13 @@ def run(args) -> int:
     bars = h.check_bars(m, BARS, [BAR_POINT])
     h.write_csv(os.path.join(args.out, "file.csv"), h.MEASUREMENT_COLUMNS, m.rows())
     h.write_json(os.path.join(args.out, "file.json"), {"model_bytes": nbytes, "steps": args.steps,
-                                                       "transport": args.transport, "profile": profile,
+                                                       "transport": transport, "profile": profile,
                                                        "bars": bars})
     print(h.ratio_table(m, "file-qd32", point_label=h.format_size,
                         title=f"gradient + weights GB/s per step, {h.format_size(nbytes)} model, median [min-max]"))
     for b in bars:
-        print(f"{b['num']} / {b['den']} at {h.format_size(b['point'])}: {b['ratio'] and round(b['ratio'], 2)} "
-              f"(bar {b['bar']}): {b['verdict']}")
+        print(f"{b['num']} / {b['den']} at {h.format_size(b['point'])}: {b['ratio'] and round(b['ratio'], 2)}x  "
+              f"target: >= {b['bar']}x  {b['verdict']}")
     plots.line_plot(os.path.join(args.out, "file.png"), m, xlabel="request size", ylabel="GB/s", sizes=True,
                 title="Training step through the file view: synchronous (qd 1) and asynchronous (qd 32) I/O "
                       "next to the Python API (iRDMA Figure 5)")

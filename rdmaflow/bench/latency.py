@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rdmaflow.bench import flags
 from rdmaflow.bench.harness import (
     add_settle_argument,
     cell_recorders,
@@ -88,7 +89,7 @@ DEFAULT_OUT = "bench-results"
 CSV_NAME = "latency.csv"
 PNG_NAME = "latency.png"
 
-#: Issue 12's bars: (transport, size, peer, most rdmaflow's one-way time may be, in peer's).
+#: The latency targets: (transport, size, peer, most rdmaflow's one-way time may be, in peer's).
 BARS: tuple[tuple[str, int, str, float], ...] = (
     ("tcp", 1 << 10, "ucx_perftest", 4.0), ("tcp", 1 << 10, "gloo", 0.25),
     ("tcp", 64 << 10, "ucx_perftest", 2.0), ("tcp", 64 << 10, "gloo", 0.5),
@@ -305,22 +306,23 @@ def format_table(results: Mapping[Key, dict[str, Any]], transport: str, systems:
 
 
 def check_bars(results: Mapping[Key, dict[str, Any]], transports: Sequence[str]) -> list[dict[str, Any]]:
-    """Issue 12's bars that this run measured both sides of: rdmaflow's one-way time over the
-    peer's, PASS when at most the bar."""
+    """The targets this run measured both sides of: rdmaflow's one-way time over the peer's,
+    "met" when at most the target."""
     rows = []
     for t, size, peer, bar in BARS:
         if t in transports and (REFERENCE, t, size) in results and (peer, t, size) in results:
             x = ratio(results, t, size, REFERENCE, peer)
             rows.append({"transport": t, "size": size, "peer": peer, "bar": bar, "ratio": x,
-                         "verdict": "n/a" if x is None else ("PASS" if x <= bar else "MISS")})
+                         "verdict": "n/a" if x is None else ("met" if x <= bar else "missed")})
     return rows
 
 
 def format_bars(rows: Sequence[dict[str, Any]]) -> str:
     cells = [[r["transport"], format_size(r["size"]), f"rdmaflow / {r['peer']}",
-              "-" if r["ratio"] is None else f"{r['ratio']:.2f}", f"<= {r['bar']:g}", r["verdict"]] for r in rows]
-    head = ["transport", "size", "one-way time", "ratio", "bar", "verdict"]
-    return "\n".join(["issue 12 bars (median over median):", *text_table(head, cells)])
+              "-" if r["ratio"] is None else f"{r['ratio']:.2f}x", f"<= {r['bar']:g}x", r["verdict"]] for r in rows]
+    head = ["transport", "size", "one-way time", "ratio", "target", "met?"]
+    return "\n".join(["targets: rdmaflow's one-way time over the peer's (median over median):",
+                      *text_table(head, cells)])
 
 
 def csv_rows(results: Mapping[Key, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -376,21 +378,11 @@ def plot(path: str, results: Mapping[Key, dict[str, Any]], transports: Sequence[
 # Command line
 
 
-def _parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    items = [x.strip() for x in text.replace(" ", ",").split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        raise ValueError(f"unknown {what} {','.join(bad) or '(none)'}; choose from {','.join(allowed)}")
-    return items
-
-
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--transport", nargs="+", default=list(TRANSPORTS),
-                    help="tcp, sm or both (default: tcp sm)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list (default: all): {','.join(SYSTEMS)}")
-    ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes, comma list (default {DEFAULT_SIZES})")
-    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                    help=f"interleaved repeats per cell (default {DEFAULT_REPEATS})")
+    flags.add_transport(ap)
+    flags.add_systems(ap, SYSTEMS, SYSTEMS)
+    flags.add_sizes(ap, DEFAULT_SIZES, f"message sizes (default {DEFAULT_SIZES})")
+    flags.add_repeats(ap, DEFAULT_REPEATS, f"interleaved rounds (default {DEFAULT_REPEATS})")
     ap.add_argument("--iters", type=int, default=DEFAULT_ITERS,
                     help=f"timed round trips per measurement (default {DEFAULT_ITERS}; at least {MIN_ITERS})")
     ap.add_argument("--max-bytes", default="64M",
@@ -399,16 +391,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="rdmaflow devices busy-poll instead of sleeping on the wakeup fd")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound on one measurement, seconds (default 60)")
     add_settle_argument(ap)
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"directory for {CSV_NAME} and {PNG_NAME} (default {DEFAULT_OUT}/)")
+    flags.add_out(ap, DEFAULT_OUT, f"{CSV_NAME} and {PNG_NAME} (default {DEFAULT_OUT}/)")
     ap.add_argument("--profile", action="store_true",
                     help="instead: where the time of one rdmaflow transfer goes (rdmaflow.bench.latency_profile)")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print every measurement")
+    flags.add_verbose(ap)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        transports = _parse_list(",".join(args.transport), TRANSPORTS, "transport")
-        systems = _parse_list(args.systems, SYSTEMS, "system")
+        transports = flags.transports(args.transport)
+        systems = flags.choose(args.systems, SYSTEMS, "--systems")
         sizes = parse_sizes(args.sizes)
         if not sizes or any(s <= 0 for s in sizes):
             raise ValueError("--sizes needs positive sizes")
@@ -460,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize_run(results: Mapping[Key, dict[str, Any]], transports: Sequence[str], systems: Sequence[str],
                   sizes: Sequence[int], png_path: str, title: str) -> None:
-    """After the tables: issue 12's bars and the plot, over the transports that ran."""
+    """After the tables: the targets and the plot, over the transports that ran."""
     done = [t for t in transports if any(k[1] == t for k in results)]
     bars = check_bars(results, done)
     if bars:

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from rdmaflow._ucx import find_bin, ucx_env
+from rdmaflow.bench import flags
 from rdmaflow.bench.harness import format_size, parse_size, parse_sizes, summarize
 from rdmaflow.bench.processes import BenchError, ChildProcess, free_port
 
@@ -281,24 +282,29 @@ def _format_table(transport: str, op: str, series: Mapping[int, list[float]],
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure the UCX transport ceiling with ucx_perftest.")
-    ap.add_argument("--transport", choices=TRANSPORTS, default="tcp")
+    flags.add_transport(ap, ("tcp",), note="one per run")
     ap.add_argument("--op", choices=sorted(OPS), default="put")
-    ap.add_argument("--sizes", default="1M,16M,64M", help="comma list, e.g. 64K,1M,16M")
-    ap.add_argument("--repeats", type=int, default=5)
+    flags.add_sizes(ap, "1M,16M,64M", "message sizes (default 1M,16M,64M)")
+    flags.add_repeats(ap, 5, "runs of ucx_perftest (default 5)")
     ap.add_argument("--iters", type=int, default=None, help="default: auto (~1 GiB per run)")
     ap.add_argument("--timeout", type=float, default=60.0, help="per run, seconds")
     ap.add_argument("--memory", choices=sorted(MEMORY_ALLOC), default="thp",
                     help="how ucx_perftest allocates its buffers (default: thp)")
     args = ap.parse_args(argv)
-    sizes = parse_sizes(args.sizes)
     try:
-        series = perftest_series(args.transport, args.op, sizes, repeats=args.repeats,
+        transport = flags.transports(args.transport, one=True)[0]
+        sizes = parse_sizes(args.sizes)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        series = perftest_series(transport, args.op, sizes, repeats=args.repeats,
                                  iters=args.iters, timeout=args.timeout,
                                  memory=args.memory)
     except (RuntimeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(_format_table(args.transport, args.op, series, args.memory))
+    print(_format_table(transport, args.op, series, args.memory))
     return 0
 
 

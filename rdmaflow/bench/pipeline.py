@@ -1,5 +1,5 @@
 """``rdmaflow bench pipeline``: pipeline-parallel training steps per second, rdmaflow's graph
-layer next to ``torch.distributed.pipelining`` (issue 15).
+layer next to ``torch.distributed.pipelining``.
 
 The same model, split, microbatches (8) and schedule (GPipe), side by side in one run:
 
@@ -17,7 +17,7 @@ pipelining baseline over gloo's TCP. For each repeat, for each cell, every syste
 short job (``--warmup`` steps, then ``--steps`` timed ones) in an order that rotates by one
 each repeat; a job's value is its timed steps divided by their total seconds on stage 0 (a
 GPipe step ends on stage 0 when the last backward reached it). The table gives steps/s,
-median [min-max] over repeats, and the ratios of the medians; issue 15's bars are checked on
+median [min-max] over repeats, and the ratios of the medians; the targets are checked on
 the two-stage cells on one host. Output in ``--out``: ``pipeline.csv`` (a row per system and
 cell with every repeat's value), ``pipeline.json`` (the same, the failures, the bars, the
 command), ``pipeline.png`` (steps/s per cell).
@@ -39,8 +39,8 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from rdmaflow.bench import flags, plots
 from rdmaflow.bench import harness as h
-from rdmaflow.bench import plots
 from rdmaflow.bench.processes import (
     BackgroundMeter,
     BenchError,
@@ -60,8 +60,8 @@ RESULT_TAG = "RDMAFLOW_PIPELINE_RESULT"
 CSV_COLUMNS = ("model", "stages", "hosts", "transport", "system", "unit", "median", "min", "max", "iqr",
                "repeats", "values")
 
-#: issue 15's bars on the two-stage cells on one host: (model, transport or None for both,
-#: numerator, denominator, bar).
+#: The targets, on the two-stage cells on one host: (model, transport or None for both,
+#: numerator, denominator, least steps/s ratio).
 BARS = (
     ("comm", "sm", "rdmaflow", "pipelining-gloo", 1.3),
     ("comm", "tcp", "rdmaflow", "pipelining-gloo", 1.1),
@@ -82,42 +82,32 @@ class Cell(NamedTuple):
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default {','.join(MODELS)})")
+    flags.add_models(ap, MODELS, ", ".join(MODELS))
     ap.add_argument("--stages", default="2,4", help="numbers of stages, comma-separated (default 2,4)")
-    ap.add_argument("--transport", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS),
-                    help="rdmaflow's UCX transports (default sm tcp; --hosts netns: tcp only)")
-    ap.add_argument("--hosts", choices=("local", "netns"), default="local",
-                    help="local: every stage on this host (default); netns: stage i in network namespace i")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated (default {','.join(SYSTEMS)})")
+    flags.add_transport(ap, TRANSPORTS, note="rdmaflow's; --hosts netns: tcp only", allowed=TRANSPORTS)
+    flags.add_hosts(ap, "stage i in network namespace i")
+    flags.add_systems(ap, SYSTEMS, SYSTEMS)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per job (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before them (default 3)")
-    ap.add_argument("--repeats", type=int, default=3, help="jobs per system and cell (default 3)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads per stage (default: this machine's cores / stages, at least 1, "
-                         "--hosts netns included: the namespaces share the machine's cores)")
-    ap.add_argument("--seed", type=int, default=0, help="the models' weights, data and sequence lengths")
+    flags.add_repeats(ap, 3, "one job each (default 3)")
+    flags.add_threads(ap, None, "default: this machine's cores / stages, at least 1, --hosts netns "
+                                "included: the namespaces share the machine's cores")
+    flags.add_seed(ap, "the models' weights, data and sequence lengths")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one job may take (default 600)")
-    ap.add_argument("--out", default="bench-results/pipeline", help="directory of the CSV, JSON and plot")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: 1 repeat of 2 steps after 1, not a measurement")
-
-
-def _list(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in items if s not in allowed]
-    if bad or not items:
-        raise ValueError(f"{what} must be a comma-separated subset of {', '.join(allowed)}; got {text!r}")
-    return list(dict.fromkeys(items))
+    flags.add_out(ap, "bench-results/pipeline", "pipeline.csv, pipeline.json and pipeline.png "
+                                                "(default bench-results/pipeline)")
+    flags.add_quick(ap, "1 repeat of 2 steps after 1")
 
 
 def cells_of(args) -> list[Cell]:
-    models = _list(args.models, MODELS, "--models")
+    models = flags.choose(args.models, MODELS, "--models")
     try:
         stages = [int(s) for s in args.stages.split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--stages must be comma-separated integers; got {args.stages!r}") from None
     if not stages or any(s < 2 or s > 8 for s in stages):
         raise ValueError(f"--stages must be between 2 and 8; got {args.stages!r}")
-    transports = list(dict.fromkeys(args.transport))
+    transports = flags.transports(args.transport)
     if args.hosts == "netns":
         if transports != ["tcp"] and "tcp" not in transports:
             raise ValueError("--hosts netns runs rdmaflow over tcp between the namespaces; give --transport tcp")
@@ -188,11 +178,11 @@ def table(m: h.Measurements, cells: Sequence[Cell]) -> str:
 
 def format_bars(rows: list[dict]) -> str:
     if not rows:
-        return "issue 15's bars: none of their cells (2 stages on one host) was measured"
-    out = ["issue 15's bars (2 stages, one host):"]
+        return "targets: none of their cells (2 stages on one host) was measured"
+    out = ["targets, steps/s over steps/s (2 stages, one host):"]
     for r in rows:
         x = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        out.append(f"  {r['point']}: {r['num']}/{r['den']} = {x} (bar {r['bar']}) {r['verdict']}")
+        out.append(f"  {r['point']}: {r['num']}/{r['den']} {x}x  target: >= {r['bar']}x  {r['verdict']}")
     return "\n".join(out)
 
 
@@ -239,7 +229,7 @@ def save(out: str, m: h.Measurements, cells: Sequence[Cell], failures: list, bar
 def run(args) -> int:
     try:
         cells = cells_of(args)
-        systems = _list(args.systems, SYSTEMS, "--systems")
+        systems = flags.choose(args.systems, SYSTEMS, "--systems")
         if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
             raise ValueError("--steps and --repeats must be at least 1, --warmup at least 0")
     except ValueError as e:

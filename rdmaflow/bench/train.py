@@ -50,13 +50,13 @@ veths.
 
 Output in ``--out DIR`` (default ``bench-train-<timestamp>``): ``results.csv`` (a row per
 cell, rewritten after every cell), ``results.json`` (the same with every worker's iteration
-times and losses, the ratios and the acceptance verdicts), and with ``--plot`` (default):
+times and losses, the ratios and the acceptance verdicts), and unless ``--no-plot``:
 ``throughput.png`` always (bars: batches/s per worker per configuration and system),
 ``fig9_batch.png`` when 2+ batch sizes ran (Figure 9: batches/s per worker against the
 mini-batch size), ``fig11_workers.png`` when 2+ worker counts ran (Figure 11: the job's
 samples/s against workers, with local and its ideal linear scaling), ``fig12_zero_copy.png``
 when rdmaflow-copy ran (Figure 12: mini-batch time with and without the copy). Printed: the
-tables, rdmaflow's ratio over each system, PASS/MISS against the bars (batch 8, 2 workers,
+tables, rdmaflow's ratio over each system, the targets met or missed (batch 8, 2 workers,
 2 shards, fcn5 and alexnet: rdmaflow >= 2x grpc, >= 1.3x tensorpipe, >= 1.0x ddp) and how
 busy the machine was. Exit status: 0 every cell ok, 1 a cell failed, 2 bad arguments (or no
 network namespaces for ``--hosts netns``), 130 interrupted (what was measured is written).
@@ -78,6 +78,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from rdmaflow.bench import flags
 from rdmaflow.bench.harness import percentile, verdict, write_csv, write_json
 from rdmaflow.bench.processes import BackgroundMeter, format_background
 from rdmaflow.bench.train_cells import (
@@ -108,7 +109,7 @@ HOSTS = ("local", "netns")
 CSV_NAME = "results.csv"
 JSON_NAME = "results.json"
 
-#: The project's bars (rdmaflow's batches/s per worker over the system's), checked at
+#: The targets (rdmaflow's batches/s per worker over the system's), checked at
 #: ACCEPT_CONFIG for ACCEPT_MODELS when the run measured them.
 ACCEPT_CONFIG = {"batch": 8, "workers": 2, "shards": 2}
 ACCEPT_MODELS = ("fcn5", "alexnet")
@@ -321,11 +322,11 @@ def format_acceptance(rows: Sequence[Mapping[str, Any]]) -> str:
     if not rows:
         return ""
     c = ACCEPT_CONFIG
-    lines = [(f"acceptance (batch {c['batch']}, {c['workers']} workers, {c['shards']} shards; "
+    lines = [(f"targets (batch {c['batch']}, {c['workers']} workers, {c['shards']} shards; "
               f"median batches/s per worker over median):")]
     for r in rows:
-        lines.append(f"  {r['model']:<8} rdmaflow / {r['den']:<10} = {_fmt(r['ratio'], '.2f'):>6}"
-                     f"  (bar >= {r['bar']:g})  {r['verdict']}")
+        lines.append(f"  {r['model']:<8} rdmaflow / {r['den']:<10} {_fmt(r['ratio'], '.2f'):>6}x"
+                     f"  target: >= {r['bar']:g}x  {r['verdict']}")
     return "\n".join(lines)
 
 
@@ -385,8 +386,7 @@ def _describe_models(models: Sequence[str]) -> list[str]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", nargs="+", default=list(DEFAULT_MODELS), metavar="M",
-                    help=f"models (rdmaflow.bench.models; default: {' '.join(DEFAULT_MODELS)})")
+    flags.add_models(ap, DEFAULT_MODELS, "rdmaflow.bench.models' names")
     ap.add_argument("--batch", nargs="+", type=int, default=list(DEFAULT_BATCH), metavar="B",
                     help="mini-batch sizes per worker (default 8; several: Figure 9)")
     ap.add_argument("--workers", nargs="+", type=int, default=list(DEFAULT_WORKERS), metavar="W",
@@ -394,8 +394,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shards", nargs="+", type=int, default=None, metavar="S",
                     help=f"parameter-server shard counts (default {DEFAULT_SHARDS}; "
                          f"--hosts netns: = workers)")
-    ap.add_argument("--system", nargs="+", default=list(SYSTEMS), metavar="X",
-                    help=f"systems (default all: {' '.join(SYSTEMS)}; also rdmaflow-copy)")
+    flags.add_systems(ap, SYSTEMS, f"{', '.join(ALL_SYSTEMS)}")
     ap.add_argument("--no-zero-copy", action="store_true",
                     help="also run rdmaflow with zero_copy=False, as system rdmaflow-copy (Figure 12)")
     ap.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
@@ -404,37 +403,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"timed iterations per worker (default {DEFAULT_ITERS})")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                     help=f"bound on one cell, start-up included, seconds (default {DEFAULT_TIMEOUT:g})")
-    ap.add_argument("--hosts", choices=HOSTS, default="local",
-                    help="local: every process on this host (default); netns: worker i and "
-                         "shard i in network namespace i (needs root)")
-    ap.add_argument("--transport", choices=("tcp", "sm"), default="tcp",
-                    help="rdmaflow's UCX transport and TensorPipe's: tcp (default; gRPC and gloo "
-                         "use TCP too) or sm (shared memory; --hosts local only)")
+    flags.add_hosts(ap, "worker i and shard i in network namespace i")
+    flags.add_transport(ap, ("tcp",), note="rdmaflow's and TensorPipe's (gRPC and gloo use TCP); one per "
+                                          "run; sm: --hosts local only")
     ap.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"learning rate (default {DEFAULT_LR:g})")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the models and data (default 0)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads per process (default: the training process decides)")
-    ap.add_argument("--out", default=None,
-                    help=f"output directory (default bench-train-<timestamp>): {CSV_NAME}, "
-                         f"{JSON_NAME}, PNGs")
-    ap.add_argument("--plot", dest="plot", action="store_true", default=True,
-                    help="write PNG plots (default)")
-    ap.add_argument("--no-plot", dest="plot", action="store_false", help="no plots")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print more while running")
+    flags.add_seed(ap, "the models and data")
+    flags.add_threads(ap, None, "default: the training process decides")
+    flags.add_out(ap, None, f"{CSV_NAME}, {JSON_NAME}, PNGs (default bench-train-<timestamp>)")
+    ap.add_argument("--no-plot", dest="plot", action="store_false", default=True, help="write no PNG plots")
+    ap.add_argument("--plot", dest="plot", action="store_true", help=argparse.SUPPRESS)  # older: the default
+    flags.add_verbose(ap)
     ap.add_argument("--proc-module", default=PROC_MODULE, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     netns = args.hosts == "netns"
     try:
-        models = list(dict.fromkeys(args.model))
+        models = flags.split(args.models)
         batches = _positive_ints(args.batch, "batch")
         workers = _positive_ints(args.workers, "workers")
         shards = _positive_ints(args.shards, "shards") if args.shards is not None else None
-        systems = list(dict.fromkeys(args.system))
-        bad = [s for s in systems if s not in ALL_SYSTEMS]
-        if bad:
-            raise ValueError(f"unknown system {' '.join(bad)}; choose from {' '.join(ALL_SYSTEMS)}")
+        systems = flags.choose(args.systems, ALL_SYSTEMS, "--systems")
+        transport = flags.transports(args.transport, one=True)[0]
         if args.no_zero_copy and "rdmaflow-copy" not in systems:
             at = systems.index("rdmaflow") + 1 if "rdmaflow" in systems else 0
             systems.insert(at, "rdmaflow-copy")
@@ -444,10 +434,10 @@ def run(args: argparse.Namespace) -> int:
         if args.threads is not None and args.threads < 1:
             raise ValueError("--threads must be >= 1")
         if not models or any(not m for m in models):
-            raise ValueError("--model needs names")
+            raise ValueError("--models needs names")
         if netns and shards is not None and sorted(shards) != sorted(workers):
             raise ValueError("--hosts netns runs one shard per host (shards = workers): drop --shards")
-        if netns and args.transport != "tcp":
+        if netns and transport != "tcp":
             raise ValueError("--hosts netns needs --transport tcp (the hosts share no memory)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -474,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
 
     header = (f"rdmaflow {rdmaflow.__version__} bench train: UCX {rdmaflow.ucx_version()}, "
               f"{os.cpu_count()} CPUs, hosts {args.hosts}, rdmaflow (UCX) and TensorPipe over "
-              f"{args.transport}, "
+              f"{transport}, "
               f"models {' '.join(models)}, batch {' '.join(map(str, batches))}, workers "
               f"{' '.join(map(str, workers))}, shards "
               f"{'= workers' if netns else ' '.join(map(str, shards or [DEFAULT_SHARDS]))}, "
@@ -486,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(order)} cells, one at a time (timeout {args.timeout:g} s each); output in {out}/",
           flush=True)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
-    meta = {"header": header, "argv": sys.argv, "hosts": args.hosts, "transport": args.transport,
+    meta = {"header": header, "argv": sys.argv, "hosts": args.hosts, "transport": transport,
             "models": models, "batch": batches, "workers": workers,
             "shards": "workers" if netns else (shards or [DEFAULT_SHARDS]), "systems": systems,
             "warmup": args.warmup, "iters": args.iters, "lr": args.lr, "seed": args.seed,
@@ -522,12 +512,12 @@ def run(args: argparse.Namespace) -> int:
             cell = new_cell(key, hosts=args.hosts, warmup=args.warmup, iters=args.iters)
             cfg = train_cfg(key, warmup=args.warmup, iters=args.iters, lr=args.lr,
                             seed=args.seed, timeout=args.timeout, threads=args.threads,
-                            transport=args.transport)
+                            transport=transport)
             label = f"[{i}/{len(order)}] {system} {model} batch {batch} W{w} S{s}"
             meter = BackgroundMeter()
             t0 = time.monotonic()
             try:
-                res = run_cell(key, cfg=cfg, timeout=args.timeout, transport=args.transport,
+                res = run_cell(key, cfg=cfg, timeout=args.timeout, transport=transport,
                                hosts=hosts, threads=args.threads, proc_module=args.proc_module,
                                log=log)
                 cell["metrics"] = cell_metrics(res, batch)

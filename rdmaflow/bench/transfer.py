@@ -64,7 +64,7 @@ Method:
   every process is killed when the run ends, fails or is interrupted. A system that fails is
   reported as such in its cells and restarted for the next measurement.
 
-CUDA tensors (``--device cuda``, issue 16): the same stream, method and output, with CUDA
+CUDA tensors (``--device cuda``): the same stream, method and output, with CUDA
 tensors on one GPU between two processes, 1K to 1G by default, as one "transport" named
 ``cuda`` (rdmaflow's processes run with ``rdmaflow._ucx.ucx_env("cuda")``: CUDA copies and
 IPC, shared memory, tcp). Systems:
@@ -118,6 +118,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rdmaflow.bench import flags
 from rdmaflow.bench._transfer_worker import CONSUME_MODES
 from rdmaflow.bench.harness import (
     add_settle_argument,
@@ -267,14 +268,6 @@ def bench_transport(transport: str, systems: Sequence[str], sizes: Sequence[int]
 # Command line
 
 
-def _parse_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        raise ValueError(f"unknown {what} {','.join(bad) or '(none)'}; choose from {','.join(allowed)}")
-    return items
-
-
 def default_systems(device: str = "cpu") -> list[str]:
     """Every system of ``device``; on the host less NIXL where it is not installed
     (scripts/setup.sh installs it)."""
@@ -303,18 +296,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", choices=DEVICES, default="cpu",
                     help="cpu: host tensors over tcp and sm (default); cuda: CUDA tensors between two "
                          f"processes on one GPU ({','.join(CUDA_SYSTEMS)})")
-    ap.add_argument("--transport", default="both",
-                    help="tcp, sm, a comma list, or both (default: both, tcp then sm); --device cuda: "
-                         "cuda (its own)")
-    ap.add_argument("--systems", default=None,
-                    help=f"comma list (default: all of the device; nixl when it is installed): "
-                         f"{','.join(SYSTEMS)}; --device cuda: {','.join(CUDA_SYSTEMS)}")
-    ap.add_argument("--sizes", default=None,
-                    help=f"tensor sizes in bytes, comma list (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES}; "
-                         f"--device cuda: {CUDA_DEFAULT_SIZES})")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help=f"interleaved repeats per cell (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS}; "
-                         f"--device cuda: {CUDA_REPEATS})")
+    flags.add_transport(ap, note=f"--device cuda: {CUDA_TRANSPORT}, its own",
+                        allowed=(*TRANSPORTS, CUDA_TRANSPORT))
+    flags.add_systems(ap, None, f"{', '.join(SYSTEMS)} (all: nixl when it is installed); --device cuda: "
+                                f"{', '.join(CUDA_SYSTEMS)}")
+    flags.add_sizes(ap, None, f"tensor sizes (default {DEFAULT_SIZES}; --quick: {QUICK_SIZES}; "
+                              f"--device cuda: {CUDA_DEFAULT_SIZES})")
+    flags.add_repeats(ap, None, f"interleaved rounds (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS}; "
+                                f"--device cuda: {CUDA_REPEATS})")
     ap.add_argument("--target-bytes", default=None,
                     help="bytes per measurement: count = target / size, clamped to [min, max] "
                          "iterations (default 256M; --quick: 8M; --device cuda: 2G)")
@@ -329,8 +318,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=f"transfers in flight in every system (default {DEFAULT_WINDOW})")
     ap.add_argument("--max-inflight-bytes", default="1G",
                     help="the window shrinks so that window * size stays within this (default 1G)")
-    ap.add_argument("--torch-threads", type=int, default=1,
-                    help="torch intra-op threads in every process, for the reduce_max (default 1)")
+    flags.add_threads(ap, 1, "every system's, for the reduce_max; default 1")
+    ap.add_argument("--torch-threads", type=int, dest="threads", default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS)  # older spelling
     ap.add_argument("--consume", choices=CONSUME_MODES, default=None,
                     help="the receiver's consume step: max (reduce_max, the default on the host), sync "
                          "(torch.cuda.current_stream().synchronize(), the default on CUDA), none")
@@ -345,16 +335,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--timeout", type=float, default=None,
                     help=f"base bound on one measurement, seconds; grows with its bytes (default "
                          f"{DEFAULT_TIMEOUT:g}; --device cuda: {CUDA_TIMEOUT:g})")
-    ap.add_argument("--out", default=DEFAULT_OUT,
-                    help=f"directory for {CSV_NAME}, {PNG_NAME} and transfer.json (--device cuda: "
-                         f"transfer-cuda.*) (default {DEFAULT_OUT}/)")
+    flags.add_out(ap, DEFAULT_OUT, f"{CSV_NAME}, {PNG_NAME} and transfer.json (--device cuda: "
+                                   f"transfer-cuda.*) (default {DEFAULT_OUT}/)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="write the results, ratios and bars as JSON here (default OUT/transfer.json, "
                          "OUT/transfer-cuda.json on CUDA)")
     ap.add_argument("--plot", default=None, help=f"also write the plot here (e.g. docs/img/{PNG_NAME})")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"short run for tests: sizes {QUICK_SIZES}, {QUICK_REPEATS} repeats, 8M per measurement")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print every measurement")
+    flags.add_quick(ap, f"sizes {QUICK_SIZES}, {QUICK_REPEATS} repeats, 8M per measurement")
+    flags.add_verbose(ap)
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -363,15 +351,15 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     max_iters, max_inflight, timeout, consume, settle. ValueError names what is wrong."""
     cuda = args.device == "cuda"
     if cuda:
-        if args.transport not in ("both", CUDA_TRANSPORT):
+        given = flags.transports(args.transport, (*TRANSPORTS, CUDA_TRANSPORT))
+        if given not in (list(TRANSPORTS), [CUDA_TRANSPORT]):
             raise ValueError(f"--device cuda runs over its own transport ({CUDA_TRANSPORT}); "
-                             f"--transport {args.transport} is for host tensors")
+                             f"--transport {','.join(given)} is for host tensors")
         transports = [CUDA_TRANSPORT]
     else:
-        transports = list(TRANSPORTS) if args.transport == "both" else \
-            _parse_list(args.transport, TRANSPORTS, "transport")
+        transports = flags.transports(args.transport)
     allowed = CUDA_SYSTEMS if cuda else SYSTEMS
-    systems = _parse_list(args.systems, allowed, "system") if args.systems else default_systems(args.device)
+    systems = flags.choose(args.systems, allowed, "--systems") if args.systems else default_systems(args.device)
     sizes = parse_sizes(_given(args.sizes, QUICK_SIZES if args.quick else CUDA_DEFAULT_SIZES if cuda else DEFAULT_SIZES))
     if not sizes or any(s <= 0 or s % 4 for s in sizes):
         raise ValueError("--sizes needs positive multiples of 4 bytes (float32 tensors)")
@@ -429,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
            f"CUDA {machine.get('cuda')}" if device == "cuda" else "")
     header = (f"rdmaflow {rdmaflow.__version__} bench transfer --device {device}: UCX {rdmaflow.ucx_version()}, "
               f"{os.cpu_count()} CPUs{gpu}, sizes {','.join(format_size(s) for s in sizes)}, "
-              f"{repeats} repeats, window {args.window}, torch threads {args.torch_threads}, "
+              f"{repeats} repeats, window {args.window}, torch threads {args.threads}, "
               f"consume: {cfg['consume']}, settle {cfg['settle']:g} s")
     print(header, flush=True)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.verbose else (lambda s: None)
@@ -445,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
         bench_transport(t, systems, sizes, repeats=repeats, target_bytes=cfg["target_bytes"],
                         min_iters=cfg["min_iters"], max_iters=cfg["max_iters"], window=args.window,
                         max_inflight=cfg["max_inflight"], busy_poll=args.busy_poll,
-                        timeout=cfg["timeout"], torch_threads=args.torch_threads,
+                        timeout=cfg["timeout"], torch_threads=args.threads,
                         results=results, log=log, consume=cfg["consume"], device=device,
                         cell_budget=args.cell_budget if args.cell_budget > 0 else float("inf"),
                         settle=cfg["settle"])
