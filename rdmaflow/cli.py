@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         _add(sub, name, module, help_text)
     bench = sub.add_parser("bench", help="benchmarks (rdmaflow bench --help lists them)",
-                           description="rdmaflow benchmarks")
+                           description="rdmaflow benchmarks",
+                           epilog="Every benchmark takes the same flags for the same things: --transport "
+                                  "(one or several of tcp, sm), --systems, --models, --sizes, --repeats, "
+                                  "--out DIR, --seed, --threads, --hosts, --quick, -v (docs/benchmarks.md).")
     bsub = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     for name, (module, help_text) in BENCHMARKS.items():
         _add(bsub, name, module, help_text)

@@ -124,7 +124,7 @@ def test_parse_sizes_and_ratios():
     assert h.median_ratio([], [1]) is None and h.median_ratio([1], [0]) is None
     assert h.paired_ratio([4, 9, 6], [2, 3, 1]) == 3.0  # per-repeat 2, 3, 6
     assert h.spread([3.0, 1.0, 2.0]) == "2 [1-3]"
-    assert [h.verdict(x, 1.5) for x in (1.5, 1.49, None)] == ["PASS", "MISS", "n/a"]
+    assert [h.verdict(x, 1.5) for x in (1.5, 1.49, None)] == ["met", "missed", "n/a"]
 
 
 def test_cell_recorders_append_to_the_transports_cells():
@@ -155,8 +155,8 @@ def test_measurements_table_csv_and_plot(tmp_path):
     assert lines[3].split() == ["1M", "5", "[4-6]", "1.5", "[1-2]", "3.33"]
     assert lines[4].split() == ["16M", "8", "[8-8]", "-", "-"]
     bars = h.check_bars(m, [("rdmaflow", "grpc", 3.0), ("rdmaflow", "grpc", 4.0)], m.points)
-    assert [(b["point"], b["verdict"]) for b in bars] == [(1 << 20, "PASS"), (16 << 20, "n/a"),
-                                                          (1 << 20, "MISS"), (16 << 20, "n/a")]
+    assert [(b["point"], b["verdict"]) for b in bars] == [(1 << 20, "met"), (16 << 20, "n/a"),
+                                                          (1 << 20, "missed"), (16 << 20, "n/a")]
     path = str(tmp_path / "sub" / "m.csv")
     h.write_csv(path, h.MEASUREMENT_COLUMNS, m.rows())
     with open(path, newline="") as f:

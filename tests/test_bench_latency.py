@@ -71,7 +71,9 @@ def test_ratios_and_bars():
                ("ucx_perftest", "tcp", 1024): dict(cell, median_us=[5.0])}
     assert latency.ratio(results, "tcp", 1024, "rdmaflow", "gloo") == pytest.approx(0.4)
     bars = {(b["peer"], b["verdict"]) for b in latency.check_bars(results, ["tcp"])}
-    assert bars == {("gloo", "MISS"), ("ucx_perftest", "MISS")}  # 0.4 > 0.25; 8 > 4
+    assert bars == {("gloo", "missed"), ("ucx_perftest", "missed")}  # 0.4 > 0.25; 8 > 4
+    text = latency.format_bars(latency.check_bars(results, ["tcp"]))  # in the user's terms
+    assert "target" in text and "<= 0.25x" in text and "missed" in text and "issue" not in text
     assert latency.check_bars(results, ["sm"]) == []
 
 

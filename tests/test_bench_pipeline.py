@@ -1,4 +1,4 @@
-"""`rdmaflow bench pipeline` (issue 15 point 2): its models and runs. No timing is asserted.
+"""`rdmaflow bench pipeline`: its models and runs. No timing is asserted.
 
 - Padding the variable-length model to its bound and masking the loss gives the gradients of
   the unpadded batch (what makes the padded baseline train the same model).

@@ -157,8 +157,8 @@ def cell_status(cell: Mapping[str, Any] | None, values: str) -> str:
 
 
 def verdict(ratio: float | None, bar: float) -> str:
-    """"PASS" when ``ratio >= bar``, "MISS" below it, "n/a" without a ratio."""
-    return "n/a" if ratio is None else ("PASS" if ratio >= bar else "MISS")
+    """A target's verdict: "met" when ``ratio >= bar``, "missed" below it, "n/a" without a ratio."""
+    return "n/a" if ratio is None else ("met" if ratio >= bar else "missed")
 
 
 class Measurements:

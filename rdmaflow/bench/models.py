@@ -86,7 +86,7 @@ __all__ = [
 
 MiB = 1 << 20
 
-# Seed 000, Table 2: model size in MB (= MiB, see the module docstring) and variable tensor count.
+# Xue et al. (EuroSys '19), Table 2: model size in MB (= MiB, see the module docstring) and variable tensor count.
 TABLE2_MB: dict[str, float] = {
     "alexnet": 176.42, "inception3": 92.90, "vgg16": 512.32,
     "lstm": 35.93, "gru": 27.92, "fcn5": 204.47,

@@ -1,4 +1,4 @@
-"""The models of ``rdmaflow bench pipeline`` (issue 15), fixed so that results compare across runs,
+"""The models of ``rdmaflow bench pipeline``, fixed so that results compare across runs,
 with their batches, split points and loss.
 
 - ``comm`` (communication-bound): every stage one residual block of LayerNorm, GELU and

@@ -18,8 +18,8 @@ Key = tuple[str, str, int]  # (system, transport, size)
 CUDA_TRANSPORT = "cuda"  # the one "transport" of --device cuda runs
 MIN_REPEATS = 3  # repeats a cell makes before its --cell-budget may stop it
 
-#: The project's acceptance bars: (transports, numerator, denominator, bar), at ACCEPT_SIZES on
-#: the host and at every size from CUDA_ACCEPT_FROM up on CUDA (issue 16).
+#: The targets: (transports, numerator, denominator, least ratio), at ACCEPT_SIZES on the host
+#: and at every size from CUDA_ACCEPT_FROM up on CUDA.
 ACCEPT_SIZES = (16 << 20, 64 << 20)
 CUDA_ACCEPT_FROM = 256 << 20
 ACCEPTANCE: tuple[tuple[tuple[str, ...], str, str, float], ...] = (
@@ -188,11 +188,11 @@ def acceptance(results: Mapping[Key, dict[str, Any]], transports: Sequence[str])
 def format_acceptance(rows: Sequence[dict[str, Any]]) -> str:
     if not rows:
         return ""
-    lines = ["acceptance ratios (median GB/s over median GB/s):"]
+    lines = ["targets (median GB/s over median GB/s):"]
     for r in rows:
         x = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         lines.append(f"  {r['transport']:>4} {format_size(r['size']):>4}  {r['num']} / {r['den']:<17}"
-                     f" = {x:>6}  (bar >= {r['bar']:g})  {r['verdict']}")
+                     f" {x:>6}x  target: >= {r['bar']:g}x  {r['verdict']}")
     return "\n".join(lines)
 
 

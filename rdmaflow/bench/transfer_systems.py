@@ -36,7 +36,7 @@ LOCAL_SYSTEMS = ("memcpy", "d2d-copy")
 START_TIMEOUT = 90.0
 
 #: UCX_TLS of the "cuda" transport, used only while ``rdmaflow._ucx.TRANSPORT_ENV`` has no
-#: "cuda" entry (issue 16 adds it there, the one definition): "sm" plus CUDA copies and IPC.
+#: "cuda" entry (that is the one definition where it has one): "sm" plus CUDA copies and IPC.
 CUDA_FALLBACK_TLS = "cuda_copy,cuda_ipc,cma,posix,self,tcp"
 
 
