@@ -11,7 +11,11 @@ A few lines turn a single-process training loop into a parameter-server job::
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()                        # push gradients, shards run SGD, weights come back
+    torch.save(model.state_dict(), "model.pt")  # waits for the last step's weights (opt.synchronize() too)
     opt.close()
+
+A ``torch.optim.lr_scheduler`` takes ``opt`` itself (``StepLR(opt, 30)``): its ``lr`` reaches the
+shards with the next push.
 
 Start it with ``rdmaflow launch --nproc-per-node 1 train.py`` (one worker and one shard per
 host), or any launcher that sets torchrun's variables. A model on a CUDA device trains the same
