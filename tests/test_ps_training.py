@@ -102,6 +102,9 @@ def test_lr_schedulers_take_the_distributed_optimizer(tmp_path):
         assert len(set(want)) == len(want)  # a new lr at every step
         for w in range(2):
             assert j.worker_result(w)["lrs"] == pytest.approx(want, rel=1e-12)
+        # Its optimizer state is on the shards: opt.state_dict() says so instead of returning none.
+        refused = j.worker_result(0)["state_refused"]
+        assert refused.startswith("InvalidArgumentError") and "lives on the shards" in refused, refused
     plain = reference(dict(cfg, wrapper_schedule=False), 2)
     scheduled = reference(cfg, 2)
     assert any(not torch.allclose(plain[k], scheduled[k], rtol=1e-3, atol=1e-4) for k in plain)

@@ -248,6 +248,12 @@ def main() -> None:
                                                          "checkpoint_every", "log_every") if k in cfg})
     trace("optimizer ready")
     schedulers = make_schedulers(opt) if cfg.get("wrapper_schedule") else []
+    state_refused = None
+    if schedulers:  # the optimizer state is the shards': the wrapper's state_dict() says where it is
+        try:
+            opt.state_dict()
+        except Exception as e:  # noqa: BLE001 - the test checks what was raised
+            state_refused = f"{type(e).__name__}: {e}"
     lrs = []
     slow = cfg.get("slow") or {}
     delay = float(cfg.get("step_delay", 0.0)) + (float(slow["delay"]) if slow.get("worker") == w else 0.0)
@@ -314,7 +320,8 @@ def main() -> None:
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.save({"params": params, "losses": losses, "observed_gap": observed_gap, "steps": opt.step_count,
                 "start": start, "bubbles": list(getattr(opt.worker, "bubbles", [])),
-                "push_writes": opt.worker.push_writes, "lrs": lrs},
+                "push_writes": opt.worker.push_writes, "lrs": lrs,
+                "state_refused": state_refused},
                os.path.join(out, f"worker{w}.pt"))
     if cfg.get("stats_from_store") and w == 0:
         # The shards publish their statistics in the store when the job ends (Shard.run).
