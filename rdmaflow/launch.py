@@ -104,12 +104,15 @@ def check_module(name: str) -> None:
     """Refuses at once a module ``python -m`` could not run in the job's processes."""
     import importlib.util
 
+    sys.path.insert(0, os.getcwd())  # where `python -m` looks first
     try:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations is not None:
             spec = importlib.util.find_spec(f"{name}.__main__")  # a package runs its __main__
     except (ImportError, ValueError) as e:
         raise SystemExit(f"rdmaflow launch: -m {name}: {e}") from None
+    finally:
+        sys.path.remove(os.getcwd())
     if spec is None:
         raise SystemExit(f"rdmaflow launch: -m {name}: no such module (or a package without __main__) here")
 

@@ -280,7 +280,7 @@ def test_launch_refuses_an_impossible_job_at_once(tmp_path):
             launch.command(launch.build_parser().parse_args(argv))
 
 
-def test_launch_runs_a_module_as_python_m_does():
+def test_launch_runs_a_module_as_python_m_does(tmp_path, monkeypatch):
     """``-m MODULE``: torchrun's --module (or ``python -m`` under --min-workers) with the rest of
     the line as the module's arguments (the file view needed the path of its __main__.py); a
     module that cannot be found is refused before anything starts."""
@@ -296,6 +296,9 @@ def test_launch_runs_a_module_as_python_m_does():
     for name in ("rdmaflow.no_such_module", "no_such_package.sub"):
         with pytest.raises(SystemExit, match=re.escape(f"-m {name}")):
             launch.command(launch.build_parser().parse_args(["-m", name]))
+    (tmp_path / "my_train_here.py").write_text("")  # python -m finds a module in the current directory
+    monkeypatch.chdir(tmp_path)
+    assert launch.command(launch.build_parser().parse_args(["-m", "my_train_here"]))[0][-1] == "my_train_here"
 
 
 @pytest.mark.parametrize("extra", [[], ["--min-workers", "1"]])
