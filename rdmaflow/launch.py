@@ -47,6 +47,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands that would run the job (the variables it sets, then torchrun or, with "
                         "--min-workers, each process) and exit")
+    p.add_argument("-m", "--module", default=None, metavar="MODULE",
+                   help="run a module instead of a script, as `python -m` does; what follows are its arguments "
+                        "(e.g. -m rdmaflow.fileview /mnt/model-{worker} --model model.json)")
     # Optional to argparse so that a missing script gets its own message (argparse named "script, args").
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the training script")
@@ -61,9 +64,11 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
     if not 1 <= ns.master_port <= 65535 or not ns.master_addr.strip():
         raise SystemExit(f"rdmaflow launch: --master-addr {ns.master_addr!r} --master-port {ns.master_port}: "
                          "an address and a port in [1, 65535]")
-    if ns.script is None:
+    if getattr(ns, "module", None):
+        check_module(ns.module)
+    elif ns.script is None:
         raise SystemExit("rdmaflow launch: no training script given: rdmaflow launch [options] train.py [its arguments]")
-    if not os.path.isfile(ns.script):
+    elif not os.path.isfile(ns.script):
         what = "is a directory, not a script" if os.path.isdir(ns.script) else "does not exist"
         raise SystemExit(f"rdmaflow launch: the script {ns.script} {what}")
     env = dict(os.environ)
@@ -83,8 +88,33 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
     argv = [sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(ns.nnodes), "--nproc-per-node", str(ns.nproc_per_node + ns.shards_per_node),
             "--node-rank", str(ns.node_rank), "--master-addr", ns.master_addr, "--master-port", str(ns.master_port),
-            ns.script, *ns.args]
+            *(["--module"] if getattr(ns, "module", None) else []), *target(ns)]
     return argv, env
+
+
+def target(ns: argparse.Namespace) -> list[str]:
+    """What each process runs after the interpreter: the script and its arguments, or with
+    ``-m`` the module and its arguments (argparse took the first of them for the script)."""
+    if getattr(ns, "module", None):
+        return [ns.module, *([] if ns.script is None else [ns.script]), *ns.args]
+    return [ns.script, *ns.args]
+
+
+def check_module(name: str) -> None:
+    """Refuses at once a module ``python -m`` could not run in the job's processes."""
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())  # where `python -m` looks first
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            spec = importlib.util.find_spec(f"{name}.__main__")  # a package runs its __main__
+    except (ImportError, ValueError) as e:
+        raise SystemExit(f"rdmaflow launch: -m {name}: {e}") from None
+    finally:
+        sys.path.remove(os.getcwd())
+    if spec is None:
+        raise SystemExit(f"rdmaflow launch: -m {name}: no such module (or a package without __main__) here")
 
 
 def supervised_env(ns: argparse.Namespace, lr: int) -> dict:
@@ -96,7 +126,7 @@ def supervised_env(ns: argparse.Namespace, lr: int) -> dict:
 
 
 def supervised_argv(ns: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-u", ns.script, *ns.args]
+    return [sys.executable, "-u", *(["-m"] if getattr(ns, "module", None) else []), *target(ns)]
 
 
 def dry_run(ns: argparse.Namespace, argv: list[str], env: dict) -> str:

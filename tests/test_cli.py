@@ -280,6 +280,27 @@ def test_launch_refuses_an_impossible_job_at_once(tmp_path):
             launch.command(launch.build_parser().parse_args(argv))
 
 
+def test_launch_runs_a_module_as_python_m_does(tmp_path, monkeypatch):
+    """``-m MODULE``: torchrun's --module (or ``python -m`` under --min-workers) with the rest of
+    the line as the module's arguments (the file view needed the path of its __main__.py); a
+    module that cannot be found is refused before anything starts."""
+    from rdmaflow import launch
+
+    line = ["-m", "rdmaflow.fileview", "/mnt/m-{worker}", "--model", "m.json"]
+    ns = launch.build_parser().parse_args(["--nproc-per-node", "2", *line])
+    argv, _ = launch.command(ns)
+    assert argv[-5:] == ["--module", "rdmaflow.fileview", "/mnt/m-{worker}", "--model", "m.json"], argv
+    assert launch.supervised_argv(ns)[1:] == ["-u", "-m", "rdmaflow.fileview", "/mnt/m-{worker}", "--model", "m.json"]
+    argv, _ = launch.command(launch.build_parser().parse_args(["-m", "rdmaflow.fileview"]))
+    assert argv[-2:] == ["--module", "rdmaflow.fileview"]
+    for name in ("rdmaflow.no_such_module", "no_such_package.sub"):
+        with pytest.raises(SystemExit, match=re.escape(f"-m {name}")):
+            launch.command(launch.build_parser().parse_args(["-m", name]))
+    (tmp_path / "my_train_here.py").write_text("")  # python -m finds a module in the current directory
+    monkeypatch.chdir(tmp_path)
+    assert launch.command(launch.build_parser().parse_args(["-m", "my_train_here"]))[0][-1] == "my_train_here"
+
+
 @pytest.mark.parametrize("extra", [[], ["--min-workers", "1"]])
 def test_a_dry_run_prints_commands_that_run_the_same_job(tmp_path, extra):
     """What --dry-run prints, run by a shell, starts the processes the launcher starts, with the

@@ -521,3 +521,85 @@ def test_ctrl_c_during_bench_file_stops_it_cleanly(tmp_path):
             break
         assert time.monotonic() < gone_by, "processes of the bench outlived it"
         time.sleep(0.1)
+
+
+BLOCKED_READ = """import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+print("reading", flush=True)
+os.pread(fd, 4, 0)
+print("read", flush=True)
+"""
+
+
+def test_a_read_blocked_for_weights_ends_when_its_client_is_signalled(tmp_path):
+    """Two mounts in sync mode; mount 0's worker pushes a step, and two clients read its weights,
+    which wait for worker 1's push (it has not come). The kernel holds a client inside a FUSE
+    request until the mount answers, fatal signals included (the issue's client outlived
+    `timeout 60` by four minutes): SIGINT (Python's Ctrl-C) and SIGKILL each end their client
+    within seconds, as the mount answers the interrupted read with EINTR. The mount goes on
+    serving: once worker 1 pushes, a read returns the new weights, and both mounts unmount
+    cleanly."""
+    decl = declaration(tmp_path / "model.json")
+    with MountJob(tmp_path, {}) as j:
+        j.start_mounts(2, 1, decl)
+        m0, m1 = j.mounts
+        grad0 = os.open(f"{m0}/grad", os.O_WRONLY)
+        os.pwrite(grad0, np.ones(1, np.float32).tobytes(), 0)
+        os.fsync(grad0)  # step 1 pushed by worker 0 only: its weights wait for worker 1
+        clients = {sig: subprocess.Popen([sys.executable, "-c", BLOCKED_READ, f"{m0}/weights"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for sig in (signal.SIGINT, signal.SIGKILL)}
+        try:
+            for c in clients.values():
+                assert c.stdout.readline().strip() == "reading", c.communicate()
+            time.sleep(1.0)  # into the mount's wait (no assertion depends on how long that takes)
+            for sig, c in clients.items():
+                assert c.poll() is None, f"the read returned without the weights: {c.communicate()}"
+                t0 = time.monotonic()
+                c.send_signal(sig)
+                c.wait(20)
+                took = time.monotonic() - t0
+                assert took < 5, f"{sig.name} ended the blocked read only after {took:.1f} s"
+                assert c.returncode == -sig, (sig.name, c.returncode, c.communicate())
+        finally:
+            for c in clients.values():
+                c.kill()
+        grad1 = os.open(f"{m1}/grad", os.O_WRONLY)
+        os.pwrite(grad1, np.ones(1, np.float32).tobytes(), 0)
+        os.fsync(grad1)  # worker 1's push: step 1's weights come
+        weights = os.open(f"{m0}/weights", os.O_RDONLY)
+        w = np.frombuffer(os.pread(weights, 4, 0), np.float32)
+        assert w[0] == pytest.approx(-LR * 1.0), w  # the mean gradient 1.0, SGD's first step
+        for fd in (grad0, grad1, weights):
+            os.close(fd)
+        for w_ in range(2):
+            assert j.stop_mount(w_) == 0, j.logs()
+        assert "every operation now fails" not in j.logs()
+        assert j.wait(DETECT_TIMEOUT)["shard0"] == 0, j.logs()
+
+
+def test_the_quick_start_completes_as_written(tmp_path):
+    """docs/file-view.md's quick start, its shell block run as it stands (only `rdmaflow` and
+    `python` spelled as this interpreter, and a free --master-port): the launcher starts the
+    mount with `-m rdmaflow.fileview`, the example client trains through the files, the
+    unmount ends the job, and every process exits 0 without a mount left behind."""
+    with open(os.path.join(os.path.dirname(HERE), "docs", "file-view.md")) as f:
+        section = f.read().split("## Quick start", 1)[1]
+    script = section.split("```bash\n", 1)[1].split("```\n", 1)[0]
+    script = (script.replace("rdmaflow launch ", f"{sys.executable} -m rdmaflow launch --master-port {free_port()} ")
+              .replace("python examples/", f"{sys.executable} examples/"))
+    env = dict(base_env(), TMPDIR=str(tmp_path))
+    p = subprocess.Popen(["bash", "-euc", script], cwd=os.path.dirname(HERE), env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=START_TIMEOUT)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        for m in tmp_path.glob("*/model-0"):
+            if is_mounted(str(m)):
+                unmount(str(m))
+    assert p.returncode == 0, out
+    losses = [float(line.rsplit("loss ", 1)[1]) for line in out.splitlines() if ": step " in line and "loss" in line]
+    assert "step 99: loss" in out and losses[-1] < losses[0] / 10, out
+    assert "unmounted after 100 steps" in out, out

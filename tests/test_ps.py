@@ -248,6 +248,7 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
     model = job.make_model(seed, cfg.get("model"))
     opt = job.make_optimizer(job.optimized_parameters(model, cfg), cfg["optim"], cfg["lr"])
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if cfg.get("schedule") else None
+    schedulers = job.make_schedulers(opt) if cfg.get("wrapper_schedule") else []
     for t in range(cfg["steps"]):
         batches = [job.make_batch(seed, w, t, cfg["batch"]) for w in range(workers)]
         x = torch.cat([b[0] for b in batches])
@@ -270,6 +271,8 @@ def reference(cfg: dict, workers: int) -> dict[str, torch.Tensor]:
         opt.step()
         if scheduler is not None:
             job.reschedule(opt, scheduler, t)
+        for sch in schedulers:
+            sch.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

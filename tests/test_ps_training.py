@@ -18,10 +18,23 @@ import json
 import os
 import re
 
+import pytest
 import torch
-from test_ps import DETECT_TIMEOUT, JOBS, TRAIN, Job, assert_matches_reference, async_cfg, eval_loss, job, sync_cfg
+from test_ps import (
+    DETECT_TIMEOUT,
+    JOBS,
+    TRAIN,
+    Job,
+    assert_matches_reference,
+    async_cfg,
+    eval_loss,
+    job,
+    reference,
+    sync_cfg,
+)
 
 from rdmaflow.ps import checkpoint
+from rdmaflow.ps.worker import log_line
 
 # Chunks of 256 bytes: the tiny test model's weights arrive in many chunks (MAX_CHUNKS).
 CHUNKS = {"RDMAFLOW_PS_CHUNK_BYTES": "256"}
@@ -47,6 +60,54 @@ def test_overlap_equals_plain_sync(tmp_path):
         for w in range(2):
             for k, v in results["plain"][w].items():
                 assert torch.equal(results[name][w][k], v), f"{name}: worker {w}'s {k} differs from the plain path"
+
+
+@pytest.mark.parametrize("read,zero_copy", [("state_dict", True), ("state_dict", False), ("synchronize", False)])
+def test_weights_saved_right_after_the_last_step_are_the_trained_ones(tmp_path, read, zero_copy):
+    """With overlap, step() returns before the step's weights land. A worker saves right after
+    the last step(), before close(): ``torch.save(model.state_dict())`` (a state-dict pre-hook
+    waits), or the parameters read directly after ``opt.synchronize()``; what it saved equals
+    the parameters after close(). Without zero copy the parameters are a copy that only a wait
+    refreshes, so a save that did not wait would hold the previous step's weights every time."""
+    cfg = dict(sync_cfg("block", "sgd", steps=4), overlap=True, zero_copy=zero_copy, after_last_step=read)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 1, extra=CHUNKS)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 1)
+        for w in range(2):
+            saved = torch.load(j.dir / f"state{w}.pt")
+            final = _params(j, w)
+            assert list(saved) == list(final)
+            for k, v in final.items():
+                assert torch.equal(saved[k], v), f"worker {w}'s saved {k} is not the trained one ({read})"
+
+
+def test_lr_schedulers_take_the_distributed_optimizer(tmp_path):
+    """``StepLR(opt)`` and ``CosineAnnealingLR(opt)`` on the DistributedOptimizer itself, as
+    users write them: the lr they set reaches the wrapped optimizer, step by step as on a torch
+    optimizer, and the shards train with it (the parameters are those of single-process
+    training under the same schedule, which differ from those without it)."""
+    cfg = dict(sync_cfg("block", "sgd", steps=5), wrapper_schedule=True)
+    with Job(tmp_path, cfg) as j:
+        j.start_local(2, 1)
+        j.check_ok(j.wait())
+        assert_matches_reference(j, 2, 1)
+        plain_opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg["lr"])
+        schedulers, want = job.make_schedulers(plain_opt), []
+        for _ in range(cfg["steps"]):
+            plain_opt.step()
+            for sch in schedulers:
+                sch.step()
+            want.append(plain_opt.param_groups[0]["lr"])
+        assert len(set(want)) == len(want)  # a new lr at every step
+        for w in range(2):
+            assert j.worker_result(w)["lrs"] == pytest.approx(want, rel=1e-12)
+        # Its optimizer state is on the shards: opt.state_dict() says so instead of returning none.
+        refused = j.worker_result(0)["state_refused"]
+        assert refused.startswith("InvalidArgumentError") and "lives on the shards" in refused, refused
+    plain = reference(dict(cfg, wrapper_schedule=False), 2)
+    scheduled = reference(cfg, 2)
+    assert any(not torch.allclose(plain[k], scheduled[k], rtol=1e-3, atol=1e-4) for k in plain)
 
 
 def test_async_overlap_adapts_the_pull(tmp_path):
@@ -179,7 +240,7 @@ def test_an_unwritable_checkpoint_dir_fails_the_job_at_its_start(tmp_path):
         assert all(rc != 0 for rc in rcs.values()), rcs
         said = f"checkpoint_dir {blocker / 'ckpt'} cannot be written here (NotADirectoryError"
         assert said in j.proc("shard0").output(), j.logs()
-        assert '"event": "ps_step"' not in j.proc("worker0").output(), j.logs()
+        assert "rdmaflow ps: worker 0 step" not in j.proc("worker0").output(), j.logs()
     assert checkpoint.unwritable(str(tmp_path / "fine")) is None
     assert os.listdir(tmp_path / "fine") == []
 
@@ -207,11 +268,14 @@ def test_step_log_reports_each_interval_not_the_total(tmp_path):
     n, steps = 2, 10
     cfg = dict(sync_cfg("block", "sgd", steps=steps), log_every=n, step_delay=0.02)
     with Job(tmp_path, cfg) as j:
-        j.start_local(1, 1)
+        j.start_local(1, 1, extra={"RDMAFLOW_PS_LOG": "json"})
         j.check_ok(j.wait())
         lines = [json.loads(line) for line in j.proc("worker0").output().splitlines()
                  if line.startswith('{"event": "ps_step"')]
+        losses = j.worker_result(0)["losses"]
     assert [r["step"] for r in lines] == list(range(n, steps + 1, n)), lines
+    for r in lines:  # step(loss=...): the mean over the line's interval
+        assert r["loss"] == pytest.approx(sum(losses[r["step"] - n : r["step"]]) / n, rel=1e-6), (r, losses)
     logged = 0.0
     for r in lines:
         assert r["compute_ms"] >= 1e3 * cfg["step_delay"], r  # each step slept that long before it
@@ -219,6 +283,15 @@ def test_step_log_reports_each_interval_not_the_total(tmp_path):
         elapsed = r["step"] / r["steps_per_s"]
         assert logged <= elapsed * (1 + 1e-9), (
             f"the log through step {r['step']} accounts for {logged:.4f} s of {elapsed:.4f} s elapsed: {lines}")
+
+
+def test_step_log_line_is_for_people():
+    """Without RDMAFLOW_PS_LOG=json a log_every line is text: the loss first, then rates and times."""
+    rec = {"event": "ps_step", "worker": 1, "step": 50, "loss": 0.012345, "push_ms": 0.91, "pull_ms": 3.1,
+           "compute_ms": 0.7, "steps_per_s": 180.24, "bytes_per_s": 9.3e6}
+    assert log_line(rec) == ("rdmaflow ps: worker 1 step 50: loss 0.01235 | 180.2 steps/s, 9.3 MB/s | "
+                             "per step: compute 0.70 ms, push 0.91 ms, pull 3.10 ms")
+    assert log_line(dict(rec, loss=None)).startswith("rdmaflow ps: worker 1 step 50: 180.2 steps/s")
 
 
 # Workers on the CUDA path and shards on the GPU path, their "GPU arenas" registered host memory.

@@ -10,7 +10,8 @@ import os
 from rdmaflow.fileview.fuse import fuse_problem, is_mounted, unmount
 from rdmaflow.fileview.model import Declaration, load_declaration, parse_declaration
 
-# The script that `rdmaflow launch` (or torchrun) starts as every process of a file-view job.
+# The file every process of a file-view job runs, for launchers that take a script path
+# (torchrun); `rdmaflow launch -m rdmaflow.fileview` runs the same module.
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
 
 __all__ = ["SCRIPT", "Declaration", "fuse_problem", "is_mounted", "load_declaration", "parse_declaration", "unmount"]

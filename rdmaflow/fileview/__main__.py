@@ -1,5 +1,6 @@
-"""``python -m rdmaflow.fileview MOUNTPOINT --model DECL.json``, the same as ``rdmaflow mount``;
-as a file, the script ``rdmaflow launch`` starts: ``rdmaflow launch ... $SCRIPT MOUNTPOINT ...``."""
+"""``python -m rdmaflow.fileview MOUNTPOINT --model DECL.json``, the same as ``rdmaflow mount``,
+and what every process of a file-view job runs: ``rdmaflow launch ... -m rdmaflow.fileview
+MOUNTPOINT --model DECL.json`` (or torchrun with this file, ``rdmaflow.fileview.SCRIPT``)."""
 import argparse
 import sys
 

@@ -10,7 +10,20 @@ from __future__ import annotations
 
 import ctypes
 
+import mfusepy
 from mfusepy import FUSE
+
+
+def interrupted() -> bool:
+    """Whether the kernel has interrupted the FUSE request this thread serves (its client got a
+    signal: Ctrl-C, kill, timeout). libfuse records the kernel's INTERRUPT for the request;
+    mfusepy does not wrap ``fuse_interrupted``, so it is called from the library it loaded."""
+    return bool(_fuse_interrupted())
+
+
+_fuse_interrupted = mfusepy._libfuse.fuse_interrupted
+_fuse_interrupted.restype = ctypes.c_int
+_fuse_interrupted.argtypes = []
 
 
 def _address(buf) -> int:

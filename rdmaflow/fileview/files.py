@@ -10,8 +10,9 @@ each POSIX call does on it. Reads and writes take libfuse's buffer by address
 
 Errors are POSIX: a path that does not exist ``ENOENT``, a write past a file's end ``EINVAL``,
 a write to a read-only file ``EBADF``, a push with elements only partly written ``EINVAL``,
-a new file ``EACCES``, removing, renaming, linking or chmod-ing one ``EPERM``, and once the
-job failed (a shard died) ``EIO`` on every operation."""
+a new file ``EACCES``, removing, renaming, linking or chmod-ing one ``EPERM``, a request its
+client gave up while it waited (a signal) ``EINTR``, and once the job failed (a shard died)
+``EIO`` on every operation."""
 from __future__ import annotations
 
 import ctypes
@@ -22,11 +23,13 @@ import stat
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from mfusepy import FuseOSError, Operations, fuse_get_context
 
 from rdmaflow import RdmaflowError
+from rdmaflow.fileview.binding import interrupted
 from rdmaflow.fileview.flat import FlatModel
 from rdmaflow.fileview.gate import StepGate
 
@@ -136,12 +139,13 @@ class ModelFiles(Operations):
             chunk = self.metadata[offset : offset + size]
             ctypes.memmove(dest, chunk, len(chunk))
             return len(chunk)
-        with self.gate.shared(self.step_timeout, "a read"):
+        with self._interruptible(), self.gate.shared(self.step_timeout, "a read", interrupted):
             self._check()
             if offset >= node.size:
                 return 0
             try:
-                return self.flat.read_into(node.kind, node.offset + offset, min(size, node.size - offset), dest)
+                return self.flat.read_into(node.kind, node.offset + offset, min(size, node.size - offset), dest,
+                                           interrupted)
             except RdmaflowError as e:
                 self.fail(f"a read at byte {node.offset + offset} failed: {e}")
                 raise FuseOSError(errno.EIO) from None
@@ -152,10 +156,11 @@ class ModelFiles(Operations):
             raise FuseOSError(errno.EBADF)
         if offset < 0 or offset + size > node.size:
             raise FuseOSError(errno.EINVAL)
-        with self.gate.shared(self.step_timeout, "a write"):
+        with self._interruptible(), self.gate.shared(self.step_timeout, "a write", interrupted):
             self._check()
             try:
-                self.flat.write(node.offset + offset, (ctypes.c_char * size).from_address(src), fh in self._dsync)
+                self.flat.write(node.offset + offset, (ctypes.c_char * size).from_address(src), fh in self._dsync,
+                                interrupted)
             except RdmaflowError as e:
                 self.fail(f"a write at byte {node.offset + offset} failed: {e}")
                 raise FuseOSError(errno.EIO) from None
@@ -185,8 +190,19 @@ class ModelFiles(Operations):
             if opener is None or caller is None or opener == caller:
                 self._step(path)
 
+    @staticmethod
+    @contextmanager
+    def _interruptible():
+        """A request whose client gave up (a signal: Ctrl-C, kill) while it waited for weights
+        or a step answers EINTR at once, with nothing done: the kernel holds the client until
+        the mount answers, fatal signals included."""
+        try:
+            yield
+        except InterruptedError:
+            raise FuseOSError(errno.EINTR) from None
+
     def _step(self, path: str) -> None:
-        with self.gate.exclusive(self.step_timeout, "a push"):
+        with self._interruptible(), self.gate.exclusive(self.step_timeout, "a push", interrupted):
             self._check()
             partial = self.flat.incomplete()
             if partial:
@@ -194,7 +210,7 @@ class ModelFiles(Operations):
                       "are only partly written", file=sys.stderr, flush=True)
                 raise FuseOSError(errno.EINVAL)
             try:
-                self.flat.step()
+                self.flat.step(interrupted)
             except RdmaflowError as e:
                 self.fail(f"step {self.steps + 1} failed: {e}")
                 raise FuseOSError(errno.EIO) from None

@@ -78,12 +78,13 @@ class FlatModel:
         """The elements that bytes [offset, offset + size) touch."""
         return offset // self.itemsize, -(-(offset + size) // self.itemsize)
 
-    def write(self, offset: int, data, through: bool) -> None:
+    def write(self, offset: int, data, through: bool, give_up=None) -> None:
         """Adds ``data`` (a buffer of raw elements of the model's dtype) into this step's gradient
         at byte ``offset`` and WRITEs the touched elements to the shards; with ``through``
-        returns once they are in the shards' memory, else once posted (the step completes them)."""
+        returns once they are in the shards' memory, else once posted (the step completes them).
+        ``give_up()`` ends the wait before anything is added (InterruptedError)."""
         lo, hi = self._elements(offset, len(data))
-        self.opt.wait_range(lo, hi)  # the shards are done with the last step's gradient there
+        self.opt.wait_range(lo, hi, give_up=give_up)  # the shards are done with the last step's gradient there
         self.add(offset, data)
         futs = self.opt.push_range(lo, hi)
         if through:
@@ -132,14 +133,15 @@ class FlatModel:
             return sorted(e * self.itemsize for e in self._partials)
 
     # -- reads -------------------------------------------------------------------------------
-    def read_into(self, which: str, offset: int, size: int, dest: int) -> int:
+    def read_into(self, which: str, offset: int, size: int, dest: int, give_up=None) -> int:
         """Copies ``size`` bytes of the weights (once they have landed) or of this step's
-        gradient at ``offset`` (clipped to the end) to address ``dest``; returns the count."""
+        gradient at ``offset`` (clipped to the end) to address ``dest``; returns the count.
+        ``give_up()`` ends the wait for the weights (InterruptedError)."""
         size = max(0, min(size, self.nbytes - offset))
         if not size:
             return 0
         if which == "weights":
-            self.opt.wait_range(*self._elements(offset, size))
+            self.opt.wait_range(*self._elements(offset, size), give_up=give_up)
         t = self.weights if which == "weights" else self.grads
         ctypes.memmove(dest, t.data_ptr() + offset, size)  # a foreign call: the GIL is released
         return size
@@ -153,11 +155,14 @@ class FlatModel:
         return True
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, give_up=None) -> None:
         """Pushes what the writes did not, and the push flag; returns once that has landed
         (reads and the next step's writes wait for the new weights, chunk by chunk). The next
         step's gradient starts at zero. The gradient file is every variable's gradient, zeros
-        where nothing was written: each is stepped, also in a push with no write."""
+        where nothing was written: each is stepped, also in a push with no write. It first
+        waits for the previous step's weights, which ``give_up()`` ends (InterruptedError,
+        nothing pushed)."""
+        self.opt.wait_range(0, self.numel, give_up=give_up)
         self.opt.mark_gradients()
         self.opt.step(wait=False)
         self.opt.zero_grad()

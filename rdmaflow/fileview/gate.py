@@ -3,17 +3,36 @@
 Gradient writes and weight reads enter shared; a push (``fsync``) enters exclusive, so it
 sees every write that returned before it and no read sees weights while a step rewrites them.
 A waiting step holds back new operations, so a stream of writes cannot starve it. Every wait is
-bounded."""
+bounded, and a caller's ``give_up()`` (an interrupted FUSE request) ends it early."""
 from __future__ import annotations
 
 import errno
 import threading
+import time
 from contextlib import contextmanager
 
 
 class GateTimeout(OSError):
     def __init__(self, what: str, timeout: float):
         super().__init__(errno.ETIMEDOUT, f"{what} waited more than {timeout:.0f} s for a step to finish")
+
+
+LOOK = 0.05  # seconds between looks at whether a waiting operation's caller gave up
+
+
+def _wait_for(cv: threading.Condition, ready, timeout: float, give_up, what: str) -> bool:
+    """``cv.wait_for(ready, timeout)``, and InterruptedError once ``give_up()`` says so."""
+    if give_up is None:
+        return cv.wait_for(ready, timeout)
+    deadline = time.monotonic() + timeout
+    while not ready():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if give_up():
+            raise InterruptedError(errno.EINTR, f"{what} was interrupted while it waited for a step to finish")
+        cv.wait(min(left, LOOK))
+    return True
 
 
 class StepGate:
@@ -29,9 +48,9 @@ class StepGate:
             return self._active > 0 or self._stepping
 
     @contextmanager
-    def shared(self, timeout: float, what: str = "an operation"):
+    def shared(self, timeout: float, what: str = "an operation", give_up=None):
         with self._cv:
-            if not self._cv.wait_for(lambda: not self._stepping, timeout):
+            if not _wait_for(self._cv, lambda: not self._stepping, timeout, give_up, what):
                 raise GateTimeout(what, timeout)
             self._active += 1
         try:
@@ -42,13 +61,13 @@ class StepGate:
                 self._cv.notify_all()
 
     @contextmanager
-    def exclusive(self, timeout: float, what: str = "a step"):
+    def exclusive(self, timeout: float, what: str = "a step", give_up=None):
         with self._cv:
-            if not self._cv.wait_for(lambda: not self._stepping, timeout):
+            if not _wait_for(self._cv, lambda: not self._stepping, timeout, give_up, what):
                 raise GateTimeout(what, timeout)
             self._stepping = True
             try:
-                if not self._cv.wait_for(lambda: self._active == 0, timeout):
+                if not _wait_for(self._cv, lambda: self._active == 0, timeout, give_up, what):
                     raise GateTimeout(what, timeout)
             except BaseException:
                 self._stepping = False

@@ -11,7 +11,11 @@ A few lines turn a single-process training loop into a parameter-server job::
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()                        # push gradients, shards run SGD, weights come back
+    torch.save(model.state_dict(), "model.pt")  # waits for the last step's weights (opt.synchronize() too)
     opt.close()
+
+A ``torch.optim.lr_scheduler`` takes ``opt`` itself (``StepLR(opt, 30)``): its ``lr`` reaches the
+shards with the next push.
 
 Start it with ``rdmaflow launch --nproc-per-node 1 train.py`` (one worker and one shard per
 host), or any launcher that sets torchrun's variables. A model on a CUDA device trains the same
@@ -107,8 +111,19 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     return ctx
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a model and its optimizer, in the style of DistributedDataParallel.
+
+    It is a ``torch.optim.Optimizer`` to the code around it: ``param_groups`` are the wrapped
+    optimizer's own, so a ``torch.optim.lr_scheduler`` takes either object (``StepLR(opt, ...)``)
+    and the ``lr`` it sets goes to the shards with the next push. The optimizer's state
+    (momentum, Adam's moments) lives on the shards: ``checkpoint_dir`` saves it, and
+    ``state_dict()`` of this object raises instead of returning an empty state.
+
+    Weights a user reads after ``step()`` are the step's: ``model.state_dict()`` (so
+    ``torch.save(model.state_dict(), ...)``) waits for weights still on the wire (a state-dict
+    pre-hook on each module this optimizer trains), and ``synchronize()`` does it for code that
+    reads the parameters directly.
 
     ``mode``: ``"sync"`` (every step aggregates all workers' gradients), ``"async"`` (a shard
     applies each gradient on arrival), ``"bounded"`` (async, but no worker runs more than
@@ -167,15 +182,53 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.model = model
 
-    def step(self, *, wait: bool = True) -> None:
-        """Pushes this step's gradients. Without overlap it blocks until the new weights are in
-        the parameters, or with ``wait=False`` only until the push has landed on the shards
-        (``wait_weights``/``wait_range`` then wait for the weights). With overlap it blocks
-        until the push has left the gradient buffers (``p.grad``, which may then be zeroed in
-        place); the next forward waits for the weights. Gradients changed after backward
-        (clipping) are what it sends. Not thread-safe against ``push_range``/``wait_range`` of
-        the same step."""
-        self.worker.step(wait)
+    # torch.optim.Optimizer's attributes, for LR schedulers and other code that reads them: the
+    # wrapped optimizer's. Optimizer.__init__ is not run: this object holds no parameters itself.
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        raise InvalidArgumentError(
+            "a DistributedOptimizer's optimizer state (momentum, Adam's moments) lives on the shards, not here: "
+            "DistributedOptimizer(checkpoint_dir=D, checkpoint_every=N) saves it with the weights, and "
+            "`rdmaflow launch --resume` restores both; model.state_dict() holds the weights")
+
+    def load_state_dict(self, state_dict) -> None:
+        raise InvalidArgumentError(
+            "a DistributedOptimizer's optimizer state lives on the shards: resume it from a checkpoint "
+            "(checkpoint_dir=D, then `rdmaflow launch --resume`), not with load_state_dict()")
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise InvalidArgumentError("the parameter server supports optimizers with one parameter group")
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    def step(self, closure=None, *, wait: bool = True, loss=None):
+        """Pushes this step's gradients (``closure``, as torch's optimizers take one: called
+        first, with gradients enabled; its loss is returned). Without overlap it blocks until
+        the new weights are in the parameters, or with ``wait=False`` only until the push has
+        landed on the shards (``synchronize``/``wait_range`` then wait for the weights). With
+        overlap it blocks until the push has left the gradient buffers (``p.grad``, which may
+        then be zeroed in place); the next forward, ``model.state_dict()`` and ``synchronize()``
+        wait for the weights. Gradients changed after backward (clipping) are what it sends.
+        ``loss`` (the step's loss, or the closure's) is what the
+        ``log_every`` lines report. Not thread-safe against ``push_range``/``wait_range`` of the
+        same step."""
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.worker.step(wait, loss)
+        return loss
 
     def push_range(self, start: int, stop: int) -> list:
         """Writes flat gradient elements [start, stop) (the parameters' gradients concatenated
@@ -191,11 +244,13 @@ class DistributedOptimizer:
         For callers that fill the gradient buffer themselves. Does not block. Thread-safe."""
         self.worker.mark_gradients()
 
-    def wait_range(self, start: int, stop: int, timeout: float | None = None) -> None:
+    def wait_range(self, start: int, stop: int, timeout: float | None = None, *, give_up=None) -> None:
         """Blocks until the newest weights of flat elements [start, stop) have landed: they can
         be read, and the next step's gradient of those elements can be written and pushed.
-        Bounded by ``timeout`` (default the step timeout): ``rdmaflow.TimeoutError``. Thread-safe."""
-        self.worker.wait_range(start, stop, timeout)
+        Bounded by ``timeout`` (default the step timeout): ``rdmaflow.TimeoutError``. ``give_up``,
+        a callable looked at every few milliseconds, ends the wait with ``InterruptedError``
+        once it returns true (the file view: a client's request interrupted). Thread-safe."""
+        self.worker.wait_range(start, stop, timeout, give_up)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes the gradient buffers in place (they are the send buffers). ``set_to_none``
@@ -208,10 +263,15 @@ class DistributedOptimizer:
         """Steps taken by the job so far (a resumed job starts at its checkpoint's step)."""
         return self.worker.step_count
 
+    def synchronize(self) -> None:
+        """Blocks until the parameters hold the weights of the last ``step()``. With overlap
+        (or ``step(wait=False)``) ``step()`` returns before they land; the next forward and
+        ``model.state_dict()`` wait by themselves, but code that reads the parameters another
+        way (``p.data``, ``model.parameters()``, pickling the whole model) calls this first."""
+        self.worker.wait_weights()
+
     def wait_weights(self) -> None:
-        """Blocks until the parameters hold the newest weights. With overlap ``step()``
-        returns before they land; the next forward waits by itself, but code that reads the
-        parameters another way (evaluation without a forward, saving) calls this first."""
+        """The same as ``synchronize()``."""
         self.worker.wait_weights()
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ threads that deliver it (the progress threads, the receiving CPU) on a small mac
 """
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Callable
 
@@ -28,9 +29,10 @@ class SharedWait:
         self._polling = False  # a thread polls now
         self._targets: list[int] = []  # of the threads in wait()
 
-    def wait(self, target: int, what: str, deadline: Deadline) -> None:
+    def wait(self, target: int, what: str, deadline: Deadline, give_up: Callable[[], bool] | None = None) -> None:
         """Returns once the word is >= ``target``; TimeoutError naming ``what`` once ``deadline``
-        passed; a poll's own error reaches the thread that polled."""
+        passed; InterruptedError once ``give_up()`` (looked at between slices) says so; a poll's
+        own error reaches the thread that polled."""
         if self._value() >= target:
             return
         with self._cv:
@@ -39,6 +41,8 @@ class SharedWait:
                 while self._value() < target:
                     if deadline.passed():
                         raise TimeoutError(f"{self.writer} did not deliver {what} within {deadline.timeout:g} s")
+                    if give_up is not None and give_up():
+                        raise InterruptedError(errno.EINTR, f"the wait for {what} from {self.writer} was interrupted")
                     if self._polling:
                         self._cv.wait(deadline.slice(SLEEP))
                         continue

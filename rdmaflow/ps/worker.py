@@ -113,6 +113,14 @@ def trained_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     return [(n, p) for n, p in named if p.requires_grad and id(p) in held]
 
 
+def log_line(rec: dict) -> str:
+    """A ``log_every`` record as one line for people (``RDMAFLOW_PS_LOG=json`` prints the record)."""
+    loss = "" if rec["loss"] is None else f"loss {rec['loss']:.4g} | "
+    return (f"rdmaflow ps: worker {rec['worker']} step {rec['step']}: {loss}{rec['steps_per_s']:.1f} steps/s, "
+            f"{rec['bytes_per_s'] / 1e6:.1f} MB/s | per step: compute {rec['compute_ms']:.2f} ms, "
+            f"push {rec['push_ms']:.2f} ms, pull {rec['pull_ms']:.2f} ms")
+
+
 class Worker:
     """Wraps a model and its torch optimizer: ``step()`` pushes gradients and pulls weights."""
 
@@ -161,6 +169,7 @@ class Worker:
         self.profile = {"compute": 0.0, "forward_wait": 0.0, "zero_grad": 0.0, "step_push": 0.0, "step_wait": 0.0,
                         "push_out": 0.0}
         self._logged = dict(self.profile)  # the profile at the last log line (log_every)
+        self._losses: list[torch.Tensor] = []  # the losses step() got since the last log line
         cfg = {"mode": mode, "staleness": staleness, "policy": policy, "block_bytes": block_bytes,
                "overlap": self.overlap, "min_workers": nw if min_workers is None else int(min_workers),
                "checkpoint_dir": os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
@@ -377,6 +386,11 @@ class Worker:
             # Without overlap a hook only notes that backward reached the parameter (_has_grad).
             hook = (lambda p, i=i: self._grad_ready(i)) if self.overlap else (lambda p, i=i: self._seen.add(i))
             self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        # model.state_dict() (a checkpoint saved right after step()) waits for weights still on
+        # the wire: each module holding trained parameters, as state_dict() recurses into it.
+        for module in self.model.modules():
+            if any(id(p) in index for p in module.parameters(recurse=False)):
+                self._hooks.append(module.register_state_dict_pre_hook(lambda m, prefix, keep_vars: self.wait_weights()))
         if not self.overlap or self.mode != "sync":
             return
         # Each module that owns parameters waits, before it runs, for the chunks holding them.
@@ -462,11 +476,13 @@ class Worker:
         """Indices into ``self.units`` (sorted by offset) of the units holding elements [lo, hi)."""
         return units_holding(self._unit_starts, lo, hi)
 
-    def wait_range(self, lo: int, hi: int, timeout: float | None = None) -> None:
+    def wait_range(self, lo: int, hi: int, timeout: float | None = None, give_up=None) -> None:
         """Blocks until the chunks of the newest weights that hold flat elements [lo, hi) have
         landed (within ``timeout`` seconds, default the step timeout). Then those weights can be
         read whole, and the shards have read every gradient element of the last step there, so
-        the next step's gradient may be written and pushed into them. Thread-safe."""
+        the next step's gradient may be written and pushed into them. ``give_up()``, looked at
+        every few milliseconds while it waits, ends the wait with InterruptedError once true (a
+        file-view client's interrupted request). Thread-safe."""
         self._check_open("wait_range")
         lo, hi = self._element_range(lo, hi, "wait_range")
         deadline = Deadline(self.ctx.step_timeout if timeout is None else timeout)
@@ -478,12 +494,12 @@ class Worker:
             s = self.units[i].shard
             need[s] = max(need.get(s, 0), self.chunk_of[i])
         for s, k in sorted(need.items()):
-            self._wait_reply(s, progress(v, k), f"the weights of version {v}", deadline)
+            self._wait_reply(s, progress(v, k), f"the weights of version {v}", deadline, give_up)
 
-    def _wait_reply(self, s: int, target: int, what: str, deadline: Deadline) -> None:
+    def _wait_reply(self, s: int, target: int, what: str, deadline: Deadline, give_up=None) -> None:
         """Waits until shard s's reply word reaches ``target``: of the threads waiting on one
         shard, one polls the word and the others sleep (shared_wait.py)."""
-        self._reply_waits[s].wait(target, what, deadline)
+        self._reply_waits[s].wait(target, what, deadline, give_up)
         self._check_reply(self.reply[s])
 
     # -- pushing ------------------------------------------------------------------------------
@@ -731,12 +747,15 @@ class Worker:
         if self._closed:
             raise InvalidArgumentError(f"{op}: this parameter-server worker is closed")
 
-    def step(self, wait: bool = True) -> None:
+    def step(self, wait: bool = True, loss=None) -> None:
         """Pushes this step's gradients to the shards. Without overlap it waits for the new
         weights, or with ``wait=False`` only until the push has landed (``wait_weights`` and
         ``wait_range`` wait for the weights); with overlap until the push has left the gradient
-        buffers, and the next forward (sync) or the buffer switch (async) waits for the weights."""
+        buffers, and the next forward (sync) or the buffer switch (async) waits for the weights.
+        ``loss`` (a number or tensor) goes into the ``log_every`` lines, as their interval's mean."""
         self._check_open("step")
+        if loss is not None and self.log_every:
+            self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
         t0 = time.monotonic()
         compute = t0 - self._compute_start
         self._pull.computed(compute)
@@ -808,11 +827,15 @@ class Worker:
         if self.log_every and t % self.log_every == 0:
             n, last = self.log_every, self._logged
             ms = {k: 1e3 * (self.profile[k] - last[k]) / n for k in ("step_push", "step_wait", "compute")}
-            rec = {"event": "ps_step", "worker": self.id, "step": t,
+            loss = None
+            if self._losses:  # one host sync per line, not per step (a CUDA loss)
+                loss = torch.stack([v.to("cpu", torch.float64).reshape(()) for v in self._losses]).mean().item()
+            self._losses = []
+            rec = {"event": "ps_step", "worker": self.id, "step": t, "loss": loss,
                    "push_ms": ms["step_push"], "pull_ms": ms["step_wait"], "compute_ms": ms["compute"],
                    "steps_per_s": done / elapsed, "bytes_per_s": done * self.bytes_per_step / elapsed}
             # One write per line, so that lines of several workers sharing a pipe never interleave.
-            sys.stdout.write(json.dumps(rec) + "\n")
+            sys.stdout.write((json.dumps(rec) if os.environ.get("RDMAFLOW_PS_LOG") == "json" else log_line(rec)) + "\n")
             sys.stdout.flush()
             self._logged = dict(self.profile)
 

@@ -7,6 +7,11 @@ direct start); it reads its configuration, a JSON object, from ``$PS_TEST_CONFIG
     optim ("sgd" | "adam"), lr              -> the torch optimizer (see make_optimizer)
     head_only                               -> it holds only the last layer's parameters
     schedule                                -> hyperparameters change during training (see reschedule)
+    wrapper_schedule                        -> LR schedulers made on the DistributedOptimizer itself
+              (make_schedulers), stepped after each step()
+    after_last_step "state_dict" | "synchronize": right after the last step(), before close(), a
+              worker saves ``state{w}.pt``: its model.state_dict(), or after opt.synchronize() its
+              parameters read directly (what a checkpoint saved at the end of training holds)
     steps, batch, seed                      -> worker w's batch of step t is make_batch(seed, w, t, batch)
     out                                     -> directory for the results (below)
     model     "many": every process builds the many-small-tensors model (make_model);
@@ -161,6 +166,12 @@ def reschedule(opt: torch.optim.Optimizer, scheduler, t: int) -> None:
         opt.param_groups[0]["weight_decay"] = 0.05
 
 
+def make_schedulers(opt) -> list:
+    """A ``wrapper_schedule`` job's LR schedulers, as users write them: StepLR halves lr every two
+    steps, and CosineAnnealingLR on top anneals it over ten steps."""
+    return [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)]
+
+
 def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     dtype = next(model.parameters()).dtype  # a float64 variant gets float64 data
     return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
@@ -169,6 +180,16 @@ def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 def discarded_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     """A backward whose gradients the loop then zeroes: every parameter, the unused layer too."""
     (3 * loss_fn(model, x, y) + model.unused(x).square().mean()).backward()
+
+
+def save_after_last_step(cfg: dict, model: torch.nn.Module, opt, path: str) -> None:
+    """What a user saves at the end of training, right after the last step() (overlap: the
+    step's weights may still be on the wire)."""
+    if cfg["after_last_step"] == "state_dict":
+        torch.save(model.state_dict(), path)
+    else:
+        opt.synchronize()
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, path)
 
 
 def trace(msg: str) -> None:
@@ -226,6 +247,14 @@ def main() -> None:
                                   **{k: cfg[k] for k in ("overlap", "zero_copy", "min_workers", "checkpoint_dir",
                                                          "checkpoint_every", "log_every") if k in cfg})
     trace("optimizer ready")
+    schedulers = make_schedulers(opt) if cfg.get("wrapper_schedule") else []
+    state_refused = None
+    if schedulers:  # the optimizer state is the shards': the wrapper's state_dict() says where it is
+        try:
+            opt.state_dict()
+        except Exception as e:  # noqa: BLE001 - the test checks what was raised
+            state_refused = f"{type(e).__name__}: {e}"
+    lrs = []
     slow = cfg.get("slow") or {}
     delay = float(cfg.get("step_delay", 0.0)) + (float(slow["delay"]) if slow.get("worker") == w else 0.0)
     track = bool(cfg.get("track_gap"))
@@ -261,11 +290,16 @@ def main() -> None:
             # Announced before the push: once a shard has applied this worker's step t+1,
             # the store already says so.
             ctx.store.set(f"test/pushed/{w}", str(t + 1))
-        opt.step()
+        opt.step(loss=loss)  # for the log_every lines
         if cfg.get("inplace_zero"):
             model.zero_grad(set_to_none=False)  # the buffers the push just sent from
+        if t == int(cfg["steps"]) - 1 and cfg.get("after_last_step"):
+            save_after_last_step(cfg, model, opt, os.path.join(out, f"state{w}.pt"))
         if scheduler is not None:
             reschedule(torch_opt, scheduler, t)
+        for s in schedulers:
+            s.step()
+        lrs.append(torch_opt.param_groups[0]["lr"])  # the wrapped optimizer's: what the shards get
         losses.append(loss.item())
         if track:
             # How far ahead of every other still-running worker this one got, counted: its
@@ -286,7 +320,8 @@ def main() -> None:
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.save({"params": params, "losses": losses, "observed_gap": observed_gap, "steps": opt.step_count,
                 "start": start, "bubbles": list(getattr(opt.worker, "bubbles", [])),
-                "push_writes": opt.worker.push_writes},
+                "push_writes": opt.worker.push_writes, "lrs": lrs,
+                "state_refused": state_refused},
                os.path.join(out, f"worker{w}.pt"))
     if cfg.get("stats_from_store") and w == 0:
         # The shards publish their statistics in the store when the job ends (Shard.run).
