@@ -1,0 +1,213 @@
+"""Point to point between the ranks of one group, on the transfer layer's dynamic pairs.
+
+Every ordered pair of ranks (a, b) holds one ``DynamicSender`` at a and one ``DynamicReceiver``
+at b, made once when the group is made (docs/distributed.md, "Protocol"). A message is one
+transfer on that pair: a 32-byte frame header (tag, payload bytes, dtype) followed by the
+tensor's bytes, staged in the sender's registered arena; the receiver READs it into its own
+arena and copies the payload into the user's tensor. Messages of one pair arrive in the order
+they were sent, so c10d's ordering per (peer, tag) holds; a message whose tag nobody waits for
+yet is kept aside (``_stash``) until a recv for that tag takes it.
+
+Collectives use the same pairs under a tag of their own (``COLLECTIVE_TAG``): every rank of a
+group issues the group's collectives in the same order, so that per pair they match up.
+"""
+from __future__ import annotations
+
+import struct
+from collections import deque
+
+import torch
+
+from rdmaflow import InvalidArgumentError, PeerError, RdmaflowError, TimeoutError
+from rdmaflow.deadline import Deadline
+from rdmaflow.transfer import DynamicReceiver, DynamicSender, wait_any
+
+FRAME = struct.Struct("<qqI12x")  # tag, payload bytes, dtype code; 32 bytes
+COLLECTIVE_TAG = -(1 << 62)  # c10d's tags are the user's; collectives take one they never use
+DEPTH = 64  # transfers a sender may run ahead of its receiver on one pair
+
+# Any dtype travels as bytes; the code only makes a mismatch's error readable.
+_DTYPES: tuple[torch.dtype, ...] = tuple(
+    d for d in (getattr(torch, n, None) for n in (
+        "float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool",
+        "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+        "float8_e4m3fnuz", "float8_e5m2fnuz", "complex32")) if isinstance(d, torch.dtype)
+)
+_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
+
+
+def _dtype_of(code: int) -> str:
+    return str(_DTYPES[code - 1]).replace("torch.", "") if 1 <= code <= len(_DTYPES) else f"dtype code {code}"
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 view (every dtype, 0-dim and 0-element)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def check_host(t, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise InvalidArgumentError(f"{what} is on {t.device}: the rdmaflow process group moves host (cpu) tensors")
+    if t.is_sparse or t.layout != torch.strided:
+        raise InvalidArgumentError(f"{what} has layout {t.layout}: the rdmaflow process group moves dense tensors")
+
+
+class Mailbox:
+    """The pairs of one rank to every other rank of a group, and the messages kept aside."""
+
+    def __init__(self, device, group_id: str, rank: int, size: int, timeout: float | None):
+        self.device, self.rank, self.size, self.timeout = device, rank, size, timeout
+        self.group_id = group_id
+        self.endpoints: list[str] = []
+        self.receivers: dict[int, DynamicReceiver] = {}
+        self.senders: dict[int, DynamicSender] = {}
+        self._stash: dict[tuple[int, int], deque] = {}
+        for peer in range(size):
+            if peer != rank:
+                self.receivers[peer] = DynamicReceiver(device, self._name(peer, rank), depth=DEPTH, timeout=timeout)
+
+    def _name(self, src: int, dst: int) -> str:
+        return f"c10d/{self.group_id}/{src}>{dst}"
+
+    def connect(self, endpoints: list[str]) -> None:
+        """Connects a sender to every peer's receiver (published before its endpoint was)."""
+        self.endpoints = endpoints
+        for peer in range(self.size):
+            if peer != self.rank:
+                try:
+                    self.senders[peer] = DynamicSender(self.device, endpoints[peer], self._name(self.rank, peer),
+                                                       timeout=self.timeout)
+                except RdmaflowError as e:
+                    raise type(e)(f"rdmaflow process group: connecting to rank {peer} at {endpoints[peer]}: {e}") \
+                        from None
+
+    # -- sending -----------------------------------------------------------------------------
+    def send(self, peer: int, tensor: torch.Tensor, tag: int, deadline: Deadline) -> None:
+        """Stages ``tensor`` with its frame in the arena and posts it; returns once posted (the
+        receiver READs it later; the staging buffer is held until it has)."""
+        self._check_peer(peer, "send to")
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        payload = as_bytes(src)
+        nbytes = payload.numel()
+        buf = self.device.arena.empty((FRAME.size + nbytes,), torch.uint8)
+        buf[: FRAME.size] = torch.frombuffer(bytearray(FRAME.pack(tag, nbytes, _CODE.get(src.dtype, 0))),
+                                             dtype=torch.uint8)
+        if nbytes:
+            buf[FRAME.size:].copy_(payload)
+        try:
+            self.senders[peer].send(buf, timeout=deadline.left())
+        except RdmaflowError as e:
+            raise _about(e, peer, f"sending {nbytes} bytes (tag {tag}) to rank {peer}") from None
+
+    # -- receiving ---------------------------------------------------------------------------
+    def _next(self, peer: int, deadline: Deadline, what: str) -> tuple[int, int, torch.Tensor]:
+        """The next message from ``peer``: (tag, dtype code, payload bytes)."""
+        try:
+            msg = self.receivers[peer].recv(timeout=deadline.left())
+        except RdmaflowError as e:
+            raise _about(e, peer, what) from None
+        tag, nbytes, code = FRAME.unpack(bytes(msg[: FRAME.size].numpy()))
+        return tag, code, msg[FRAME.size: FRAME.size + nbytes]
+
+    def _take(self, peer: int, tag: int, deadline: Deadline, what: str) -> tuple[int, torch.Tensor]:
+        kept = self._stash.get((peer, tag))
+        if kept:
+            return kept.popleft()
+        while True:
+            got_tag, code, payload = self._next(peer, deadline, what)
+            if got_tag == tag:
+                return code, payload
+            self._stash.setdefault((peer, got_tag), deque()).append((code, payload))
+
+    def recv(self, peer: int, tag: int, out: torch.Tensor, deadline: Deadline) -> None:
+        """Waits for the next message from ``peer`` under ``tag`` and copies it into ``out``."""
+        self._check_peer(peer, "receive from")
+        code, payload = self._take(peer, tag, deadline, f"receiving {_describe(out)} (tag {tag}) from rank {peer}")
+        fill(out, code, payload, peer, tag)
+
+    def recv_tensor(self, peer: int, tag: int, deadline: Deadline, what: str) -> torch.Tensor:
+        """The next message's payload as bytes, for callers that size their output from it."""
+        return self._take(peer, tag, deadline, what)[1]
+
+    def ready(self, peer: int, tag: int) -> bool:
+        """Whether a recv from ``peer`` under ``tag`` would find its message now. Never blocks."""
+        if self._stash.get((peer, tag)):
+            return True
+        receiver = self.receivers[peer]
+        try:
+            while receiver.poll():
+                got_tag, code, payload = self._next(peer, Deadline(self.timeout), f"receiving from rank {peer}")
+                self._stash.setdefault((peer, got_tag), deque()).append((code, payload))
+                if got_tag == tag:
+                    return True
+        except RdmaflowError as e:
+            raise _about(e, peer, f"looking for a message (tag {tag}) from rank {peer}") from None
+        return False
+
+    def recv_any(self, tag: int, out: torch.Tensor, deadline: Deadline) -> int:
+        """Waits for the first message under ``tag`` from any peer; returns the peer."""
+        peers = [p for p in range(self.size) if p != self.rank]
+        if not peers:
+            raise InvalidArgumentError("recv from any source in a group of one rank would never end")
+        while True:
+            for p in peers:
+                if self.ready(p, tag):
+                    code, payload = self._stash[(p, tag)].popleft()
+                    fill(out, code, payload, p, tag)
+                    return p
+            left = deadline.left()
+            try:
+                wait_any([self.receivers[p] for p in peers], timeout=None if left is None else max(left, 1e-3))
+            except TimeoutError:
+                raise TimeoutError(f"rdmaflow process group: no rank sent a message with tag {tag} within "
+                                   f"{deadline.timeout} s (recv from any source)") from None
+            except PeerError as e:
+                raise PeerError(f"rdmaflow process group: recv from any source (tag {tag}): {e}") from None
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.size or peer == self.rank:
+            raise InvalidArgumentError(f"cannot {what} rank {peer!r}: the group's ranks are 0..{self.size - 1} "
+                                       f"and this one is {self.rank}")
+
+    def close(self) -> None:
+        for s in self.senders.values():
+            s.close()
+        for r in self.receivers.values():
+            r.close()
+        self._stash.clear()
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+def fill(out: torch.Tensor, code: int, payload: torch.Tensor, peer: int, tag: int) -> None:
+    """Copies a message's bytes into ``out``; a message of another size raises."""
+    want = out.numel() * out.element_size()
+    if payload.numel() != want:
+        raise InvalidArgumentError(
+            f"rdmaflow process group: rank {peer} sent {payload.numel()} bytes ({_dtype_of(code)}, tag {tag}) "
+            f"but the tensor received into is {_describe(out)}, {want} bytes: sizes must match")
+    if not want:
+        return
+    if out.is_contiguous():
+        as_bytes(out).copy_(payload)
+    else:
+        tmp = torch.empty(out.shape, dtype=out.dtype)
+        as_bytes(tmp).copy_(payload)
+        out.copy_(tmp)
+
+
+def _about(e: RdmaflowError, peer: int, what: str) -> RdmaflowError:
+    """``e`` re-raised naming the group rank it concerns."""
+    kind = type(e)
+    try:
+        return kind(f"rdmaflow process group: {what}: rank {peer} "
+                    f"{'failed or left' if isinstance(e, PeerError) else 'did not answer in time'}: {e}")
+    except TypeError:
+        return e
