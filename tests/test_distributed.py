@@ -93,7 +93,7 @@ def test_a_dead_peer_raises_naming_it(tmp_path, transport):
     line = next(ln for ln in outs[0].splitlines() if ln.startswith("DEAD_PEER_ERROR"))
     assert "rank 1" in line
     took = float(line.split()[2])
-    assert took <= timeout + 5.0, line
+    assert took < timeout / 2, line  # noticed, not the group's timeout running out
 
 
 def test_import_registers_the_backend_and_mixed_strings_are_refused(monkeypatch):

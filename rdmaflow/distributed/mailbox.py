@@ -174,12 +174,23 @@ class Mailbox:
             raise InvalidArgumentError(f"cannot {what} rank {peer!r}: the group's ranks are 0..{self.size - 1} "
                                        f"and this one is {self.rank}")
 
-    def close(self) -> None:
-        for s in self.senders.values():
-            s.close()
+    def close(self, drain: float = 10.0) -> None:
+        """Closes the receivers (a peer waiting for them to consume its messages stops), then
+        waits, at most ``drain`` seconds in all, until each peer has READ every message sent to it
+        or closed its receiver: a message's data stays in this process until its receiver has read
+        it, so a process that left at once would take messages with it that a peer is still to
+        receive."""
         for r in self.receivers.values():
             r.close()
         self._stash.clear()
+        deadline = Deadline(drain)
+        for s in self.senders.values():
+            try:
+                s.wait_consumed(timeout=deadline.left())
+            except RdmaflowError:
+                pass  # the peer closed its receiver first, left, or is still not done: we are
+        for s in self.senders.values():
+            s.close()
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -295,7 +295,12 @@ def scenario_pipe() -> None:
 def scenario_dead() -> None:
     victim = WORLD - 1
     dist.barrier()
+    # rank 0 has passed the barrier (READ the victim's message) once the victim has its "go":
+    # only then does the victim leave, so that the barrier itself never waits on a dead rank
+    if RANK == 0:
+        dist.send(torch.ones(1), victim)
     if RANK == victim:
+        dist.recv(torch.empty(1), 0)
         os._exit(3)
     t0 = time.monotonic()
     try:
