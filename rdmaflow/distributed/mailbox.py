@@ -1,12 +1,18 @@
-"""Point to point between the ranks of one group, on the transfer layer's dynamic pairs.
+"""Point to point between the ranks of one group, on the transfer layer's pairs.
 
-Every ordered pair of ranks (a, b) holds one ``DynamicSender`` at a and one ``DynamicReceiver``
-at b, made once when the group is made (docs/distributed.md, "Protocol"). A message is one
-transfer on that pair: a 32-byte frame header (tag, payload bytes, dtype) followed by the
-tensor's bytes, staged in the sender's registered arena; the receiver READs it into its own
-arena and copies the payload into the user's tensor. Messages of one pair arrive in the order
-they were sent, so c10d's ordering per (peer, tag) holds; a message whose tag nobody waits for
-yet is kept aside (``_stash``) until a recv for that tag takes it.
+Every ordered pair of ranks (a, b) holds two pairs from a to b, made once when the group is
+made (docs/distributed.md, "Point to point"):
+
+- the **frame pair**, a bounded pair of bytes (slots preallocated at ``INLINE_BYTES``): every
+  message is one transfer on it, a 32-byte frame (tag, payload bytes, dtype code, where the
+  payload is) followed, for a payload of at most ``INLINE_BYTES - FRAME.size`` bytes, by the
+  payload itself: one WRITE of data and flag, no READ;
+- the **bulk pair**, a dynamic pair: a larger payload is staged in a's arena and sent on it
+  first (metadata record + flag; b READs the data), then its frame on the frame pair says so.
+
+The receiver reads frames in the order they were sent, so c10d's ordering per (peer, tag)
+holds; a message whose tag nobody waits for yet is kept aside (``_stash``) until a recv for that
+tag takes it.
 
 Collectives use the same pairs under a tag of their own (``COLLECTIVE_TAG``): every rank of a
 group issues the group's collectives in the same order, so that per pair they match up.
@@ -20,11 +26,12 @@ import torch
 
 from rdmaflow import InvalidArgumentError, PeerError, RdmaflowError, TimeoutError
 from rdmaflow.deadline import Deadline
-from rdmaflow.transfer import DynamicReceiver, DynamicSender, wait_any
+from rdmaflow.transfer import BoundedReceiver, BoundedSender, DynamicReceiver, DynamicSender, wait_any
 
-FRAME = struct.Struct("<qqI12x")  # tag, payload bytes, dtype code; 32 bytes
+FRAME = struct.Struct("<qqII8x")  # tag, payload bytes, dtype code, bulk (1: the payload is on the bulk pair); 32 B
 COLLECTIVE_TAG = -(1 << 62)  # c10d's tags are the user's; collectives take one they never use
-DEPTH = 64  # transfers a sender may run ahead of its receiver on one pair
+DEPTH = 32  # messages a sender may run ahead of its receiver on one pair
+INLINE_BYTES = 8192 + FRAME.size  # a frame pair's slot: a payload up to 8 KiB travels in the frame
 
 # Any dtype travels as bytes; the code only makes a mismatch's error readable.
 _DTYPES: tuple[torch.dtype, ...] = tuple(
@@ -62,15 +69,21 @@ class Mailbox:
         self.device, self.rank, self.size, self.timeout = device, rank, size, timeout
         self.group_id = group_id
         self.endpoints: list[str] = []
-        self.receivers: dict[int, DynamicReceiver] = {}
-        self.senders: dict[int, DynamicSender] = {}
+        self.receivers: dict[int, BoundedReceiver] = {}
+        self.bulk_receivers: dict[int, DynamicReceiver] = {}
+        self.senders: dict[int, BoundedSender] = {}
+        self.bulk_senders: dict[int, DynamicSender] = {}
         self._stash: dict[tuple[int, int], deque] = {}
+        self._frames: dict[int, torch.Tensor] = {}  # per peer: where a frame is built (the send copies it)
         for peer in range(size):
             if peer != rank:
-                self.receivers[peer] = DynamicReceiver(device, self._name(peer, rank), depth=DEPTH, timeout=timeout)
+                self.receivers[peer] = BoundedReceiver(device, self._name(peer, rank), (INLINE_BYTES,), torch.uint8,
+                                                       depth=DEPTH, timeout=timeout)
+                self.bulk_receivers[peer] = DynamicReceiver(device, self._name(peer, rank, "bulk"), depth=DEPTH,
+                                                            timeout=timeout)
 
-    def _name(self, src: int, dst: int) -> str:
-        return f"c10d/{self.group_id}/{src}>{dst}"
+    def _name(self, src: int, dst: int, kind: str = "frame") -> str:
+        return f"c10d/{self.group_id}/{src}>{dst}/{kind}"
 
     def connect(self, endpoints: list[str]) -> None:
         """Connects a sender to every peer's receiver (published before its endpoint was)."""
@@ -78,41 +91,62 @@ class Mailbox:
         for peer in range(self.size):
             if peer != self.rank:
                 try:
-                    self.senders[peer] = DynamicSender(self.device, endpoints[peer], self._name(self.rank, peer),
-                                                       timeout=self.timeout)
+                    self.senders[peer] = BoundedSender(self.device, endpoints[peer], self._name(self.rank, peer),
+                                                       (INLINE_BYTES,), torch.uint8, timeout=self.timeout)
+                    self.bulk_senders[peer] = DynamicSender(self.device, endpoints[peer],
+                                                            self._name(self.rank, peer, "bulk"), timeout=self.timeout)
+                    self._frames[peer] = torch.empty(INLINE_BYTES, dtype=torch.uint8)
                 except RdmaflowError as e:
                     raise type(e)(f"rdmaflow process group: connecting to rank {peer} at {endpoints[peer]}: {e}") \
                         from None
 
     # -- sending -----------------------------------------------------------------------------
     def send(self, peer: int, tensor: torch.Tensor, tag: int, deadline: Deadline) -> None:
-        """Stages ``tensor`` with its frame in the arena and posts it; returns once posted (the
-        receiver READs it later; the staging buffer is held until it has)."""
+        """Posts ``tensor`` to ``peer``: its frame (and a small payload) copied into the frame
+        pair's slot, a larger payload staged in the arena for the bulk pair. Returns once posted
+        (the receiver READs a bulk payload later; its staging block is held until it has)."""
         self._check_peer(peer, "send to")
         src = tensor.detach()
         if not src.is_contiguous():
             src = src.contiguous()
         payload = as_bytes(src)
         nbytes = payload.numel()
-        buf = self.device.arena.empty((FRAME.size + nbytes,), torch.uint8)
-        buf[: FRAME.size] = torch.frombuffer(bytearray(FRAME.pack(tag, nbytes, _CODE.get(src.dtype, 0))),
-                                             dtype=torch.uint8)
-        if nbytes:
-            buf[FRAME.size:].copy_(payload)
+        bulk = FRAME.size + nbytes > INLINE_BYTES
+        frame = self._frames[peer]
+        frame[: FRAME.size] = torch.frombuffer(bytearray(FRAME.pack(tag, nbytes, _CODE.get(src.dtype, 0), int(bulk))),
+                                               dtype=torch.uint8)
         try:
-            self.senders[peer].send(buf, timeout=deadline.left())
+            if bulk:
+                staged = self.device.arena.empty((nbytes,), torch.uint8)
+                staged.copy_(payload)
+                self.bulk_senders[peer].send(staged, timeout=deadline.left())
+                self.senders[peer].send(frame[: FRAME.size], timeout=deadline.left())
+            else:
+                if nbytes:
+                    frame[FRAME.size: FRAME.size + nbytes] = payload
+                # the frame is copied (into the peer's slot on one host, into registered staging
+                # over UCX) before send returns: the buffer is free for the next message
+                self.senders[peer].send(frame[: FRAME.size + nbytes], timeout=deadline.left())
         except RdmaflowError as e:
             raise _about(e, peer, f"sending {nbytes} bytes (tag {tag}) to rank {peer}") from None
 
     # -- receiving ---------------------------------------------------------------------------
     def _next(self, peer: int, deadline: Deadline, what: str) -> tuple[int, int, torch.Tensor]:
-        """The next message from ``peer``: (tag, dtype code, payload bytes)."""
+        """The next message from ``peer``: (tag, dtype code, payload bytes). A payload in the
+        frame is copied out of the slot, which the next receive on the pair hands back."""
         try:
             msg = self.receivers[peer].recv(timeout=deadline.left())
+            tag, nbytes, code, bulk = FRAME.unpack(bytes(msg[: FRAME.size].numpy()))
+            if bulk:
+                payload = self.bulk_receivers[peer].recv(timeout=deadline.left())
+            else:
+                payload = msg[FRAME.size: FRAME.size + nbytes].clone()
         except RdmaflowError as e:
             raise _about(e, peer, what) from None
-        tag, nbytes, code = FRAME.unpack(bytes(msg[: FRAME.size].numpy()))
-        return tag, code, msg[FRAME.size: FRAME.size + nbytes]
+        if payload.numel() != nbytes:
+            raise RdmaflowError(f"rdmaflow process group: rank {peer}'s frame says {nbytes} bytes, its payload has "
+                                f"{payload.numel()}")
+        return tag, code, payload
 
     def _take(self, peer: int, tag: int, deadline: Deadline, what: str) -> tuple[int, torch.Tensor]:
         kept = self._stash.get((peer, tag))
@@ -184,12 +218,14 @@ class Mailbox:
             r.close()
         self._stash.clear()
         deadline = Deadline(drain)
-        for s in self.senders.values():
+        for r in self.bulk_receivers.values():
+            r.close()
+        for s in self.bulk_senders.values():  # a bulk payload's frame is sent after it: this covers both
             try:
                 s.wait_consumed(timeout=deadline.left())
             except RdmaflowError:
                 pass  # the peer closed its receiver first, left, or is still not done: we are
-        for s in self.senders.values():
+        for s in [*self.senders.values(), *self.bulk_senders.values()]:
             s.close()
 
 

@@ -17,6 +17,7 @@ without one, but such a secret protects nothing against whoever can reach the st
 """
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import threading
@@ -61,6 +62,15 @@ def process_device(store, timeout: float) -> Device:
             _device = Device(f"{host}:0", secret=job_secret(store), connect_timeout=min(timeout, 30.0),
                              rpc_timeout=min(timeout, 60.0))
         return _device
+
+
+@atexit.register
+def _close_device() -> None:
+    """Closes the process's device before the interpreter tears down what its threads use."""
+    global _device
+    device, _device = _device, None
+    if device is not None:
+        device.close()
 
 
 def agree_uid(store) -> str:
