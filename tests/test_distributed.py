@@ -7,6 +7,7 @@ each running every op on the rdmaflow group and on a gloo group of the same rank
   unsupported-op errors (3 ranks);
 - DistributedDataParallel and torch.distributed.pipelining GPipe train to gloo's parameters;
 - a rank that dies makes a recv from it raise naming it, within the group's timeout;
+- under torchrun with no RDMAFLOW_JOB_SECRET, the ranks agree a secret through the store;
 - the backend registers on import, and refuses a device-backend string that names another
   backend beside it.
 """
@@ -108,3 +109,17 @@ def test_import_registers_the_backend_and_mixed_strings_are_refused(monkeypatch)
         dist.init_process_group("cpu:rdmaflow,cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def test_torchrun_without_a_job_secret(tmp_path):
+    env = ucx_env("tcp")
+    for k in [k for k in env if k.startswith(("TORCHELASTIC_", "RDMAFLOW_JOB_SECRET"))] + [
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RDMAFLOW_HOST"]:
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DIST_TEST_CONFIG=json.dumps({"scenario": "smoke"}))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", JOB],
+                         env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT, cwd=os.path.dirname(HERE),
+                         check=False)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert out.stdout.count("OK smoke") == 2, out.stdout[-4000:]

@@ -10,6 +10,8 @@ Ranks get torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); DIS
 - ``ddp``: a small model trained with DistributedDataParallel over each group; parameters equal.
 - ``pipe``: torch.distributed.pipelining GPipe over each group; parameters equal.
 - ``dead``: the last rank exits mid-job; rank 0's recv from it must raise naming it.
+- ``smoke``: an all_reduce, a broadcast_object_list and a barrier (under torchrun, without a
+  job secret).
 
 Prints ``OK <scenario>`` at the end; any failure raises (non-zero exit).
 """
@@ -314,11 +316,22 @@ def scenario_dead() -> None:
     os._exit(0)  # the store's server may be gone with the victim: leave without the teardown
 
 
+def scenario_smoke() -> None:
+    t = torch.full((4,), float(RANK + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((4,), float(WORLD * (WORLD + 1) // 2))), t
+    objs = [{"from": RANK}]
+    dist.broadcast_object_list(objs, group_src=0)
+    assert objs == [{"from": 0}], objs
+    dist.barrier()
+
+
 def main() -> None:
     scenario = CFG.get("scenario", "ops")
     dist.init_process_group("rdmaflow", timeout=timedelta(seconds=CFG.get("timeout", 60)))
     assert dist.get_backend() == "rdmaflow", dist.get_backend()
-    {"ops": scenario_ops, "ddp": scenario_ddp, "pipe": scenario_pipe, "dead": scenario_dead}[scenario]()
+    {"ops": scenario_ops, "ddp": scenario_ddp, "pipe": scenario_pipe, "dead": scenario_dead,
+     "smoke": scenario_smoke}[scenario]()
     dist.destroy_process_group()
     print(f"OK {scenario}", flush=True)
 
