@@ -18,8 +18,8 @@ import rdmaflow.distributed  # noqa: F401  registers "rdmaflow"
 ITER_BYTES = 64 << 20  # bytes each timed run moves at least (a run of a small size repeats more)
 
 
-def _iters(size: int, least: int) -> int:
-    return max(least, min(2000, ITER_BYTES // max(size, 1)))
+def _iters(size: int, least: int, most: int) -> int:
+    return max(least, min(most, ITER_BYTES // max(size, 1)))
 
 
 def pingpong(g, t: torch.Tensor, n: int) -> float:
@@ -78,7 +78,8 @@ def main() -> None:
         for size in cfg["sizes"]:
             t = torch.ones(max(size // 4, 1))
             # stream: every isend is in flight at once; keep the window within the pair's credits
-            n = min(_iters(size, 5), 24) if op == "stream" else _iters(size, 5) // (4 if op == "all_reduce" else 1)
+            most = cfg.get("iterations", 2000)
+            n = min(_iters(size, 2, most), 24) if op == "stream" else _iters(size, 2, most)
             for system in cfg["systems"]:  # warm-up: pairs, arena blocks, gloo's connections
                 OPS[op](groups[system], t, 2)
             for rep in range(cfg["repeats"]):

@@ -40,6 +40,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS} (default all)")
     ap.add_argument("--ranks", default="2,4", help="comma list of rank counts; P2P runs at 2 only (default 2,4)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per cell and system (default 5)")
+    ap.add_argument("--iterations", type=int, default=2000,
+                    help="most calls in one timed run (fewer for large sizes: 64 MiB per run; default 2000)")
     ap.add_argument("--out", default=None, help="a directory for c10d.csv (default: none)")
 
 
@@ -77,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     systems = [s for s in args.systems.split(",") if s]
     ops = [o for o in args.ops.split(",") if o]
     bad = [s for s in systems if s not in SYSTEMS] + [o for o in ops if o not in OPS]
-    if bad or args.repeats < 1:
-        print(f"bench c10d: unknown system or op {bad} (systems {SYSTEMS}, ops {OPS}), or --repeats < 1",
+    if bad or args.repeats < 1 or args.iterations < 2:
+        print(f"bench c10d: unknown system or op {bad} (systems {SYSTEMS}, ops {OPS}), or --repeats < 1, or --iterations < 2",
               file=sys.stderr)
         return 2
     rows = []
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             cell_ops = ops if ranks == 2 else [o for o in ops if o == "all_reduce"]
             if cell_ops:
                 rows += _run_job(transport, ranks, {"sizes": sizes, "systems": systems, "repeats": args.repeats,
-                                                    "ops": cell_ops})
+                                                    "ops": cell_ops, "iterations": args.iterations})
     cells: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cells[(r["transport"], r["ranks"], r["op"], r["bytes"])][r["system"]].append(r["seconds"])
