@@ -123,3 +123,39 @@ def test_torchrun_without_a_job_secret(tmp_path):
                          check=False)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert out.stdout.count("OK smoke") == 2, out.stdout[-4000:]
+
+
+def test_a_group_of_one_rank(monkeypatch):
+    """World size 1 in this process: every op is a copy or nothing, and recv from any source
+    refuses to wait forever."""
+    import torch
+    import torch.distributed as dist
+
+    import rdmaflow
+    import rdmaflow.distributed  # registers "rdmaflow"
+
+    monkeypatch.setenv("RDMAFLOW_JOB_SECRET", secrets.token_hex(16))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("rdmaflow", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == rdmaflow.distributed.BACKEND
+        t = torch.arange(6.0)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        dist.broadcast(t, 0)
+        dist.reduce(t, 0)
+        assert torch.equal(t, torch.arange(6.0))
+        out = torch.empty(6)
+        dist.all_gather_into_tensor(out, t)
+        dist.reduce_scatter_tensor(out, t)
+        dist.all_to_all_single(out, t)
+        assert torch.equal(out, t)
+        got = [None]
+        dist.all_gather_object(got, {"a": 1})
+        assert got == [{"a": 1}]
+        dist.barrier()
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="any source"):
+            dist.recv(torch.empty(1))
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="is on meta"):
+            dist.all_reduce(torch.empty(1, device="meta"))
+    finally:
+        dist.destroy_process_group()
