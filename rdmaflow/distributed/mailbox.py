@@ -20,6 +20,7 @@ group issues the group's collectives in the same order, so that per pair they ma
 from __future__ import annotations
 
 import struct
+import time
 from collections import deque
 
 import torch
@@ -119,16 +120,44 @@ class Mailbox:
             if bulk:
                 staged = self.device.arena.empty((nbytes,), torch.uint8)
                 staged.copy_(payload)
+                self._credit(peer, self.bulk_senders[peer], deadline)
                 self.bulk_senders[peer].send(staged, timeout=deadline.left())
+                self._credit(peer, self.senders[peer], deadline)
                 self.senders[peer].send(frame[: FRAME.size], timeout=deadline.left())
             else:
                 if nbytes:
                     frame[FRAME.size: FRAME.size + nbytes] = payload
                 # the frame is copied (into the peer's slot on one host, into registered staging
                 # over UCX) before send returns: the buffer is free for the next message
+                self._credit(peer, self.senders[peer], deadline)
                 self.senders[peer].send(frame[: FRAME.size + nbytes], timeout=deadline.left())
         except RdmaflowError as e:
             raise _about(e, peer, f"sending {nbytes} bytes (tag {tag}) to rank {peer}") from None
+
+    def _credit(self, peer: int, sender, deadline: Deadline) -> None:
+        """Returns once ``sender`` may send without waiting. Meanwhile it takes in what every
+        peer sent (kept aside for the recvs that will ask for it): two ranks that each send
+        more than a pair's credits before receiving would otherwise wait for each other until
+        the timeout (gloo buffers such messages; so does this)."""
+        if sender.has_credit():
+            return
+        naps = 0
+        while not sender.has_credit():
+            took = False
+            for p, receiver in self.receivers.items():
+                if receiver.poll():
+                    tag, code, payload = self._next(p, deadline, f"receiving from rank {p}")
+                    self._stash.setdefault((p, tag), deque()).append((code, payload))
+                    took = True
+            if took:
+                continue
+            if sender.channel.failed:
+                raise PeerError(f"waiting to send to rank {peer}: its channel failed")
+            if deadline.passed():
+                raise TimeoutError(f"rank {peer} consumed none of the {DEPTH} messages in flight to it within "
+                                   f"{deadline.timeout} s")
+            naps += 1
+            time.sleep(0 if naps < 100 else 1e-4)
 
     # -- receiving ---------------------------------------------------------------------------
     def _next(self, peer: int, deadline: Deadline, what: str) -> tuple[int, int, torch.Tensor]:

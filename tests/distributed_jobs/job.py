@@ -188,6 +188,16 @@ def point_to_point() -> None:
         w = dist.irecv(fut_t, 0)
         w.wait()
         assert w.get_future().done() and torch.equal(fut_t, torch.arange(6.0))
+    # ranks 0 and 1 each send more messages than a pair's credits before receiving any: small
+    # (frame pair) and large (bulk pair) ones; the waiting sender takes in what the other sent
+    if RANK in (0, 1):
+        other = 1 - RANK
+        for i in range(rd.mailbox.DEPTH + 8):
+            dist.send(torch.full((3 if i % 2 else 5000,), float(i)), other, tag=3)
+        for i in range(rd.mailbox.DEPTH + 8):
+            t = torch.empty(3 if i % 2 else 5000)
+            dist.recv(t, other, tag=3)
+            assert torch.equal(t, torch.full_like(t, float(i))), (i, t[:3])
     # recv from any source: rank 0 hears from every other rank
     if RANK == 0:
         seen = set()
