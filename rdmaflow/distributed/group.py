@@ -61,20 +61,20 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
             raise InvalidArgumentError("rdmaflow process group: the group was destroyed")
         return Deadline(self.timeout)
 
-    def _run(self, what: str, tensors, fn) -> Work:
+    def _run(self, what: str, tensors, fn, result=None) -> Work:
+        """Runs ``fn(deadline)`` now, under the group's lock; its Work, complete, holds ``result``."""
         for i, t in enumerate(tensors):
             check_host(t, f"{what}'s tensor {i}")
         with self._lock:
             fn(self._deadline())
-        return Work(result=None)
+        return Work(result=result)
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, tensors, dst: int, tag: int = 0) -> Work:
         def go(dl):
             for t in tensors:
                 self.mailbox.send(dst, t, tag, dl)
-        self._run("send", tensors, go)
-        return Work(result=list(tensors))
+        return self._run("send", tensors, go, list(tensors))
 
     def recv(self, tensors, src: int, tag: int = 0) -> Work:
         for i, t in enumerate(tensors):
@@ -147,8 +147,7 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
         def go(dl):
             for t in tensors:
                 coll.broadcast(self.mailbox, t, root, dl)
-        self._run("broadcast", tensors, go)
-        return Work(result=list(tensors))
+        return self._run("broadcast", tensors, go, list(tensors))
 
     def allreduce(self, tensors, opts=None) -> Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -156,8 +155,7 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
         def go(dl):
             for t in tensors:
                 coll.allreduce(self.mailbox, t, op, dl)
-        self._run("allreduce", tensors, go)
-        return Work(result=list(tensors))
+        return self._run("allreduce", tensors, go, list(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None) -> Work:
         return self.allreduce(tensors, opts)
@@ -169,22 +167,19 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
         def go(dl):
             for t in tensors:
                 coll.reduce(self.mailbox, t, root, op, dl)
-        self._run("reduce", tensors, go)
-        return Work(result=list(tensors))
+        return self._run("reduce", tensors, go, list(tensors))
 
     def allgather(self, output_lists, inputs, opts=None) -> Work:
         def go(dl):
             for outs, t in zip(output_lists, inputs, strict=True):
                 coll.allgather(self.mailbox, outs, t, dl)
-        self._run("allgather", list(inputs) + [o for outs in output_lists for o in outs], go)
-        return Work(result=list(output_lists))
+        return self._run("allgather", list(inputs) + [o for outs in output_lists for o in outs], go, list(output_lists))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None) -> Work:
         def go(dl):
             for outs, t in zip(output_lists, inputs, strict=True):
                 coll.allgather(self.mailbox, outs, t, dl)
-        self._run("allgather_coalesced", list(inputs), go)
-        return Work(result=list(output_lists))
+        return self._run("allgather_coalesced", list(inputs), go, list(output_lists))
 
     def all_gather_single(self, output, input, opts=None) -> Work:
         n = self._size
@@ -198,8 +193,7 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
                            [flat[:0]] * n, input.reshape(-1), dl)
             if not output.is_contiguous():
                 output.copy_(flat.view(output.shape))
-        self._run("all_gather_into_tensor", [output, input], go)
-        return Work(result=[output])
+        return self._run("all_gather_into_tensor", [output, input], go, [output])
 
     _allgather_base = all_gather_single
 
@@ -209,8 +203,7 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
         def go(dl):
             for out, ins in zip(outputs, input_lists, strict=True):
                 coll.reduce_scatter(self.mailbox, out, ins, op, dl)
-        self._run("reduce_scatter", list(outputs) + [i for ins in input_lists for i in ins], go)
-        return Work(result=list(outputs))
+        return self._run("reduce_scatter", list(outputs) + [i for ins in input_lists for i in ins], go, list(outputs))
 
     def reduce_scatter_single(self, output, input, opts=None) -> Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -223,8 +216,7 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
             flat = input.reshape(-1)
             chunks = list(flat.split(output.numel())) if output.numel() else [flat[:0]] * n
             coll.reduce_scatter(self.mailbox, output, chunks, op, dl)
-        self._run("reduce_scatter_tensor", [output, input], go)
-        return Work(result=[output])
+        return self._run("reduce_scatter_tensor", [output, input], go, [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -233,21 +225,18 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
 
         def go(dl):
             coll.gather(self.mailbox, output_lists[0] if output_lists else None, inputs[0], root, dl)
-        self._run("gather", list(inputs), go)
-        return Work(result=list(output_lists))
+        return self._run("gather", list(inputs), go, list(output_lists))
 
     def scatter(self, outputs, input_lists, opts=None) -> Work:
         root = opts.rootRank if opts is not None else 0
 
         def go(dl):
             coll.scatter(self.mailbox, outputs[0], input_lists[0] if input_lists else None, root, dl)
-        self._run("scatter", list(outputs), go)
-        return Work(result=list(outputs))
+        return self._run("scatter", list(outputs), go, list(outputs))
 
     def alltoall(self, outputs, inputs, opts=None) -> Work:
-        self._run("alltoall", list(outputs) + list(inputs),
-                  lambda dl: coll.alltoall(self.mailbox, outputs, inputs, dl))
-        return Work(result=list(outputs))
+        return self._run("alltoall", list(outputs) + list(inputs),
+                         lambda dl: coll.alltoall(self.mailbox, outputs, inputs, dl), list(outputs))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None) -> Work:
         n = self._size
@@ -266,8 +255,7 @@ class ProcessGroupRdmaflow(dist.ProcessGroup):
         def go(dl):
             coll.alltoall(self.mailbox, splits(output, output_split_sizes, "output"),
                           splits(input, input_split_sizes, "input"), dl)
-        self._run("all_to_all_single", [output, input], go)
-        return Work(result=[output])
+        return self._run("all_to_all_single", [output, input], go, [output])
 
     alltoall_base = all_to_all_single
 

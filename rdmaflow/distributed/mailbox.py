@@ -193,10 +193,6 @@ class Mailbox:
         code, payload = self._take(peer, tag, deadline, f"receiving {_describe(out)} (tag {tag}) from rank {peer}")
         fill(out, code, payload, peer, tag)
 
-    def recv_tensor(self, peer: int, tag: int, deadline: Deadline, what: str) -> torch.Tensor:
-        """The next message's payload as bytes, for callers that size their output from it."""
-        return self._take(peer, tag, deadline, what)[1]
-
     def ready(self, peer: int, tag: int) -> bool:
         """Whether a recv from ``peer`` under ``tag`` would find its message now. Never blocks."""
         if self._stash.get((peer, tag)):
