@@ -44,6 +44,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                  "loss against wall-clock time on a real data set, rdmaflow next to DDP-gloo"),
     "kv": ("rdmaflow.bench.kv",
            "key-value push/pull of N scalar keys in one request next to one tensor of the same bytes"),
+    "c10d": ("rdmaflow.bench.c10d",
+             "torch.distributed over the rdmaflow backend next to gloo: P2P latency, stream, all_reduce"),
 }
 
 
