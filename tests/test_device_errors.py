@@ -637,3 +637,14 @@ def test_a_bad_direction_or_a_descriptor_not_bytes_is_an_invalid_argument(pair):
     with pytest.raises(rdmaflow.InvalidArgumentError, match="a published value must be bytes, got str"):
         dev.publish("name", "text")
     ch.memcpy(local, 0, remote, 0, 8, rdmaflow.READ).result(30)
+
+
+def test_register_refuses_a_tensor_whose_negative_or_conjugate_bit_is_set(job_secret):
+    """Its memory holds the values before the lazy negation or conjugation: a peer reading the
+    region would see those (docs/security.md, "Tensor views")."""
+    with local_device() as dev:
+        for t, bit in ((torch._neg_view(torch.ones(4)), "negative"), (torch.ones(4, dtype=torch.complex64).conj(),
+                                                                      "conjugate")):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{bit} bit set"):
+                dev.register(t)
+        assert dev.register(torch._neg_view(torch.ones(4)).resolve_neg()).nbytes == 16
