@@ -373,8 +373,9 @@ def test_a_step_with_a_refused_large_write_is_discarded_not_pushed(tmp_path):
     and the client sees a short count. That step is never pushed: fsync (and close) fail with
     the refused write's errno and its sum is discarded, so no part of it reaches the shard."""
     n = 300_000  # 1.2 MB of float32: a 1.5 MiB write from 0 runs past the end in its 2nd MiB
-    doc = {"variables": [{"name": "w", "shape": [n], "dtype": "float32", "init": 0.0}],
-           "optimizer": {"name": "SGD", "lr": LR}}
+    # Weight decay from 1.0: a push of zeros (a step nobody wrote) would move the weights too.
+    doc = {"variables": [{"name": "w", "shape": [n], "dtype": "float32", "init": 1.0}],
+           "optimizer": {"name": "SGD", "lr": LR, "weight_decay": 0.5}}
     (tmp_path / "big.json").write_text(json.dumps(doc))
     with MountJob(tmp_path, {}) as j:
         j.start_mounts(1, 1, str(tmp_path / "big.json"))
@@ -400,13 +401,15 @@ def test_a_step_with_a_refused_large_write_is_discarded_not_pushed(tmp_path):
             assert grad_sum()[:1000].tolist() == [1.0] * 1000  # its first MiB was added
         assert _oserror(lambda: os.fsync(grad)) == errno.EINVAL
         assert not grad_sum().any()  # the step's sum was discarded
-        # Written again within the file, the step is pushed, and only it: SGD from zero, -lr x 1.
+        # Closing a descriptor that wrote only into the discarded step pushes nothing.
+        os.close(os.dup(grad))
+        # Written again within the file, the step is pushed, and only it: w - lr (g + 0.5 w).
         half = n // 2 * 4
         assert os.pwrite(grad, big[:half], 0) == half
         os.fsync(grad)
         got = np.frombuffer(os.pread(weights, 4 * n, 0), np.float32)
-        np.testing.assert_allclose(got[: n // 2], -LR)
-        assert not got[n // 2 :].any()
+        np.testing.assert_allclose(got[: n // 2], 1 - LR * 1.5, rtol=1e-6)
+        np.testing.assert_allclose(got[n // 2 :], 1 - LR * 0.5, rtol=1e-6)  # nothing discarded came through
         # Closing the descriptor that wrote into a spoilt step fails too, and pushes nothing.
         if write_past_the_end():
             assert _oserror(lambda: os.close(grad)) == errno.EINVAL

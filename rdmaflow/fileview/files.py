@@ -202,6 +202,8 @@ class ModelFiles(Operations):
                 # Part of a refused write may have been added (the kernel's earlier requests of
                 # it were): the step's sum is discarded, not pushed, and a new one starts.
                 code, self._refused = self._refused, None
+                # Nothing was written into the new step: closing a descriptor now pushes nothing.
+                self._wrote = {fh: s for fh, s in self._wrote.items() if s != self.steps}
                 try:
                     self.flat.discard()
                 except RdmaflowError as e:
