@@ -587,9 +587,9 @@ class Device : public std::enable_shared_from_this<Device> {
   // The congestion control UCX's tcp data sockets run (DeviceConfig::tcp_congestion resolved),
   // and the one this device sets on them ("" when it leaves the system's).
   const std::string& tcp_congestion() const { return tcp_cc_.effective; }
+  const std::string& tcp_congestion_set() const { return tcp_cc_.set; }
   // The network devices UCX was given (UCX_NET_DEVICES, or DeviceConfig::net_devices); "all".
   const std::string& net_devices() const { return net_devices_; }
-  const std::string& tcp_congestion_set() const { return tcp_cc_.set; }
   // memcpys done by a CPU copy through a same-host mapping, and through UCX.
   uint64_t mapped_ops() const { return mapped_ops_.load(); }
   uint64_t ucx_ops() const { return ucx_ops_.load(); }
