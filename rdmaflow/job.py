@@ -6,8 +6,9 @@ The store carries only endpoints and small JSON documents; region descriptors (r
 through the devices' authenticated side RPC, never through the store.
 
 Rank 0 serves the store at ``MASTER_ADDR:MASTER_PORT``, on that address only (torch's own
-binds every interface), unless a torchrun agent already does (``TORCHELASTIC_USE_AGENT_STORE``). Every wait is bounded and watches the abort key, so that a
-process that fails makes every other one raise instead of waiting.
+binds every interface), unless a torchrun agent already does (``TORCHELASTIC_USE_AGENT_STORE``;
+the agent's binds every interface: docs/security.md). Every wait is bounded and watches the
+abort key, so that a process that fails makes every other one raise instead of waiting.
 
 Leaving. A process that fails late must still be able to read why the job was aborted, so the
 process serving the store outlives the others, boundedly. Keys under the namespace:
