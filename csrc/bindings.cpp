@@ -131,6 +131,28 @@ std::string gpu_buffer_error(const MemRegion& r) {
          std::to_string(r.cuda_device()) + "): it has no host buffer; use region.tensor()";
 }
 
+// A direction or a byte string from Python: pybind11's own casters refused a wrong type with
+// a TypeError and a signature dump; an InvalidArgumentError names the argument, as for offsets.
+Direction direction_arg(py::handle v) {
+  if (!py::isinstance<Direction>(v))
+    throw Error(ErrorKind::Invalid, "direction must be rdmaflow.WRITE or rdmaflow.READ, got " +
+                                        std::string(py::str(py::repr(v))));
+  return v.cast<Direction>();
+}
+
+// bytes, or any other buffer of bytes (bytearray, memoryview); never a str (its encoding would
+// be a guess) nor an int (bytes(n) is n zeros).
+std::string bytes_arg(py::handle v, const char* what) {
+  if (PyBytes_Check(v.ptr())) return std::string(py::reinterpret_borrow<py::bytes>(v));
+  if (!PyUnicode_Check(v.ptr()) && PyObject_CheckBuffer(v.ptr())) {
+    auto b = py::reinterpret_steal<py::bytes>(PyBytes_FromObject(v.ptr()));
+    if (!b) throw py::error_already_set();
+    return std::string(b);
+  }
+  throw Error(ErrorKind::Invalid, std::string(what) + " must be bytes, got " +
+                                      std::string(py::str(py::type::handle_of(v).attr("__name__"))));
+}
+
 // A public call's offset or size from Python, checked as check_offset does: an int or anything
 // with __index__ (numpy's integers); pybind11's own caster would take True as 1 and say of 2.5
 // only that no overload matched.
@@ -373,7 +395,9 @@ PYBIND11_MODULE(_core, m) {
                                                          "A peer's region, from its descriptor.")
       .def_static(
           "from_descriptor",
-          [](py::bytes b) { return RemoteRegion::parse(std::string(b)); },
+          [](py::handle b) {
+            return RemoteRegion::parse(bytes_arg(b, "a descriptor (MemRegion.descriptor, Device.lookup)"));
+          },
           py::arg("descriptor"))
       .def_readonly("owner_endpoint", &RemoteRegion::owner_endpoint)
       .def_readonly("cuda_device", &RemoteRegion::cuda_device,
@@ -392,7 +416,8 @@ PYBIND11_MODULE(_core, m) {
           "memcpy",
           [](Channel& ch, const std::shared_ptr<MemRegion>& local, py::handle local_offset,
              const std::shared_ptr<RemoteRegion>& remote, py::handle remote_offset, py::handle nbytes,
-             Direction direction, py::object callback) {
+             py::handle direction_obj, py::object callback) {
+            const Direction direction = direction_arg(direction_obj);
             size_t lo = offset_arg(local_offset, "local_offset");
             size_t ro = offset_arg(remote_offset, "remote_offset");
             size_t n = offset_arg(nbytes, "nbytes");
@@ -626,7 +651,8 @@ PYBIND11_MODULE(_core, m) {
                        const std::string& secret, bool busy_poll, int spin_us,
                        double connect_timeout, double rpc_timeout, bool data_error_handling,
                        SameHost same_host, int copy_threads, bool inline_posts,
-                       FlaggedWrites flagged_writes, const std::string& tcp_congestion) {
+                       FlaggedWrites flagged_writes, const std::string& tcp_congestion,
+                       const std::string& net_devices) {
              DeviceConfig c;
              c.endpoint = endpoint;
              c.num_cqs = num_cqs;
@@ -642,6 +668,7 @@ PYBIND11_MODULE(_core, m) {
              c.inline_posts = inline_posts;
              c.flagged_writes = flagged_writes;
              c.tcp_congestion = tcp_congestion;
+             c.net_devices = net_devices;
              py::gil_scoped_release nogil;
              return Device::create(c);
            }),
@@ -656,7 +683,11 @@ PYBIND11_MODULE(_core, m) {
            py::arg("copy_threads") = defaults.copy_threads,
            py::arg("inline_posts") = defaults.inline_posts,
            py::arg("flagged_writes") = defaults.flagged_writes,
-           py::arg("tcp_congestion") = defaults.tcp_congestion)
+           py::arg("tcp_congestion") = defaults.tcp_congestion,
+           py::arg("net_devices") = defaults.net_devices)
+      .def_property_readonly("net_devices", &Device::net_devices,
+                             "The network devices UCX may use (UCX_NET_DEVICES, else the "
+                             "net_devices given); \"all\" when neither names any.")
       .def_property_readonly("endpoint", &Device::endpoint)
       .def_property_readonly("uuid", &Device::uuid)
       .def_property_readonly("num_cqs", &Device::num_cqs)
@@ -715,8 +746,8 @@ PYBIND11_MODULE(_core, m) {
            py::call_guard<py::gil_scoped_release>())
       .def(
           "publish",
-          [](Device& d, const std::string& name, py::bytes value) {
-            d.publish(name, std::string(value));
+          [](Device& d, const std::string& name, py::handle value) {
+            d.publish(name, bytes_arg(value, "a published value"));
           },
           py::arg("name"), py::arg("value"))
       .def("unpublish", &Device::unpublish, py::arg("name"))

@@ -59,6 +59,19 @@ void Device::init(const DeviceConfig& cfg) {
   for (const char* name : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
     if (!std::getenv((std::string("UCX_") + name).c_str()))
       ucp_config_modify(ucfg, name, seg.c_str());
+  // Where the environment names no network device, those the caller chose: UCX's tcp
+  // interfaces (and their data ports) then exist only on the device's own interface.
+  const char* env_nets = std::getenv("UCX_NET_DEVICES");
+  if (env_nets && *env_nets) {
+    net_devices_ = env_nets;
+  } else if (!cfg.net_devices.empty()) {
+    st = ucp_config_modify(ucfg, "NET_DEVICES", cfg.net_devices.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(ucfg);
+      throw Error(ErrorKind::Invalid, "net_devices " + cfg.net_devices + ": " + ucs_error(st));
+    }
+    net_devices_ = cfg.net_devices;
+  }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                  UCP_PARAM_FIELD_NAME;

@@ -122,6 +122,10 @@ struct DeviceConfig {
   // reno, where the system's is bbr, which paces; else the system's), "system", or a name
   // (tcp(7) TCP_CONGESTION; Invalid at construction when this process may not set it).
   std::string tcp_congestion = "auto";
+  // UCX_NET_DEVICES for this device's UCX context where the environment sets none ("": UCX's
+  // default, every device): the Python layer names the interface of the device's own address
+  // (and the host's RDMA ports), so that UCX's tcp data ports listen there only.
+  std::string net_devices;
 };
 
 // Completion state shared by the issuer and the progress thread.
@@ -584,6 +588,8 @@ class Device : public std::enable_shared_from_this<Device> {
   // and the one this device sets on them ("" when it leaves the system's).
   const std::string& tcp_congestion() const { return tcp_cc_.effective; }
   const std::string& tcp_congestion_set() const { return tcp_cc_.set; }
+  // The network devices UCX was given (UCX_NET_DEVICES, or DeviceConfig::net_devices); "all".
+  const std::string& net_devices() const { return net_devices_; }
   // memcpys done by a CPU copy through a same-host mapping, and through UCX.
   uint64_t mapped_ops() const { return mapped_ops_.load(); }
   uint64_t ucx_ops() const { return ucx_ops_.load(); }
@@ -692,6 +698,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<uint64_t> flushed_words_{0}, stream_words_{0}, carried_posts_{0}, striped_writes_{0};
   bool map_enabled_ = false;
   TcpCongestion tcp_cc_;
+  std::string net_devices_ = "all";
   std::unique_ptr<CopyPool> copier_;
   std::string boot_id_;
   std::mutex maps_m_;

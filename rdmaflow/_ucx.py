@@ -9,6 +9,9 @@
   use them.
 * :func:`bin_path` / :func:`find_bin` locate UCX's tools (``ucx_info``, ``ucx_perftest``);
   :func:`tool_env` is an environment in which they find their libraries.
+* :func:`net_devices_for` is the ``UCX_NET_DEVICES`` a device gets by default: the interface
+  of its own address (and the host's RDMA ports), so that UCX's tcp data ports listen only
+  where the job is (docs/security.md).
 * :func:`ucx_env` is the one definition of the transports that tests and benchmarks run
   over (:data:`TRANSPORT_ENV`): "tcp", "sm", "sm-cma", "cuda" (sm with UCX's CUDA
   transports) and "cuda-tcp".
@@ -18,9 +21,13 @@ Standard library only, and nothing here loads a library at import: the benchmark
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import ipaddress
 import os
 import shutil
+import socket
+import struct
 from collections.abc import Mapping
 
 #: transport name -> the variables that restrict a process to it. :func:`ucx_env` adds
@@ -213,3 +220,74 @@ def with_tcp(env: dict[str, str]) -> dict[str, str]:
     if not {"tcp", "all"} & set(names):
         env["UCX_TLS"] = ",".join(names + ["tcp"])
     return env
+
+
+SIOCGIFADDR = 0x8915  # ioctl: an interface's IPv4 address
+ALL_DEVICES = "all"
+
+
+def _ipv4_of(name: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            got = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(got[20:24])
+
+
+def _ipv6_interfaces(sys_root: str = "/proc/net/if_inet6") -> dict[str, str]:
+    """IPv6 address (compressed) -> the interface holding it."""
+    found = {}
+    try:
+        with open(sys_root) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6:
+                    found[str(ipaddress.IPv6Address(bytes.fromhex(parts[0])))] = parts[5]
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds IP ``address`` on this host (``lo`` for any loopback
+    address), or None: a wildcard address (every interface), or one this host does not hold."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return None
+    if ip.is_unspecified:
+        return None
+    names = [n for _, n in socket.if_nameindex()]
+    if ip.is_loopback:
+        loop = [n for n in names if n == "lo"] or [n for n in names if n.startswith("lo")]
+        return loop[0] if loop else None
+    if ip.version == 6:
+        return _ipv6_interfaces().get(str(ip))
+    return next((n for n in names if _ipv4_of(n) == str(ip)), None)
+
+
+def rdma_ports(sys_root: str = "/sys/class/infiniband") -> list[str]:
+    """The host's RDMA ports as UCX names them (``mlx5_0:1``): they stay usable when a device's
+    UCX_NET_DEVICES is narrowed to its interface, so that verbs is not lost."""
+    ports = []
+    try:
+        for dev in sorted(os.listdir(sys_root)):
+            for port in sorted(os.listdir(os.path.join(sys_root, dev, "ports"))):
+                ports.append(f"{dev}:{port}")
+    except OSError:
+        pass
+    return ports
+
+
+def net_devices_for(endpoint: str) -> str:
+    """The ``UCX_NET_DEVICES`` a device listening on ``endpoint`` (``host:port``) gets by
+    default: the interface holding that address, plus the host's RDMA ports; :data:`ALL_DEVICES`
+    ("all", UCX's default) where the address is a wildcard or is no interface's."""
+    host = endpoint.rsplit(":", 1)[0].strip("[]") if ":" in endpoint else endpoint
+    try:
+        addr = socket.getaddrinfo(host or None, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError):
+        return ALL_DEVICES
+    name = interface_of(addr)
+    return ",".join([name, *rdma_ports()]) if name else ALL_DEVICES

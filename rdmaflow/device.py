@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from typing_extensions import Self
 
-from rdmaflow import _core
+from rdmaflow import _core, _ucx
 from rdmaflow._core import Channel, FlaggedWrites, Future, MemRegion, RemoteRegion, SameHost
 from rdmaflow.arena import Arena, arena_of, as_torch_device, byte_count, create_arena, cuda_device_of, integer
 from rdmaflow.deadline import Deadline, positive_seconds
@@ -98,6 +98,15 @@ def _tcp_congestion(tcp_congestion: str | None) -> str:
             f"{where} must be auto, system or a congestion control's name (e.g. cubic), got {tcp_congestion!r}"
         )
     return tcp_congestion
+
+
+def _net_devices(net_devices: str | None, endpoint) -> str:
+    if net_devices is None:
+        return _ucx.net_devices_for(endpoint) if isinstance(endpoint, str) else ""
+    if not isinstance(net_devices, str) or not net_devices.strip():
+        raise InvalidArgumentError(f"net_devices must be UCX device names (e.g. 'eth0', 'lo,mlx5_0:1') or 'all', "
+                                   f"got {net_devices!r}")
+    return net_devices.strip()
 
 
 def _spin_us(spin_us: int) -> int:
@@ -191,6 +200,13 @@ class Device(_core.Device):
     ``Device.tcp_congestion`` is the one in effect (docs/transfer.md, "The congestion control of
     the data sockets").
 
+    ``net_devices``: the network devices UCX may use (``UCX_NET_DEVICES``), where the
+    environment sets none. By default the interface that holds ``endpoint``'s address, plus the
+    host's RDMA ports: UCX's tcp data ports then listen on that interface only (a loopback
+    device on loopback only), not on every interface; "all" where the address is a wildcard
+    (``0.0.0.0``) or not this host's. ``"all"`` restores UCX's default. ``Device.net_devices``
+    is the setting in effect (docs/security.md).
+
     A device is a context manager: leaving the ``with`` block closes it.
     """
 
@@ -211,6 +227,7 @@ class Device(_core.Device):
         inline_posts: bool | None = None,
         flagged_writes: FlaggedWrites | str | None = None,
         tcp_congestion: str | None = None,
+        net_devices: str | None = None,
     ):
         super().__init__(endpoint, num_cqs=integer(num_cqs, "num_cqs"), qps_per_peer=integer(qps_per_peer, "qps_per_peer"),
                          secret=_job_secret(secret),
@@ -220,7 +237,8 @@ class Device(_core.Device):
                          same_host=_same_host(same_host), copy_threads=_copy_threads(copy_threads),
                          inline_posts=_inline_posts(inline_posts),
                          flagged_writes=_flagged_writes(flagged_writes),
-                         tcp_congestion=_tcp_congestion(tcp_congestion))
+                         tcp_congestion=_tcp_congestion(tcp_congestion),
+                         net_devices=_net_devices(net_devices, endpoint))
         _start_callback_thread()
 
     def __enter__(self) -> Self:
@@ -240,6 +258,9 @@ class Device(_core.Device):
         check_dense(tensor, "register()'s tensor")
         if not tensor.is_contiguous():
             raise InvalidArgumentError("register() needs a contiguous tensor; call .contiguous() first")
+        if tensor.is_neg() or tensor.is_conj():  # its memory holds the values before the lazy operation
+            raise InvalidArgumentError(f"register()'s tensor has its {'conjugate' if tensor.is_conj() else 'negative'} "
+                                       "bit set: call .resolve_conj() / .resolve_neg() first (that copies)")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             raise InvalidArgumentError("cannot register an empty tensor")

@@ -4,11 +4,15 @@ Prints the rdmaflow and UCX versions, which libucp was loaded (the libucx wheel'
 UCX), which libucx wheel is installed and PyTorch's CUDA version, the transports and devices UCX
 finds (``ucx_info -d``), whether RDMA verbs and CUDA transports are among them and whether
 GPUDirect RDMA is possible, the UCX_*/RDMAFLOW_* settings in force (secrets masked), and what
-a temporary rdmaflow Device actually enabled. ``--json`` gives the same as one JSON object.
+a temporary rdmaflow Device actually enabled and where it listens (its handshake listener and
+UCX's tcp data ports, on the interface of its address only: docs/security.md). ``--json`` gives
+the same as one JSON object.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -230,19 +234,53 @@ def settings(environ: dict[str, str] | None = None) -> dict[str, str]:
             if k.startswith(("UCX_", "RDMAFLOW_"))}
 
 
+def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` holds that listens, from
+    /proc/PID/net/tcp{,6} and the socket inodes among its fds; sorted."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    except OSError:
+        return []
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) < 10 or cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = cols[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((str(ipaddress.ip_address(raw)), int(hexport, 16)))
+    return sorted(found)
+
+
 def _temporary_device() -> dict[str, Any]:
     import rdmaflow
 
     secret = os.environ.get(SECRET_ENV) or secrets.token_hex(16)
+    before = set(listening_sockets())
     try:
         dev = rdmaflow.Device("127.0.0.1:0", secret=secret, connect_timeout=5.0, rpc_timeout=5.0)
     except Exception as e:  # noqa: BLE001 - reported, not raised
         return {"ok": False, "error": f"{type(e).__name__}: {e}", "transports": [], "text": ""}
     try:
         text = dev.ucx_info()
+        listening = [f"[{a}]:{p}" if ":" in a else f"{a}:{p}" for a, p in sorted(set(listening_sockets()) - before)]
         return {"ok": True, "error": None, "endpoint": dev.endpoint,
                 "transports": parse_context_resources(text), "text": text,
-                "same_host_mapping": bool(dev.same_host_mapping)}
+                "same_host_mapping": bool(dev.same_host_mapping),
+                "net_devices": dev.net_devices, "listening": listening}
     finally:
         dev.close()
 
@@ -403,6 +441,10 @@ def format_text(info: dict[str, Any]) -> str:
                    "add tcp to UCX_TLS (e.g. UCX_TLS=cma,posix,self,tcp)")
             lines.append("  warning: no tcp among them: rdmaflow devices connect through UCX's "
                          f"sockaddr connection manager and will not reach their peers; {fix}")
+        lines.append(f"It listens on {', '.join(d['listening']) or 'nothing found'} (its handshake listener and "
+                     f"UCX's tcp data ports); UCX network devices: {d['net_devices']} "
+                     + ("(UCX_NET_DEVICES)" if os.environ.get("UCX_NET_DEVICES") else
+                        "(the interface of its address: a job's devices listen where the job is, docs/security.md)"))
         lines.append("Same-host fast path (peers on this host map regions, one memcpy): " +
                      ("on" if d.get("same_host_mapping") else
                       "off (RDMAFLOW_SAME_HOST=0, or UCX_TLS rules out shared memory)"))

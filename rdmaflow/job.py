@@ -5,9 +5,10 @@ both build on it, each under a namespace of its own in the one store.
 The store carries only endpoints and small JSON documents; region descriptors (remote keys) go
 through the devices' authenticated side RPC, never through the store.
 
-Rank 0 serves the store at ``MASTER_ADDR:MASTER_PORT``, unless a torchrun agent already does
-(``TORCHELASTIC_USE_AGENT_STORE``). Every wait is bounded and watches the abort key, so that a
-process that fails makes every other one raise instead of waiting.
+Rank 0 serves the store at ``MASTER_ADDR:MASTER_PORT``, on that address only (torch's own
+binds every interface), unless a torchrun agent already does (``TORCHELASTIC_USE_AGENT_STORE``;
+the agent's binds every interface: docs/security.md). Every wait is bounded and watches the
+abort key, so that a process that fails makes every other one raise instead of waiting.
 
 Leaving. A process that fails late must still be able to read why the job was aborted, so the
 process serving the store outlives the others, boundedly. Keys under the namespace:
@@ -110,9 +111,11 @@ class JobStore:
         self.serving = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self.address, self.timeout, self.world_size, self.ns = f"{host}:{port}", timeout, world_size, namespace
         self._me = (self.address, namespace, rank)
+        listen_fd = _store_socket(host, port) if self.serving else None
         try:
             self.tcp = dist.TCPStore(host, port, world_size, self.serving, timeout=timedelta(seconds=timeout),
-                                     wait_for_workers=False, multi_tenant=True)
+                                     wait_for_workers=False, multi_tenant=True,
+                                     **({} if listen_fd is None else {"master_listen_fd": listen_fd}))
         except Exception as e:  # noqa: BLE001 - torch raises several types here
             raise PeerError(f"cannot reach the job's c10d store at {self.address} within {timeout:.0f} s: {e}") from None
         # The serving process's store is held until exit, where it lingers for the others: a
@@ -242,6 +245,27 @@ class JobStore:
 
 
 _SERVING: list[JobStore] = []  # the stores this process serves, held until exit
+
+
+def _store_socket(host: str, port: int) -> int | None:
+    """A socket listening on the store's own address only, for the TCPStore this process
+    serves: torch's binds every interface otherwise, and the store is unauthenticated
+    (docs/security.md). None where that address cannot be bound here (the store of another
+    namespace of this process holds the port, and torch shares it; a name that is no address
+    of this host): torch then binds as it would."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        s = socket.socket(family, kind, proto)
+    except OSError:
+        return None
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(512)
+    except OSError:
+        s.close()
+        return None
+    return s.detach()  # the TCPStore owns it now
 
 
 @atexit.register

@@ -618,3 +618,33 @@ def test_a_futures_timeout_is_checked_as_every_other(pair):
                 call(bad)
     f.result(30)
     assert f.wait(float("inf")) and f.wait(None) and f.wait(0) and f.wait(2)
+
+
+def test_a_bad_direction_or_a_descriptor_not_bytes_is_an_invalid_argument(pair):
+    """A direction that is not rdmaflow.WRITE or READ, or a descriptor (or published value) that
+    is not bytes, met pybind11's TypeError and its signature dump: InvalidArgumentError names it.
+    Other buffers of bytes (bytearray, memoryview) are taken; nothing is sent for a refused call."""
+    _, dev, local, remote, ch = pair
+    for bad in ("write", 1, None, True):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="direction must be rdmaflow.WRITE or rdmaflow.READ"):
+            ch.memcpy(local, 0, remote, 0, 8, bad)
+    desc = local.descriptor()
+    for bad in (desc.hex(), desc.decode("latin-1"), 5, None):
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=r"descriptor .* must be bytes, got"):
+            rdmaflow.RemoteRegion.from_descriptor(bad)
+    for ok in (bytearray(desc), memoryview(desc)):
+        assert rdmaflow.RemoteRegion.from_descriptor(ok).region_id == local.id
+    with pytest.raises(rdmaflow.InvalidArgumentError, match="a published value must be bytes, got str"):
+        dev.publish("name", "text")
+    ch.memcpy(local, 0, remote, 0, 8, rdmaflow.READ).result(30)
+
+
+def test_register_refuses_a_tensor_whose_negative_or_conjugate_bit_is_set(job_secret):
+    """Its memory holds the values before the lazy negation or conjugation: a peer reading the
+    region would see those (docs/security.md, "Tensor views")."""
+    with local_device() as dev:
+        for t, bit in ((torch._neg_view(torch.ones(4)), "negative"), (torch.ones(4, dtype=torch.complex64).conj(),
+                                                                      "conjugate")):
+            with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{bit} bit set"):
+                dev.register(t)
+        assert dev.register(torch._neg_view(torch.ones(4)).resolve_neg()).nbytes == 16

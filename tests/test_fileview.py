@@ -299,6 +299,9 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         assert _oserror(lambda: os.pwrite(meta, b"{}", 0)) == errno.EBADF
         weights = os.open(f"{m}/weights", os.O_RDWR)
         assert _oserror(lambda: os.pwrite(weights, b"\0" * 4, 0)) == errno.EBADF
+        # The gradient writes refused above spoilt this step: it is not pushed (a write to a
+        # read-only file does not count), and the next starts from zero.
+        assert _oserror(lambda: os.fsync(grad)) == errno.EINVAL
         # The names and modes are the model's ("Function not implemented" before).
         for change in (lambda: os.unlink(f"{m}/weights"), lambda: os.rename(f"{m}/grad", f"{m}/g"),
                        lambda: os.mkdir(f"{m}/d"), lambda: os.rmdir(f"{m}/vars"), lambda: os.chmod(f"{m}/grad", 0o600),
@@ -318,6 +321,12 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         assert os.pwrite(grad, b"\0", 8) == 1
         assert _oserror(lambda: os.pwrite(grad, b"\0" * 8, 4)) == errno.EINVAL
         assert os.pwrite(grad, b"\0\0\0", 9) == 3
+        # That refused write spoilt the step: fsync fails with its errno and the step's sum
+        # (the 2.0s) is discarded; written again, it is pushed.
+        assert _oserror(lambda: os.fsync(grad)) == errno.EINVAL
+        with open(f"{m}/grad", "rb", buffering=0) as f:
+            assert np.frombuffer(f.read(8), np.float32).tolist() == [0.0, 0.0]
+        assert os.pwrite(grad, one, 0) == 8 and os.pwrite(grad, one, 0) == 8
         os.fsync(grad)
         time.sleep(1.5)  # past the kernel's attribute cache (1 s)
         for name in ("grad", "weights"):  # written, then pushed: both changed (the times never moved)
@@ -356,6 +365,59 @@ def test_bad_input_gets_posix_errors_and_a_dead_shard_gives_eio(tmp_path):
         assert j.stop_mount(0) != 0
         assert "every operation now fails with EIO" in j.proc("worker0").output(), j.logs()  # and says why
         assert not is_mounted(m)
+
+
+def test_a_step_with_a_refused_large_write_is_discarded_not_pushed(tmp_path):
+    """The kernel splits a write into requests of at most 1 MiB: a write of 1.5 MiB that runs
+    past the end of /grad is refused only in its last request, after its first MiB was added,
+    and the client sees a short count. That step is never pushed: fsync (and close) fail with
+    the refused write's errno and its sum is discarded, so no part of it reaches the shard."""
+    n = 300_000  # 1.2 MB of float32: a 1.5 MiB write from 0 runs past the end in its 2nd MiB
+    # Weight decay from 1.0: a push of zeros (a step nobody wrote) would move the weights too.
+    doc = {"variables": [{"name": "w", "shape": [n], "dtype": "float32", "init": 1.0}],
+           "optimizer": {"name": "SGD", "lr": LR, "weight_decay": 0.5}}
+    (tmp_path / "big.json").write_text(json.dumps(doc))
+    with MountJob(tmp_path, {}) as j:
+        j.start_mounts(1, 1, str(tmp_path / "big.json"))
+        m = j.mounts[0]
+        big = np.ones(3 << 18, np.float32).tobytes()  # 1.5 MiB
+        grad = os.open(f"{m}/grad", os.O_WRONLY)
+        weights = os.open(f"{m}/weights", os.O_RDONLY)
+
+        def write_past_the_end() -> int:
+            try:
+                wrote = os.pwrite(grad, big, 0)
+            except OSError as e:  # a kernel that sends it whole refuses it whole
+                assert e.errno == errno.EINVAL
+                return 0
+            assert 0 < wrote < len(big)
+            return wrote
+
+        def grad_sum() -> np.ndarray:
+            with open(f"{m}/grad", "rb", buffering=0) as f:
+                return np.frombuffer(f.read(), np.float32)
+
+        if write_past_the_end():
+            assert grad_sum()[:1000].tolist() == [1.0] * 1000  # its first MiB was added
+        assert _oserror(lambda: os.fsync(grad)) == errno.EINVAL
+        assert not grad_sum().any()  # the step's sum was discarded
+        # Closing a descriptor that wrote only into the discarded step pushes nothing.
+        os.close(os.dup(grad))
+        # Written again within the file, the step is pushed, and only it: w - lr (g + 0.5 w).
+        half = n // 2 * 4
+        assert os.pwrite(grad, big[:half], 0) == half
+        os.fsync(grad)
+        got = np.frombuffer(os.pread(weights, 4 * n, 0), np.float32)
+        np.testing.assert_allclose(got[: n // 2], 1 - LR * 1.5, rtol=1e-6)
+        np.testing.assert_allclose(got[n // 2 :], 1 - LR * 0.5, rtol=1e-6)  # nothing discarded came through
+        # Closing the descriptor that wrote into a spoilt step fails too, and pushes nothing.
+        if write_past_the_end():
+            assert _oserror(lambda: os.close(grad)) == errno.EINVAL
+        else:
+            os.close(grad)
+        np.testing.assert_array_equal(np.frombuffer(os.pread(weights, 4 * n, 0), np.float32), got)
+        os.close(weights)
+        assert j.stop_mount(0) == 0, j.logs()
 
 
 @pytest.mark.parametrize("in_flight", ["read", "step"])

@@ -988,6 +988,41 @@ def test_receiver_names_depths_and_lazy_bits(job_secret):
 
 
 
+def test_lazy_negative_and_conjugate_views_are_never_sent_as_their_memory(tpeer, dev):
+    """A tensor whose negative bit is set (torch._neg_view: any dtype, contiguous) or whose
+    conjugate bit is set holds in memory the values before the negation: every sender refuses
+    it (static from host memory and from the arena, bounded, dynamic; to a receiver on this
+    host through its mapped slot over sm, over UCX on tcp) and sends nothing, where a static
+    send on one host used to deliver +1 for -1. The resolved tensor then arrives as its values."""
+    peer = tpeer()
+    plan = [[[3, 5], "float32"]]
+    peer.call("static_receiver", name="s", shape=[3, 5], dtype="float32", depth=2)
+    peer.call("bounded_receiver", name="b", max_shape=[3, 5], dtype="float32", depth=2)
+    peer.call("dynamic_receiver", name="d", depth=2)
+    ep = peer.endpoint
+    senders = {"s": StaticSender(dev, ep, "s"), "b": BoundedSender(dev, ep, "b", [3, 5], torch.float32),
+               "d": DynamicSender(dev, ep, "d")}
+    want = {"s": static_tensor(41, 0, (3, 5), torch.float32), "b": planned_tensor(42, 0, plan),
+            "d": planned_tensor(43, 0, plan)}
+    for name, s in senders.items():
+        x = want[name]
+        in_arena = dev.empty(x.shape, x.dtype)
+        in_arena.copy_(-x)
+        for bad in (torch._neg_view(-x), torch._neg_view(in_arena)):
+            assert bad.is_neg() and bad.is_contiguous() and torch.equal(bad, x)  # its values are x
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="negative bit"):
+                s.send(bad, timeout=5)
+        if name != "s":  # the static receiver holds float32: a complex tensor fails its dtype first
+            z = torch.complex(x, x).conj().resolve_conj()
+            with pytest.raises(rdmaflow.InvalidArgumentError, match="conjugate bit"):
+                s.send(z.conj(), timeout=5)
+        assert s.seq == 0
+        peer.post("recv", name=name, n=1, seed={"s": 41, "b": 42, "d": 43}[name],
+                  **({} if name == "s" else {"plan": plan}))
+        s.send(torch._neg_view(in_arena).resolve_neg(), timeout=5)
+        assert_all_verified(peer.answer(), 1, f"{name} after refused lazy views")
+
+
 @pytest.mark.filterwarnings("ignore:.*(Sparse CSR|nested tensors).*:UserWarning")
 def test_sparse_and_nested_tensors_are_refused(job_secret):
     """A sparse or nested tensor's memory is not its values in order: every sender (and

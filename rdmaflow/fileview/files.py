@@ -9,7 +9,8 @@ each POSIX call does on it. Reads and writes take libfuse's buffer by address
     /vars/<name>.weights  one variable's part of /weights
 
 Errors are POSIX: a path that does not exist ``ENOENT``, a write past a file's end ``EINVAL``,
-a write to a read-only file ``EBADF``, a push with elements only partly written ``EINVAL``,
+a write to a read-only file ``EBADF``, a push with elements only partly written ``EINVAL``, a
+push of a step into which a gradient write was refused that write's errno (the step is discarded),
 a new file ``EACCES``, removing, renaming, linking or chmod-ing one ``EPERM``, a request its
 client gave up while it waited (a signal) ``EINTR``, and once the job failed (a shard died)
 ``EIO`` on every operation."""
@@ -55,6 +56,10 @@ class ModelFiles(Operations):
         self.mounted = threading.Event()
         self._fh = itertools.count(1)
         self._wrote: dict[int, int] = {}  # file handle -> the step it last wrote into
+        # The errno of a gradient write refused in this step, if any: the kernel splits a write
+        # into requests of at most 1 MiB and returns a short count when a later one is refused,
+        # after the earlier ones were added. Such a step is never pushed (``_step``).
+        self._refused: int | None = None
         self._dsync: set[int] = set()     # file handles opened O_SYNC or O_DSYNC: writes go through
         self._opener: dict[int, int | None] = {}  # file handle -> the process (thread group) that opened it
         self._t = time.time_ns()
@@ -154,18 +159,24 @@ class ModelFiles(Operations):
         node = self._node(path)
         if node.kind != "grad":
             raise FuseOSError(errno.EBADF)
-        if offset < 0 or offset + size > node.size:
-            raise FuseOSError(errno.EINVAL)
-        with self._interruptible(), self.gate.shared(self.step_timeout, "a write", interrupted):
-            self._check()
-            try:
-                self.flat.write(node.offset + offset, (ctypes.c_char * size).from_address(src), fh in self._dsync,
-                                interrupted)
-            except RdmaflowError as e:
-                self.fail(f"a write at byte {node.offset + offset} failed: {e}")
-                raise FuseOSError(errno.EIO) from None
-            self._wrote[fh] = self.steps
-            self._mtime["grad"] = time.time_ns()
+        try:
+            if offset < 0 or offset + size > node.size:
+                raise FuseOSError(errno.EINVAL)
+            with self._interruptible(), self.gate.shared(self.step_timeout, "a write", interrupted):
+                self._check()
+                try:
+                    self.flat.write(node.offset + offset, (ctypes.c_char * size).from_address(src), fh in self._dsync,
+                                    interrupted)
+                except RdmaflowError as e:
+                    self.fail(f"a write at byte {node.offset + offset} failed: {e}")
+                    raise FuseOSError(errno.EIO) from None
+                self._wrote[fh] = self.steps
+                self._mtime["grad"] = time.time_ns()
+        except OSError as e:  # FuseOSError, the gate's ETIMEDOUT, flat's EINVAL, EINTR: this step is spoilt
+            # (an interrupted request added nothing, but the kernel's earlier pieces of its write may have)
+            if self._refused is None:
+                self._refused = e.errno or errno.EIO
+            raise
         return size
 
     # mfusepy's own interface, with bytes (BufferFUSE calls the two above instead).
@@ -204,6 +215,21 @@ class ModelFiles(Operations):
     def _step(self, path: str) -> None:
         with self._interruptible(), self.gate.exclusive(self.step_timeout, "a push", interrupted):
             self._check()
+            if self._refused is not None:
+                # Part of a refused write may have been added (the kernel's earlier requests of
+                # it were): the step's sum is discarded, not pushed, and a new one starts.
+                code, self._refused = self._refused, None
+                # Nothing was written into the new step: closing a descriptor now pushes nothing.
+                self._wrote = {fh: s for fh, s in self._wrote.items() if s != self.steps}
+                try:
+                    self.flat.discard()
+                except RdmaflowError as e:
+                    self.fail(f"discarding step {self.steps + 1} after a refused write failed: {e}")
+                    raise FuseOSError(errno.EIO) from None
+                print(f"rdmaflow mount {self.label}: push refused: a write into step {self.steps + 1} was refused "
+                      f"({errno.errorcode.get(code, code)}); the step's gradient is discarded, write it again",
+                      file=sys.stderr, flush=True)
+                raise FuseOSError(code)
             partial = self.flat.incomplete()
             if partial:
                 print(f"rdmaflow mount {self.label}: push refused: elements at byte offsets {partial[:5]} "

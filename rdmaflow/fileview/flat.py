@@ -155,6 +155,18 @@ class FlatModel:
         return True
 
     # -- the step ----------------------------------------------------------------------------
+    def discard(self) -> None:
+        """Throws this step's gradient away (a write into it was refused after part of it may
+        have been added): zero here, and zeros WRITten over every slot of the step. A slot
+        that the step's writes WRITE as well is then covered twice, so the next push sends it
+        whole, behind a fence, from this buffer: nothing of the discarded sum reaches a shard.
+        Called with no write in flight (the step gate held)."""
+        with self._partial_lock:
+            self._partials.clear()
+        self.grads.zero_()
+        self.opt.wait_range(0, self.numel)
+        self.opt.push_range(0, self.numel)
+
     def step(self, give_up=None) -> None:
         """Pushes what the writes did not, and the push flag; returns once that has landed
         (reads and the next step's writes wait for the new weights, chunk by chunk). The next

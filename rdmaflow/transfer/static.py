@@ -111,10 +111,11 @@ class StaticSender(Sender):
         self.mode = mode
         self._declared = (None if shape is None else shape_of(shape), dtype)
         super().__init__(device, remote_endpoint, name, qp_idx, timeout)
-        # Whether a tensor of the receiver's shape and dtype can have its conjugate or negative
-        # bit set and be contiguous (complex; or one element, as x.conj().imag): only then does a
-        # send ask the tensor (two calls, several hundred ns).
-        self._lazy_bits = self.dtype.is_complex or self.nbytes <= self.dtype.itemsize
+        # Whether a tensor of the receiver's dtype can have its conjugate bit set (complex only):
+        # only then does a send ask it. Its negative bit is asked always: any dtype can carry it
+        # contiguously (torch._neg_view, a one-element x.conj().imag), and its memory then holds
+        # the values before the negation.
+        self._conj_bit = self.dtype.is_complex
         self._staging: list = [None] * self.depth
         self._gpu_staging: list = [None] * self.depth
         # Where each slot's data and flag are in the receiver's region, and this sender's ack word.
@@ -186,7 +187,7 @@ class StaticSender(Sender):
         try:
             host = (isinstance(tensor, torch.Tensor) and tensor.shape == self.shape and tensor.dtype == self.dtype
                     and tensor.is_cpu and tensor.is_contiguous()
-                    and not (self._lazy_bits and (tensor.is_neg() or tensor.is_conj())))
+                    and not tensor.is_neg() and not (self._conj_bit and tensor.is_conj()))
         except RuntimeError:  # a sparse or nested tensor, which has no shape or strides to ask: _refuse says so
             host = False
         if not host:
