@@ -1,0 +1,60 @@
+"""What ``rdmaflow launch`` runs in each process of a job: the training script, as ``python
+script.py args`` would, recording why it failed where the launcher reads it.
+
+An exception that ends the script is printed as Python prints it, and its one-line summary
+(``Type: message``) and time are written to ``$TORCHELASTIC_ERROR_FILE`` in the format of
+torch's elastic ErrorHandler (torchrun sets that variable for each process; under
+``--min-workers`` the launcher does): the launcher names the failed rank and this cause in one
+line. Ctrl-C (KeyboardInterrupt) ends the process with status 130 and no traceback: the
+launcher says once that the job was interrupted.
+
+    python -m rdmaflow._rank script.py [its arguments]
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+
+def record(cause: str) -> None:
+    """Writes ``cause`` where the launcher reads this process's failure (best effort)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": cause, "extraInfo": {"py_callstack": traceback.format_exc(),
+                                                        "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m rdmaflow._rank script.py [its arguments]", file=sys.stderr)
+        return 2
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` sets it
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except KeyboardInterrupt:
+        return 130
+    except SystemExit as e:
+        if e.code not in (None, 0) and not isinstance(e.code, int):
+            record(str(e.code))  # sys.exit("message"): the message is the cause
+        raise
+    except BaseException as e:  # noqa: BLE001 - recorded, then reported as Python would
+        record(f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
