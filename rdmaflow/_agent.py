@@ -12,8 +12,7 @@ import os
 import sys
 
 
-def _report(doc: dict) -> None:
-    path = os.environ.get("RDMAFLOW_LAUNCH_REPORT")
+def _report(path: str | None, doc: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(doc, f)
@@ -25,6 +24,7 @@ def _message(m) -> str:
 
 
 def main(argv: list[str]) -> int:
+    report = os.environ.pop("RDMAFLOW_LAUNCH_REPORT", None)  # the launcher's, not the ranks'
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -38,13 +38,13 @@ def main(argv: list[str]) -> int:
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as e:
-        _report({"failures": [{"rank": int(rank), "local_rank": f.local_rank, "exitcode": f.exitcode,
+        _report(report, {"failures": [{"rank": int(rank), "local_rank": f.local_rank, "exitcode": f.exitcode,
                                "message": _message(f.message) if f.error_file != "<N/A>" else None,
                                "timestamp": f.timestamp}
                               for rank, f in sorted(e.failures.items())]})
         return 1
     except SignalException as e:
-        _report({"signal": int(e.sigval)})
+        _report(report, {"signal": int(e.sigval)})
         return 128 + int(e.sigval)
     return 0
 
