@@ -46,6 +46,10 @@ def main(argv: list[str]) -> int:
     except SignalException as e:
         _report(report, {"signal": int(e.sigval)})
         return 128 + int(e.sigval)
+    except Exception as e:  # noqa: BLE001 - the rendezvous's store timed out, or another agent error
+        first = str(e).split("Exception raised from", 1)[0].strip().splitlines()  # c10d adds C++ frames
+        _report(report, {"error": f"{type(e).__name__}: {first[0] if first else ''}"})
+        return 1
     return 0
 
 

@@ -7,9 +7,9 @@ each host (default one of each, as in Xue et al. §5.2), and says so as it start
 MASTER_PORT, and rdmaflow.ps.init() derives each process's role from them.
 
 On more than one host, run the same command on each, with ``--nnodes``, this host's
-``--node-rank`` and node 0's ``--master-addr``/``--master-port`` (README, "Several hosts"). A
-node other than 0 waits at most ``--join-timeout`` seconds for node 0's store, then exits
-naming the address it waited for.
+``--node-rank`` and node 0's ``--master-addr``/``--master-port`` (README, "Several hosts").
+Each node waits at most ``--join-timeout`` seconds for the others (node 0 for every other node,
+the others for node 0's store), then exits naming the address it waited at.
 
 A failed job ends with one line naming the failed rank, its role and the cause (instead of
 torchrun's ChildFailedError dump); Ctrl-C ends it with one line and exit status 130. The job secret
@@ -62,8 +62,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--master-port", "--master_port", type=int, default=29500, dest="master_port",
                    help="the TCP port of the job's store on node 0, the same on every host (default 29500)")
     p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT,
-                   help=f"on a node other than 0: seconds to wait for node 0's store before giving up "
-                        f"(default {JOIN_TIMEOUT:.0f})")
+                   help=f"seconds a node waits for the others to join: node 0 for every other node, the others "
+                        f"for node 0's store (default {JOIN_TIMEOUT:.0f})")
     p.add_argument("--min-workers", type=int, default=None,
                    help="survive worker failures while at least this many workers live (the job's total; "
                         "rdmaflow launch then supervises the processes itself instead of torchrun) (default: off, "
@@ -116,6 +116,8 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
     argv = [sys.executable, "-m", "rdmaflow._agent",
             "--nnodes", str(ns.nnodes), "--nproc-per-node", str(ns.nproc_per_node + ns.shards_per_node),
             "--node-rank", str(ns.node_rank), "--master-addr", ns.master_addr, "--master-port", str(ns.master_port),
+            # how long the agents wait for each other at the rendezvous (torchrun's default: 600 s)
+            "--rdzv-conf", f"timeout={max(1, round(ns.join_timeout))}",
             "-m", "rdmaflow._rank", ns.script, *ns.args]
     return argv, env
 
@@ -421,6 +423,14 @@ def run(ns: argparse.Namespace) -> int:
     elif doc.get("signal"):
         print(f"rdmaflow launch: stopped by {signal.Signals(doc['signal']).name}; stopped the job's processes on "
               "this node", file=sys.stderr, flush=True)
+    elif doc.get("error") and ns.nnodes > 1:
+        others = (f"nodes 1-{ns.nnodes - 1}" if ns.nnodes > 2 else "node 1") if ns.node_rank == 0 else "the other nodes"
+        print(f"rdmaflow launch: the job's nodes did not all join at {ns.master_addr}:{ns.master_port} within "
+              f"{ns.join_timeout:.0f} s (this is node {ns.node_rank}; waited for {others}): start the same command on "
+              f"every host with its own --node-rank, or raise --join-timeout ({doc['error']})",
+              file=sys.stderr, flush=True)
+    elif doc.get("error"):
+        print(f"rdmaflow launch: the job failed: torchrun: {doc['error']}", file=sys.stderr, flush=True)
     elif rc != 0:
         print(f"rdmaflow launch: the job failed: torchrun exited with {rc} (see its output above)",
               file=sys.stderr, flush=True)

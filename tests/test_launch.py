@@ -95,6 +95,22 @@ def test_a_wrong_master_port_ends_naming_the_address_it_waited_for(tmp_path):
         "start node 0 with the same --master-addr and --master-port, and open that port in its firewall"), p.stderr
 
 
+def test_node_0_alone_ends_naming_the_nodes_it_waited_for(tmp_path):
+    """Node 0 of two whose node 1 never comes: torchrun waited 600 s (its static rendezvous's
+    default), silent; now --join-timeout seconds, then one line."""
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    t0 = time.monotonic()
+    p = run_launch("--nnodes", "2", "--join-timeout", "3", str(script),
+                   env_extra={"RDMAFLOW_JOB_SECRET": "a-secret-of-32-characters-000000"}, timeout=60)
+    assert p.returncode != 0 and "ran" not in p.stdout, p.stdout + p.stderr
+    assert time.monotonic() - t0 < 40
+    line = last_line(p.stderr)
+    assert line.startswith("rdmaflow launch: the job's nodes did not all join at 127.0.0.1:") and (
+        "within 3 s (this is node 0; waited for node 1): start the same command on every host") in line, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+
+
 FAILS = """import os, sys, time
 if os.environ['RANK'] == '2':
     time.sleep(0.5)
