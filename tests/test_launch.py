@@ -226,3 +226,13 @@ def test_a_parameter_server_script_run_without_the_launcher_says_how_to_start_it
     line = last_line(p.stderr)
     assert "no launcher started it: run it with `rdmaflow launch --nproc-per-node 1 SCRIPT" in line, p.stderr
     assert "RDMAFLOW_SHARDS_PER_NODE" not in p.stderr, p.stderr
+
+
+def test_a_pipeline_started_with_a_shard_says_which_flags_start_one_process_per_stage():
+    """`--nproc-per-node 2` adds a shard: 3 processes for 2 stages. The error said only "start one
+    process per stage"; it now gives the flags, and the launcher's last line carries it."""
+    p = run_launch("--nproc-per-node", "2", "examples/graph_mlp.py", timeout=150)
+    assert p.returncode != 0
+    line = last_line(p.stderr)
+    assert "split the model into 2 stages but the job has WORLD_SIZE=3 processes" in line, p.stderr
+    assert "`rdmaflow launch --shards-per-node 0 --nproc-per-node 2 SCRIPT`" in line, p.stderr
