@@ -34,6 +34,14 @@ def record(cause: str) -> None:
         pass
 
 
+def _from_script(tb, script: str):
+    """The traceback from the script's first frame on (this module's and runpy's say nothing)."""
+    path, t = os.path.abspath(script), tb
+    while t is not None and os.path.abspath(t.tb_frame.f_code.co_filename) != path:
+        t = t.tb_next
+    return t or tb
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m rdmaflow._rank script.py [its arguments]", file=sys.stderr)
@@ -51,7 +59,7 @@ def main(argv: list[str]) -> int:
         raise
     except BaseException as e:  # noqa: BLE001 - recorded, then reported as Python would
         record(f"{type(e).__name__}: {e}")
-        traceback.print_exc()
+        traceback.print_exception(type(e), e, _from_script(e.__traceback__, script))
         return 1
     return 0
 

@@ -103,6 +103,7 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
                              "export one (e.g. `export RDMAFLOW_JOB_SECRET=$(openssl rand -hex 16)`)")
         env["RDMAFLOW_JOB_SECRET"] = secrets.token_hex(16)
     env["RDMAFLOW_SHARDS_PER_NODE"] = str(ns.shards_per_node)
+    env["RDMAFLOW_LAUNCHED"] = "1"  # this launcher reports an interruption once for the job (rdmaflow.ps)
     if ns.resume:
         env["RDMAFLOW_RESUME"] = "1"
     if ns.min_workers is not None:
@@ -193,16 +194,25 @@ def _cause(message: str | None, exitcode: int) -> str:
     return f"exited with {exitcode} (no Python exception: see its output above)"
 
 
-def culprit(failures: list[dict]) -> dict:
-    """The failure that caused the others: one with a cause of its own (an exception that is not
-    the abort another process recorded), then any with a message, then one a signal killed; the
-    earliest of them (torchrun's "Root Cause" took the first rank, often a shard stopped because a
-    worker failed)."""
-    def rank_of(f):
-        msg = f.get("message") or ""
-        consequence = "the job was aborted" in msg or "is unreachable" in msg
-        return (not msg, consequence, f.get("exitcode", 0) == -signal.SIGTERM, f.get("timestamp", 0), f["rank"])
-    return min(failures, key=rank_of)
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what torchrun and this launcher stop processes with
+
+
+def culprit(ns: argparse.Namespace, failures: list[dict]) -> dict:
+    """The failure that caused the others (torchrun's "Root Cause" took the first rank, often a
+    shard stopped because a worker failed). In this order: an exception of the process's own
+    (not the abort another process recorded, nor a PeerError about another process); a process
+    a signal killed that nobody sends to stop a job (SIGKILL, SIGSEGV); any other exception;
+    the rest. The earliest first, then the lowest rank."""
+    def tier(f) -> int:
+        msg, rc = f.get("message") or "", f.get("exitcode", 0)
+        own_abort = f"the job was aborted: {role(ns, f['rank'])}:" in msg
+        consequence = msg.startswith("PeerError") or ("the job was aborted" in msg and not own_abort)
+        if msg and not consequence:
+            return 0
+        if rc < 0 and -rc not in STOPPING:
+            return 1
+        return 2 if msg else 3
+    return min(failures, key=lambda f: (tier(f), f.get("timestamp", 0), f["rank"]))
 
 
 def ucx_hint(cause: str, env: dict) -> str:
@@ -216,7 +226,7 @@ def ucx_hint(cause: str, env: dict) -> str:
 
 def failure_line(ns: argparse.Namespace, failures: list[dict], env: dict) -> str:
     """The one line a failed job ends with: the culprit's rank, role and cause."""
-    f = culprit(failures)
+    f = culprit(ns, failures)
     cause = _cause(f.get("message"), f.get("exitcode", 1))
     others = len(failures) - 1
     tail = f"; {plural(others, 'other process')} failed after it" if others else ""

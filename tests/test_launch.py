@@ -148,14 +148,31 @@ def test_a_dead_shard_under_min_workers_stops_the_job_without_the_others_go_on(t
     assert last_line(p.stderr) == "rdmaflow launch: the job failed: rank 0 (shard 0): killed by SIGKILL", p.stderr
 
 
-@pytest.mark.parametrize("extra", [[], ["--min-workers", "1"]])
-def test_ctrl_c_ends_the_job_with_one_line_and_status_130(tmp_path, extra):
+PS_JOB = """import os, pathlib, time, torch
+from rdmaflow import ps
+ctx = ps.init()
+model = torch.nn.Linear(8, 1)
+opt = ps.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.05))
+for step in range(100000):
+    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step(); time.sleep(0.01)
+    if step == 3:
+        pathlib.Path(UP, 'up' + os.environ['RANK']).write_text('')
+"""
+
+
+@pytest.mark.parametrize("extra, job", [([], "sleep"), (["--min-workers", "1"], "sleep"), ([], "ps")])
+def test_ctrl_c_ends_the_job_with_one_line_and_status_130(tmp_path, extra, job):
     """Ctrl-C reaches the launcher (the job's processes run in sessions of their own): it printed
-    84 lines and three KeyboardInterrupt tracebacks; now one line, and 130 as a shell reports."""
+    84 lines and three KeyboardInterrupt tracebacks; now one line, and 130 as a shell reports.
+    In a parameter-server job too (its shard said it was interrupted as well)."""
     script = tmp_path / "wait.py"
-    script.write_text("import os, pathlib, time\n"
-                      f"pathlib.Path({str(tmp_path)!r}, 'up' + os.environ['RANK']).write_text('')\n"
-                      "time.sleep(120)\n")
+    if job == "ps":  # the worker says it is up; the shard serves inside ps.init()
+        script.write_text(f"UP = {str(tmp_path)!r}\n" + PS_JOB)
+        (tmp_path / "up0").write_text("")
+    else:
+        script.write_text("import os, pathlib, time\n"
+                          f"pathlib.Path({str(tmp_path)!r}, 'up' + os.environ['RANK']).write_text('')\n"
+                          "time.sleep(120)\n")
     env = dict(os.environ)
     env.pop("RDMAFLOW_JOB_SECRET", None)
     launcher = subprocess.Popen([sys.executable, "-m", "rdmaflow", "launch", "--nproc-per-node", "1",
@@ -236,3 +253,18 @@ def test_a_pipeline_started_with_a_shard_says_which_flags_start_one_process_per_
     line = last_line(p.stderr)
     assert "split the model into 2 stages but the job has WORLD_SIZE=3 processes" in line, p.stderr
     assert "`rdmaflow launch --shards-per-node 0 --nproc-per-node 2 SCRIPT`" in line, p.stderr
+
+
+def test_the_culprit_is_the_cause_not_its_consequences():
+    ns = launch.build_parser().parse_args(["--nproc-per-node", "2", "x.py"])
+    aborted = "WorkerFailure: the job was aborted: worker 1: worker 1's model differs from the job's"
+    mismatch = [{"rank": 0, "exitcode": 1, "message": "PeerError: the job was aborted: worker 1: ...", "timestamp": 5},
+                {"rank": 1, "exitcode": 1, "message": aborted.replace("worker 1: worker", "worker 1: x"), "timestamp": 5},
+                {"rank": 2, "exitcode": 1, "message": aborted, "timestamp": 6}]
+    assert launch.culprit(ns, mismatch)["rank"] == 2  # its own abort, though not the first
+    killed = [{"rank": 0, "exitcode": -9, "message": None, "timestamp": 9},
+              {"rank": 1, "exitcode": 1, "message": "PeerError: shard 0 at h:1 died while worker 0 waited",
+               "timestamp": 8},
+              {"rank": 2, "exitcode": -15, "message": None, "timestamp": 8}]
+    assert launch.failure_line(ns, killed, {}) == (
+        "rdmaflow launch: the job failed: rank 0 (shard 0): killed by SIGKILL; 2 other processes failed after it")
