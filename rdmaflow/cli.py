@@ -5,7 +5,7 @@
     rdmaflow bench transfer [...]     one-way tensor transfer next to gRPC, gloo, TensorPipe
     rdmaflow bench kv [...]           key-value requests of N keys next to one tensor
     rdmaflow bench latency [...]      one-way latency of small transfers next to UCX, NIXL, gloo
-    rdmaflow launch [...] script.py   start a parameter-server job with torchrun
+    rdmaflow launch [...] script.py   start a job's workers and shards (or a pipeline's stages) with torchrun
     rdmaflow mount MOUNTPOINT [...]   a worker serving the job's model as files (FUSE)
 
 To add a subcommand (``bench train``, ...), write a module with ``add_arguments(parser)`` (or
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Each module has add_arguments(parser) and run(args).
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("rdmaflow.info", "show versions, UCX transports/devices (verbs? CUDA?) and settings"),
-    "launch": ("rdmaflow.launch", "start a parameter-server job with torchrun"),
+    "launch": ("rdmaflow.launch", "start a job: workers and parameter-server shards, or a pipeline's stages"),
     "mount": ("rdmaflow.fileview.mount", "serve a parameter-server job's model as files (FUSE), as a worker"),
 }
 BENCHMARKS: dict[str, tuple[str, str]] = {

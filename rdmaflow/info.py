@@ -234,6 +234,36 @@ def settings(environ: dict[str, str] | None = None) -> dict[str, str]:
             if k.startswith(("UCX_", "RDMAFLOW_"))}
 
 
+CONNECT_TLS = ("tcp", "rdmacm", "all")  # UCX_TLS entries that keep the sockaddr connection manager
+TCP_FIX = "add tcp to UCX_TLS (e.g. UCX_TLS=cma,posix,self,tcp) or unset it"
+
+
+def _tls_connects(tls: str) -> bool:
+    """Whether UCX_TLS=``tls`` keeps a transport devices connect through (``^x`` excludes x)."""
+    entries = [t.strip() for t in tls.split(",") if t.strip()]
+    if entries and entries[0].startswith("^"):
+        return not {e.lstrip("^") for e in entries} >= {"tcp", "rdmacm"}
+    return any(e in CONNECT_TLS for e in entries)
+
+
+def explain_device_error(error: str, environ: dict[str, str] | None = None) -> str | None:
+    """The UCX setting behind a device error (``ucp_init failed: No such device``, an unreachable
+    peer) and its fix, or None when the settings do not explain it."""
+    env = os.environ if environ is None else environ
+    tls, nets = env.get("UCX_TLS", ""), env.get("UCX_NET_DEVICES", "")
+    if "ucp_init failed" in error or "No such device" in error:
+        if tls:
+            return (f"UCX_TLS={tls} names no transport UCX can use on this host: unset it, or name transports "
+                    "`rdmaflow info` lists, with tcp (e.g. UCX_TLS=cma,posix,self,tcp)")
+        if nets:
+            return (f"UCX_NET_DEVICES={nets} names no device of this host ({', '.join(_net_devices()) or 'none found'})"
+                    ": name one, or unset it")
+    if "unreachable" in error and tls and not _tls_connects(tls):
+        return (f"UCX_TLS={tls} has no tcp: rdmaflow devices connect through UCX's sockaddr connection manager "
+                f"over tcp (or rdmacm), even when data moves over shared memory; {TCP_FIX}")
+    return None
+
+
 def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
     """(address, port) of every TCP socket process ``pid`` holds that listens, from
     /proc/PID/net/tcp{,6} and the socket inodes among its fds; sorted."""
@@ -438,7 +468,7 @@ def format_text(info: dict[str, Any]) -> str:
             fix = (f"UCX_NET_DEVICES={nets} names no network device tcp can use: name one of this host's "
                    f"({', '.join(_net_devices()) or 'none found'}), e.g. UCX_NET_DEVICES=lo, or unset it"
                    if nets and "tcp" in {r["transport"] for r in info["transports"]} else
-                   "add tcp to UCX_TLS (e.g. UCX_TLS=cma,posix,self,tcp)")
+                   TCP_FIX)
             lines.append("  warning: no tcp among them: rdmaflow devices connect through UCX's "
                          f"sockaddr connection manager and will not reach their peers; {fix}")
         lines.append(f"It listens on {', '.join(d['listening']) or 'nothing found'} (its handshake listener and "
@@ -449,7 +479,9 @@ def format_text(info: dict[str, Any]) -> str:
                      ("on" if d.get("same_host_mapping") else
                       "off (RDMAFLOW_SAME_HOST=0, or UCX_TLS rules out shared memory)"))
     else:
+        known = explain_device_error(d["error"])
         hint = ("" if "RDMAFLOW_" in d["error"] else  # a bad rdmaflow setting names itself
+                f" ({known})" if known else
                 " (check the UCX_* settings above: UCX_TLS and UCX_NET_DEVICES must name transports and devices "
                 "this host has)")
         lines.append(f"A temporary rdmaflow Device could not be created: {d['error']}{hint}")

@@ -78,6 +78,12 @@ def job_secret(world_size: int | None = None) -> str:
     return value
 
 
+def _short(e: BaseException) -> str:
+    """A c10d error's first line: torch appends some 70 lines of C++ stack frames to it."""
+    text = str(e).split("Exception raised from", 1)[0].strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def route_address(master_addr: str) -> str:
     """This host's address on the route to the store (``$RDMAFLOW_HOST`` if set; a UDP connect
     only picks the route and sends nothing)."""
@@ -117,7 +123,8 @@ class JobStore:
                                      wait_for_workers=False, multi_tenant=True,
                                      **({} if listen_fd is None else {"master_listen_fd": listen_fd}))
         except Exception as e:  # noqa: BLE001 - torch raises several types here
-            raise PeerError(f"cannot reach the job's c10d store at {self.address} within {timeout:.0f} s: {e}") from None
+            raise PeerError(f"cannot reach the job's c10d store at {self.address} within {timeout:.0f} s: "
+                            f"{_short(e)}") from None
         # The serving process's store is held until exit, where it lingers for the others: a
         # pipeline stage dropped when main() returned took the server with it while the other
         # ranks still read their close barrier. A client counts out at exit, or once dropped
@@ -131,7 +138,7 @@ class JobStore:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError and others
-            raise PeerError(f"the job's c10d store at {self.address} is unreachable ({what}): {e}") from None
+            raise PeerError(f"the job's c10d store at {self.address} is unreachable ({what}): {_short(e)}") from None
 
     def set(self, key: str, value: str) -> None:
         self._do("set", self.tcp.set, self.ns + key, value)

@@ -1,8 +1,18 @@
-"""``rdmaflow launch``: starts a parameter-server job with torchrun (torch.distributed.run).
+"""``rdmaflow launch``: starts a job's processes on this host with torchrun (torch.distributed.run).
 
-Each node runs ``--nproc-per-node`` workers plus ``--shards-per-node`` shards (default one of
-each, as in Xue et al. §5.2); torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT, and rdmaflow.ps.init() derives each process's role from them. The job secret
+It starts ``--nproc-per-node`` workers plus ``--shards-per-node`` parameter-server shards on
+each host (default one of each, as in Xue et al. §5.2), and says so as it starts; a pipeline
+(rdmaflow.graph) runs one stage per process and no shard: ``--shards-per-node 0
+--nproc-per-node STAGES``. torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT, and rdmaflow.ps.init() derives each process's role from them.
+
+On more than one host, run the same command on each, with ``--nnodes``, this host's
+``--node-rank`` and node 0's ``--master-addr``/``--master-port`` (README, "Several hosts").
+Each node waits at most ``--join-timeout`` seconds for the others (node 0 for every other node,
+the others for node 0's store), then exits naming the address it waited at.
+
+A failed job ends with one line naming the failed rank, its role and the cause (instead of
+torchrun's ChildFailedError dump); Ctrl-C ends it with one line and exit status 130. The job secret
 that devices prove to each other is generated here for a one-node job; a multi-node job needs
 the same RDMAFLOW_JOB_SECRET exported on every node.
 
@@ -19,34 +29,50 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+
+JOIN_TIMEOUT = 60.0  # seconds a node other than 0 waits for node 0's store (the ranks' own: theirs)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="rdmaflow launch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nnodes", type=int, default=1, help="number of hosts (default 1)")
+    p = p or argparse.ArgumentParser(prog="rdmaflow launch")
+    p.description = __doc__.replace("``", "`")  # what it starts; every flag below says its default
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--nnodes", type=int, default=1, help="number of hosts, each running this command (default 1)")
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, dest="nproc_per_node",
-                   help="workers per host (default 1)")
-    p.add_argument("--shards-per-node", type=int, default=1, help="parameter-server shards per host (default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0, dest="node_rank")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", dest="master_addr")
-    p.add_argument("--master-port", "--master_port", type=int, default=29500, dest="master_port")
+                   help="workers per host, not counting shards; with --shards-per-node 0, the processes per host "
+                        "(a pipeline's stages) (default 1)")
+    p.add_argument("--shards-per-node", type=int, default=1,
+                   help="parameter-server shards per host, started beside the workers; 0 for a job without a "
+                        "parameter server, such as a pipeline (default 1)")
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, dest="node_rank",
+                   help="this host's index in [0, --nnodes); node 0 serves the job's store (default 0)")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", dest="master_addr",
+                   help="node 0's address (or host name), the same on every host (default 127.0.0.1)")
+    p.add_argument("--master-port", "--master_port", type=int, default=29500, dest="master_port",
+                   help="the TCP port of the job's store on node 0, the same on every host (default 29500)")
+    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT,
+                   help=f"seconds a node waits for the others to join: node 0 for every other node, the others "
+                        f"for node 0's store (default {JOIN_TIMEOUT:.0f})")
     p.add_argument("--min-workers", type=int, default=None,
                    help="survive worker failures while at least this many workers live (the job's total; "
-                        "rdmaflow launch then supervises the processes itself instead of torchrun)")
+                        "rdmaflow launch then supervises the processes itself instead of torchrun) (default: off, "
+                        "the job stops when any process fails)")
     p.add_argument("--resume", action="store_true",
-                   help="restart from the latest checkpoint (sets RDMAFLOW_RESUME=1 for the job)")
+                   help="restart from the latest checkpoint (sets RDMAFLOW_RESUME=1 for the job) (default off)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands that would run the job (the variables it sets, then torchrun or, with "
-                        "--min-workers, each process) and exit")
+                        "--min-workers, each process) and exit (default off)")
     p.add_argument("-m", "--module", default=None, metavar="MODULE",
                    help="run a module instead of a script, as `python -m` does; what follows are its arguments "
                         "(e.g. -m rdmaflow.fileview /mnt/model-{worker} --model model.json)")
@@ -57,13 +83,17 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 
 def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
-    if ns.nproc_per_node < 1 or ns.shards_per_node < 1 or ns.nnodes < 1:
-        raise SystemExit("rdmaflow launch: --nnodes, --nproc-per-node and --shards-per-node must be >= 1")
+    if ns.nproc_per_node < 1 or ns.nnodes < 1:
+        raise SystemExit("rdmaflow launch: --nnodes and --nproc-per-node must be >= 1")
+    if ns.shards_per_node < 0:
+        raise SystemExit("rdmaflow launch: --shards-per-node must be >= 0 (0: no parameter server, e.g. a pipeline)")
     if not 0 <= ns.node_rank < ns.nnodes:  # torchrun waits for the missing nodes without end
         raise SystemExit(f"rdmaflow launch: --node-rank {ns.node_rank} is not in [0, --nnodes {ns.nnodes})")
     if not 1 <= ns.master_port <= 65535 or not ns.master_addr.strip():
         raise SystemExit(f"rdmaflow launch: --master-addr {ns.master_addr!r} --master-port {ns.master_port}: "
                          "an address and a port in [1, 65535]")
+    if not ns.join_timeout > 0:
+        raise SystemExit(f"rdmaflow launch: --join-timeout {ns.join_timeout} must be > 0 seconds")
     if getattr(ns, "module", None):
         check_module(ns.module)
     elif ns.script is None:
@@ -78,25 +108,62 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
                              "export one (e.g. `export RDMAFLOW_JOB_SECRET=$(openssl rand -hex 16)`)")
         env["RDMAFLOW_JOB_SECRET"] = secrets.token_hex(16)
     env["RDMAFLOW_SHARDS_PER_NODE"] = str(ns.shards_per_node)
+    env["RDMAFLOW_LAUNCHED"] = "1"  # this launcher reports an interruption once for the job (rdmaflow.ps)
     if ns.resume:
         env["RDMAFLOW_RESUME"] = "1"
     if ns.min_workers is not None:
+        if ns.shards_per_node == 0:
+            raise SystemExit("rdmaflow launch: --min-workers keeps a parameter-server job going; it needs "
+                             "--shards-per-node >= 1")
         if not 1 <= ns.min_workers <= ns.nnodes * ns.nproc_per_node:
             raise SystemExit(f"rdmaflow launch: --min-workers must be between 1 and the job's "
                              f"{ns.nnodes * ns.nproc_per_node} workers")
         env["RDMAFLOW_MIN_WORKERS"] = str(ns.min_workers)
-    argv = [sys.executable, "-m", "torch.distributed.run",
+    argv = [sys.executable, "-m", "rdmaflow._agent",
             "--nnodes", str(ns.nnodes), "--nproc-per-node", str(ns.nproc_per_node + ns.shards_per_node),
             "--node-rank", str(ns.node_rank), "--master-addr", ns.master_addr, "--master-port", str(ns.master_port),
-            *(["--module"] if getattr(ns, "module", None) else []), *target(ns)]
+            # how long the agents wait for each other at the rendezvous (torchrun's default: 600 s)
+            "--rdzv-conf", f"timeout={max(1, round(ns.join_timeout))}",
+            "-m", "rdmaflow._rank", *target(ns)]
     return argv, env
 
 
+def role(ns: argparse.Namespace, rank: int) -> str:
+    """What global rank ``rank`` is in this job, as rdmaflow.ps.init() derives it: "shard 0",
+    "worker 1", or, in a job without shards, "stage 2"."""
+    spn, local = ns.shards_per_node, ns.nproc_per_node + ns.shards_per_node
+    if spn == 0:
+        return f"stage {rank}"
+    node, lr = divmod(rank, local)
+    return f"shard {node * spn + lr}" if lr < spn else f"worker {node * ns.nproc_per_node + lr - spn}"
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('s') else 's'}"
+
+
+def summary(ns: argparse.Namespace) -> str:
+    """What this command starts, in one line."""
+    local = ns.nproc_per_node + ns.shards_per_node
+    first = ns.node_rank * local
+    ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
+    where = (f"node {ns.node_rank} of {ns.nnodes}, job store at {ns.master_addr}:{ns.master_port}"
+             if ns.nnodes > 1 else f"job store at {ns.master_addr}:{ns.master_port}")
+    if ns.shards_per_node == 0:
+        what = (f"{plural(local, 'process')} and no shard (a pipeline: one stage per process, "
+                f"{ns.nnodes * local} stages in all)")
+    else:
+        what = f"{plural(ns.nproc_per_node, 'worker')} + {plural(ns.shards_per_node, 'shard')} per node"
+        if ns.nnodes > 1:
+            what += f" ({ns.nnodes * ns.nproc_per_node} workers + {ns.nnodes * ns.shards_per_node} shards in all)"
+    return f"rdmaflow launch: starting {what}: {ranks}; {where}"
+
+
 def target(ns: argparse.Namespace) -> list[str]:
-    """What each process runs after the interpreter: the script and its arguments, or with
-    ``-m`` the module and its arguments (argparse took the first of them for the script)."""
+    """What rdmaflow._rank runs in each process: the script and its arguments, or with ``-m``
+    the module and its arguments (argparse took the first of them for the script)."""
     if getattr(ns, "module", None):
-        return [ns.module, *([] if ns.script is None else [ns.script]), *ns.args]
+        return ["-m", ns.module, *([] if ns.script is None else [ns.script]), *ns.args]
     return [ns.script, *ns.args]
 
 
@@ -126,7 +193,7 @@ def supervised_env(ns: argparse.Namespace, lr: int) -> dict:
 
 
 def supervised_argv(ns: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-u", *(["-m"] if getattr(ns, "module", None) else []), *target(ns)]
+    return [sys.executable, "-u", "-m", "rdmaflow._rank", *target(ns)]
 
 
 def dry_run(ns: argparse.Namespace, argv: list[str], env: dict) -> str:
@@ -147,9 +214,69 @@ def dry_run(ns: argparse.Namespace, argv: list[str], env: dict) -> str:
     return "\n".join(lines + ["wait"])
 
 
+def _cause(message: str | None, exitcode: int) -> str:
+    if message:
+        return " ".join(message.split())  # one line
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+        return f"killed by signal {-exitcode}"
+    return f"exited with {exitcode} (no Python exception: see its output above)"
+
+
+STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what torchrun and this launcher stop processes with
+
+
+def culprit(ns: argparse.Namespace, failures: list[dict]) -> dict:
+    """The failure that caused the others (torchrun's "Root Cause" took the first rank, often a
+    shard stopped because a worker failed). In this order: an exception of the process's own
+    (not the abort another process recorded, nor a PeerError about another process); a process
+    a signal killed that nobody sends to stop a job (SIGKILL, SIGSEGV); any other exception;
+    the rest. The earliest first, then the lowest rank."""
+    def tier(f) -> int:
+        msg, rc = f.get("message") or "", f.get("exitcode", 0)
+        own_abort = f"the job was aborted: {role(ns, f['rank'])}:" in msg
+        consequence = msg.startswith("PeerError") or ("the job was aborted" in msg and not own_abort)
+        if msg and not consequence:
+            return 0
+        if rc < 0 and -rc not in STOPPING:
+            return 1
+        return 2 if msg else 3
+    return min(failures, key=lambda f: (tier(f), f.get("timestamp", 0), f["rank"]))
+
+
+def ucx_hint(cause: str, env: dict) -> str:
+    """What the UCX settings have to do with ``cause`` and how to fix them (rdmaflow info's
+    knowledge), or ""."""
+    from rdmaflow.info import explain_device_error
+
+    hint = explain_device_error(cause, env)
+    return f" ({hint})" if hint else ""
+
+
+def failure_line(ns: argparse.Namespace, failures: list[dict], env: dict) -> str:
+    """The one line a failed job ends with: the culprit's rank, role and cause."""
+    f = culprit(ns, failures)
+    cause = _cause(f.get("message"), f.get("exitcode", 1))
+    others = len(failures) - 1
+    tail = f"; {plural(others, 'other process')} failed after it" if others else ""
+    return (f"rdmaflow launch: the job failed: rank {f['rank']} ({role(ns, f['rank'])}): {cause}"
+            f"{ucx_hint(cause, env)}{tail}")
+
+
+def _read_error_file(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            m = json.load(fh)["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return str(m.get("message", m)) if isinstance(m, dict) else str(m)
+
+
 def supervise(ns: argparse.Namespace, env: dict) -> int:
     """Runs this node's processes; a dead worker is reported and the rest go on."""
     spn, local = ns.shards_per_node, ns.nproc_per_node + ns.shards_per_node
+    errors = tempfile.mkdtemp(prefix="rdmaflow-launch-")
 
     def on_term(signum, frame):
         raise KeyboardInterrupt  # stop the job's processes as on Ctrl-C
@@ -167,25 +294,34 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
                 except ProcessLookupError:
                     pass
 
-    status = 0
+    def failure(lr: int, rc: int) -> dict:
+        path = os.path.join(errors, f"{lr}.json")
+        return {"rank": ns.node_rank * local + lr, "exitcode": rc, "message": _read_error_file(path),
+                "timestamp": os.stat(path).st_mtime if os.path.exists(path) else time.time()}
+
+    status, stopping, failures = 0, False, []
     try:  # from the first start on: a signal while starting stops the ones already started
         for lr in range(local):
-            procs.append(subprocess.Popen(supervised_argv(ns), env=dict(env, **supervised_env(ns, lr)),
-                                          start_new_session=True))
+            per = dict(env, **supervised_env(ns, lr), TORCHELASTIC_ERROR_FILE=os.path.join(errors, f"{lr}.json"))
+            procs.append(subprocess.Popen(supervised_argv(ns), env=per, start_new_session=True))
         while any(p.poll() is None for p in procs):
             for lr, p in enumerate(procs):
                 rc = p.poll()
                 if rc is None or getattr(p, "_seen", False):
                     continue
                 p._seen = True
+                if rc != 0 and stopping:
+                    continue  # stopped with the job: the shard's failure is the one reported
+                if rc != 0:
+                    failures.append(failure(lr, rc))
                 if rc != 0 and lr < spn:
-                    print(f"rdmaflow launch: shard (local rank {lr}) exited with {rc}; stopping the job",
-                          file=sys.stderr, flush=True)
-                    status = rc if rc > 0 else 1
+                    print(f"rdmaflow launch: {role(ns, failures[-1]['rank'])} (rank {failures[-1]['rank']}) "
+                          f"exited with {rc}; stopping the job", file=sys.stderr, flush=True)
+                    status, stopping = (rc if rc > 0 else 1), True
                     stop_all()
                 elif rc != 0:
-                    print(f"rdmaflow launch: worker (local rank {lr}) exited with {rc}; the others go on",
-                          file=sys.stderr, flush=True)
+                    print(f"rdmaflow launch: {role(ns, failures[-1]['rank'])} (rank {failures[-1]['rank']}) "
+                          f"exited with {rc}; the others go on", file=sys.stderr, flush=True)
             time.sleep(0.1)
     except KeyboardInterrupt:
         stop_all(signal.SIGINT)
@@ -193,9 +329,15 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.1)
         stop_all(signal.SIGKILL)
+        print(f"rdmaflow launch: interrupted; stopped the job's {plural(local, 'process')} on this node",
+              file=sys.stderr, flush=True)
         return 130
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
     if status == 0 and any(p.returncode != 0 for p in procs[:spn]):
         status = 1
+    if status != 0:
+        print(failure_line(ns, failures, env), file=sys.stderr, flush=True)
     return status
 
 
@@ -209,8 +351,11 @@ def run_torchrun(argv: list[str], env: dict) -> int:
     scheduler signals the launcher's pid, not its group: without this, the launcher died and
     torchrun and the ranks ran on. Ctrl-C reaches torchrun once, through here. If torchrun has
     not ended STOP_GRACE seconds after the first signal, its session is killed. Returns its exit
-    status (128 + the signal when a signal ended it, as a shell reports)."""
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    status (128 + the signal when a signal ended it, as a shell reports) and what rdmaflow._agent
+    reported (the failed ranks, or the signal that stopped it), if anything."""
+    fd, report = tempfile.mkstemp(prefix="rdmaflow-launch-", suffix=".json")
+    os.close(fd)
+    proc = subprocess.Popen(argv, env=dict(env, RDMAFLOW_LAUNCH_REPORT=report), start_new_session=True)
     signalled: list[float] = []
 
     def forward(signum, frame):
@@ -230,10 +375,17 @@ def run_torchrun(argv: list[str], env: dict) -> int:
                           "killing its processes", file=sys.stderr, flush=True)
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            with open(report) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            doc = {}
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    return 128 - rc if rc < 0 else rc
+        with contextlib.suppress(OSError):
+            os.unlink(report)
+    return (128 - rc if rc < 0 else rc), doc
 
 
 def unservable(port: int) -> str | None:
@@ -259,6 +411,27 @@ def unresolved(addr: str, port: int) -> str | None:
     return None
 
 
+def wait_for_store(addr: str, port: int, timeout: float) -> str | None:
+    """Waits until node 0's store at ``addr:port`` accepts a connection; None once it does, else
+    why it did not within ``timeout`` seconds. torchrun's agent on a node other than 0 waited for
+    a wrong port with no output for more than 400 s."""
+    give_up, said, why = time.monotonic() + timeout, False, "no answer"
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=min(5.0, timeout)):
+                return None
+        except OSError as e:
+            why = e.strerror or str(e) or type(e).__name__
+        left = give_up - time.monotonic()
+        if left <= 0:
+            return why
+        if not said and timeout - left > 2:
+            print(f"rdmaflow launch: waiting up to {timeout:.0f} s for node 0's store at {addr}:{port} ({why})",
+                  file=sys.stderr, flush=True)
+            said = True
+        time.sleep(min(0.5, left))
+
+
 def run(ns: argparse.Namespace) -> int:
     argv, env = command(ns)
     if ns.dry_run:
@@ -272,9 +445,36 @@ def run(ns: argparse.Namespace) -> int:
     if why:
         raise SystemExit(f"rdmaflow launch: node 0 serves the job's store on --master-port {ns.master_port}, and this "
                          f"host cannot ({why}): another job may hold it; pick a free port")
+    print(summary(ns), file=sys.stderr, flush=True)
+    if ns.node_rank > 0:
+        why = wait_for_store(ns.master_addr, ns.master_port, ns.join_timeout)
+        if why:
+            raise SystemExit(f"rdmaflow launch: node 0's store at {ns.master_addr}:{ns.master_port} did not answer "
+                             f"within {ns.join_timeout:.0f} s ({why}): start node 0 with the same --master-addr and "
+                             "--master-port, and open that port in its firewall")
     if ns.min_workers is not None:
         return supervise(ns, env)
-    return run_torchrun(argv, env)
+    rc, doc = run_torchrun(argv, env)
+    if doc.get("failures"):
+        print(failure_line(ns, doc["failures"], env), file=sys.stderr, flush=True)
+    elif doc.get("signal") == signal.SIGINT or rc == 130:
+        print("rdmaflow launch: interrupted; stopped the job's processes on this node", file=sys.stderr, flush=True)
+        return 130
+    elif doc.get("signal"):
+        print(f"rdmaflow launch: stopped by {signal.Signals(doc['signal']).name}; stopped the job's processes on "
+              "this node", file=sys.stderr, flush=True)
+    elif doc.get("error") and ns.nnodes > 1:
+        others = (f"nodes 1-{ns.nnodes - 1}" if ns.nnodes > 2 else "node 1") if ns.node_rank == 0 else "the other nodes"
+        print(f"rdmaflow launch: the job's nodes did not all join at {ns.master_addr}:{ns.master_port} within "
+              f"{ns.join_timeout:.0f} s (this is node {ns.node_rank}; waited for {others}): start the same command on "
+              f"every host with its own --node-rank, or raise --join-timeout ({doc['error']})",
+              file=sys.stderr, flush=True)
+    elif doc.get("error"):
+        print(f"rdmaflow launch: the job failed: torchrun: {doc['error']}", file=sys.stderr, flush=True)
+    elif rc != 0:
+        print(f"rdmaflow launch: the job failed: torchrun exited with {rc} (see its output above)",
+              file=sys.stderr, flush=True)
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1036,7 +1036,7 @@ def test_roles_from_an_impossible_launcher_environment_are_refused(monkeypatch):
                       ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_ROLE": "worker", "RDMAFLOW_ROLE_INDEX": 0,  # waited
                         "RDMAFLOW_NUM_SHARDS": 1, "RDMAFLOW_NUM_WORKERS": 2}, r"make 3 processes; \$WORLD_SIZE=2"),
                       ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_SHARDS_PER_NODE": 0}, r"SHARDS_PER_NODE=0 must be"),
-                      ({}, "run by hand, set RANK, WORLD_SIZE")]:
+                      ({}, r"no launcher started it: run it with `rdmaflow launch --nproc-per-node 1 SCRIPT")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=said):
             role(**env)
     assert role(RANK=0, WORLD_SIZE=3) == Role("shard", 0, 1, 2, 0, 3)

@@ -257,7 +257,7 @@ def test_worker_death_under_rdmaflow_launch(tmp_path):
                            "--master-port", str(free_port()), TRAIN], j.env())
         j.check_ok(j.wait())
         assert j.worker_result(0)["steps"] == cfg["steps"]
-        assert "worker (local rank 2) exited with -9; the others go on" in j.proc("launch").output(), j.logs()
+        assert "worker 1 (rank 2) exited with -9; the others go on" in j.proc("launch").output(), j.logs()
 
 
 def test_step_log_reports_each_interval_not_the_total(tmp_path):

@@ -137,7 +137,9 @@ class PipelineStage:
         problem = None
         if world != pipe.num_stages:
             problem = (f"rank {rank} split the model into {pipe.num_stages} stages but the job has WORLD_SIZE={world} "
-                       f"processes: start one process per stage")
+                       f"processes: start one process per stage and no shard: `rdmaflow launch --shards-per-node 0 "
+                       f"--nproc-per-node {pipe.num_stages} SCRIPT` (on several hosts: --nnodes M and "
+                       f"--nproc-per-node {pipe.num_stages}/M on each)")
         elif not 0 <= self.stage_index < pipe.num_stages:
             problem = f"stage {self.stage_index} does not exist ({pipe.num_stages} stages)"
         if problem:

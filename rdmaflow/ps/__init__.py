@@ -93,7 +93,8 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
         except (RdmaflowError, KeyboardInterrupt) as e:  # Ctrl-C: rdmaflow launch passes it to every process
             stopped = isinstance(e, KeyboardInterrupt)
             why = "interrupted; the job is aborted" if stopped else f"failed: {e}"
-            print(f"rdmaflow ps: shard {role.index} {why}", file=sys.stderr, flush=True)
+            if not (stopped and os.environ.get("RDMAFLOW_LAUNCHED")):  # rdmaflow launch says it once
+                print(f"rdmaflow ps: shard {role.index} {why}", file=sys.stderr, flush=True)
             device.close()
             # Now, while this frame holds the store: serving it, this process stays (bounded)
             # until the others have read why (rdmaflow.job); at exit the store may be gone.

@@ -68,6 +68,15 @@ def resolve_role() -> Role:
     node = env_int("GROUP_RANK", rank // local_world)
     _check(0 <= node < nnodes, f"$GROUP_RANK={node} is not in [0, {nnodes}) nodes")
     spn = env_int("RDMAFLOW_SHARDS_PER_NODE", 1)
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # run as `python script.py`
+        raise InvalidArgumentError(
+            "this is a parameter-server job, one process of several (at least a shard and a worker), and no "
+            "launcher started it: run it with `rdmaflow launch --nproc-per-node 1 SCRIPT [its arguments]` "
+            "(1 worker + 1 shard; .venv/bin/rdmaflow outside the venv)")
+    if spn == 0:
+        raise InvalidArgumentError(
+            "this job was started without a parameter-server shard (rdmaflow launch --shards-per-node 0, for a "
+            "pipeline): start it with --shards-per-node 1 or more")
     if not 1 <= spn < local_world:
         raise InvalidArgumentError(
             f"$RDMAFLOW_SHARDS_PER_NODE={spn} must be at least 1 and leave a worker among the {local_world} "
