@@ -75,7 +75,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "--min-workers, each process) and exit (default off)")
     p.add_argument("-m", "--module", default=None, metavar="MODULE",
                    help="run a module instead of a script, as `python -m` does; what follows are its arguments "
-                        "(e.g. -m rdmaflow.fileview /mnt/model-{worker} --model model.json)")
+                        "(e.g. -m rdmaflow.fileview /mnt/model-{worker} --model model.json) (default: none, a script)")
     # Optional to argparse so that a missing script gets its own message (argparse named "script, args").
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the training script")

@@ -281,18 +281,19 @@ def test_launch_refuses_an_impossible_job_at_once(tmp_path):
 
 
 def test_launch_runs_a_module_as_python_m_does(tmp_path, monkeypatch):
-    """``-m MODULE``: torchrun's --module (or ``python -m`` under --min-workers) with the rest of
-    the line as the module's arguments (the file view needed the path of its __main__.py); a
+    """``-m MODULE``: each process runs rdmaflow._rank -m MODULE (as ``python -m`` does, under
+    torchrun or --min-workers) with the rest of the line as the module's arguments (the file view needed the path of its __main__.py); a
     module that cannot be found is refused before anything starts."""
     from rdmaflow import launch
 
     line = ["-m", "rdmaflow.fileview", "/mnt/m-{worker}", "--model", "m.json"]
     ns = launch.build_parser().parse_args(["--nproc-per-node", "2", *line])
     argv, _ = launch.command(ns)
-    assert argv[-5:] == ["--module", "rdmaflow.fileview", "/mnt/m-{worker}", "--model", "m.json"], argv
-    assert launch.supervised_argv(ns)[1:] == ["-u", "-m", "rdmaflow.fileview", "/mnt/m-{worker}", "--model", "m.json"]
+    rank = ["-m", "rdmaflow._rank", "-m", "rdmaflow.fileview", "/mnt/m-{worker}", "--model", "m.json"]
+    assert argv[-7:] == rank, argv
+    assert launch.supervised_argv(ns)[1:] == ["-u", *rank]
     argv, _ = launch.command(launch.build_parser().parse_args(["-m", "rdmaflow.fileview"]))
-    assert argv[-2:] == ["--module", "rdmaflow.fileview"]
+    assert argv[-4:] == ["-m", "rdmaflow._rank", "-m", "rdmaflow.fileview"]
     for name in ("rdmaflow.no_such_module", "no_such_package.sub"):
         with pytest.raises(SystemExit, match=re.escape(f"-m {name}")):
             launch.command(launch.build_parser().parse_args(["-m", name]))
