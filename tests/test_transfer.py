@@ -160,7 +160,7 @@ def test_time_left_takes_seconds_or_a_deadline():
 # ==============================================================================================
 def test_arena_alignment_and_accounting(job_secret):
     with local_device() as d:
-        a = Arena(d, 4 * MiB)
+        a = Arena(d.alloc_region(4 * MiB))
         assert a.nbytes == 4 * MiB and a.used == 0 and a.largest_free == 4 * MiB
         assert a.num_allocations == 0 and a.num_free_blocks == 1
         blocks = [a.allocate(n) for n in (1, 255, 256, 257, 4095, 100_000, 0)]
@@ -179,13 +179,13 @@ def test_arena_alignment_and_accounting(job_secret):
         with pytest.raises(rdmaflow.OutOfBoundsError):
             a.allocate(-1)
         with pytest.raises(rdmaflow.InvalidArgumentError):
-            Arena(d, 0)
+            Arena(d.alloc_region(0))
 
 
 def test_arena_is_thread_safe(job_secret):
     """Threads allocate, fill, check and free concurrently: no block is ever shared."""
     with local_device() as d:
-        a = Arena(d, 16 * MiB)
+        a = Arena(d.alloc_region(16 * MiB))
         errors: list[str] = []
         n_threads, rounds = 8, 1500
 
@@ -228,7 +228,7 @@ def test_arena_training_pattern_does_not_fragment(job_secret):
     while gradients and temporaries come and go. Many steps must not fragment the arena."""
     with local_device() as d:
         cap = 32 * MiB
-        a = Arena(d, cap)
+        a = Arena(d.alloc_region(cap))
         rng = random.Random(7)
         params = [a.allocate(rng.choice([4 * KiB, 64 * KiB, 300 * KiB, MiB + 17])) for _ in range(12)]
         p_used = a.used
@@ -260,7 +260,7 @@ def test_arena_training_pattern_does_not_fragment(job_secret):
 
 def test_full_arena_error_names_the_sizes(job_secret):
     with local_device() as d:
-        a = Arena(d, MiB)
+        a = Arena(d.alloc_region(MiB))
         b = a.allocate(600 * KiB)
         e = raises_within(ArenaFullError, 5, a.allocate, 600 * KiB)
         msg = str(e)
