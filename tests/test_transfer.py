@@ -331,6 +331,25 @@ def test_device_empty_lives_in_the_arena_and_returns_its_memory(job_secret, monk
             d.create_arena(16 * MiB)
 
 
+def test_the_device_holds_what_the_layers_keep_per_device(job_secret):
+    """A device's arena, its published receivers and the memory it keeps for peers are its own
+    declared fields, reached through its accessors; nothing else is hung on it."""
+    with local_device() as d:
+        before = set(vars(d))
+        assert d.ensure_arena(2 * MiB) is d.arena and d.arena.nbytes == 2 * MiB  # made once ...
+        assert d.ensure_arena(4 * MiB) is d.arena  # ... and kept, whatever size is asked for later
+        r = StaticReceiver(d, "held", (4,), torch.float32, depth=2)
+        assert d.receivers["held"][0]() is r
+        r.close()
+        assert "held" not in d.receivers
+        n = d.arena.num_allocations
+        d.keep_until_closed(block := d.arena.allocate(64))
+        del block
+        gc.collect()
+        assert d.arena.num_allocations == n + 1  # the device still holds the block
+        assert set(vars(d)) == before, "something hung state of its own on the device"
+
+
 def test_receiver_construction_errors(job_secret):
     with local_device() as d:
         d.create_arena(4 * MiB)
