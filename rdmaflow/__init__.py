@@ -2,7 +2,8 @@
 
 Layers (a lower one never imports a higher one; upper layers take these names from here):
   rdmaflow._core, rdmaflow._ucx   the C++ device library (Device, MemRegion, Channel, memcpy)
-  rdmaflow (device layer)         this package: device.py, arena.py, errors.py, deadline.py
+  rdmaflow (device layer)         this package: device.py, arena.py, _cuda_ipc.py, _args.py,
+                                  errors.py, deadline.py
   rdmaflow.transfer               zero-copy tensor transfer (static and dynamic placement)
   rdmaflow.ps                     the parameter server and key-value store
   rdmaflow.launch, rdmaflow.cli, rdmaflow.bench   the ``rdmaflow`` command and benchmarks

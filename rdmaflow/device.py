@@ -2,12 +2,14 @@
 
 ``Device`` is the C++ ``_core.Device`` with what needs Python added: the job secret and the
 same-host and copy-thread settings from the environment, registering memory a tensor owns,
-the device's arena (``empty``, ``create_arena``, ``arena``), publishing regions by name, and
-the thread that runs completion callbacks. ``MemRegion``, ``RemoteRegion``, ``Channel`` and
-``Future`` are the C++ classes as they are.
+the device's arenas (``empty``, ``create_arena``, ``arena``, ``gpu_arena``), publishing regions
+by name, the thread that runs completion callbacks, and what the layers above keep per device
+(the transfer receivers published on it, memory a peer may still touch). ``MemRegion``,
+``RemoteRegion``, ``Channel`` and ``Future`` are the C++ classes as they are.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -16,8 +18,10 @@ import torch
 from typing_extensions import Self
 
 from rdmaflow import _core, _ucx
+from rdmaflow._args import as_torch_device, byte_count, cuda_device_of, integer
 from rdmaflow._core import Channel, FlaggedWrites, Future, MemRegion, RemoteRegion, SameHost
-from rdmaflow.arena import Arena, arena_of, as_torch_device, byte_count, create_arena, cuda_device_of, integer
+from rdmaflow._cuda_ipc import gpu_ipc_info
+from rdmaflow.arena import CUDA_ARENA_NAME, CUDA_IPC_NAME, Arena, default_bytes
 from rdmaflow.deadline import Deadline, positive_seconds
 from rdmaflow.errors import InvalidArgumentError
 
@@ -210,6 +214,14 @@ class Device(_core.Device):
     A device is a context manager: leaving the ``with`` block closes it.
     """
 
+    # What the device keeps for itself and the layers above, declared here so that no layer
+    # hangs state of its own on a device: its arenas, made on first use; the transfer receivers
+    # published on it (``receivers``); memory a peer may still touch (``keep_until_closed``).
+    _host_arena: Arena | None
+    _gpu_arena: Arena | None
+    _receivers: dict[str, tuple]
+    _quarantine: list
+
     def __init__(
         self,
         endpoint: str = "127.0.0.1:0",
@@ -239,6 +251,9 @@ class Device(_core.Device):
                          flagged_writes=_flagged_writes(flagged_writes),
                          tcp_congestion=_tcp_congestion(tcp_congestion),
                          net_devices=_net_devices(net_devices, endpoint))
+        self._host_arena = self._gpu_arena = None
+        self._receivers = {}
+        self._quarantine = []
         _start_callback_thread()
 
     def __enter__(self) -> Self:
@@ -294,14 +309,57 @@ class Device(_core.Device):
     def create_arena(self, nbytes: int | None = None, device=None) -> Arena:
         """Registers this device's arena (once); ``nbytes`` (an integer, or a size such as "1G")
         defaults to $RDMAFLOW_ARENA_BYTES or 256 MiB. Asking again returns the same arena.
-        ``device`` ("cuda", "cuda:1"): this device's GPU arena instead (one, on that CUDA
-        device; $RDMAFLOW_CUDA_ARENA_BYTES)."""
-        return create_arena(self, nbytes, device)
+        ``device`` is where the arena's memory lives, as in ``torch.empty(..., device=)``: None,
+        host memory; a CUDA device ("cuda", "cuda:1"), this device's GPU arena instead (one, on
+        that CUDA device; $RDMAFLOW_CUDA_ARENA_BYTES)."""
+        return self._registered_arena(nbytes, cuda=device)
+
+    def _registered_arena(self, nbytes, cuda) -> Arena:
+        """The host arena (``cuda`` None) or the GPU arena on CUDA device ``cuda``: the one this
+        device has (InvalidArgumentError where ``nbytes`` or ``cuda`` differs from it), else a new
+        one of ``nbytes`` (None: :func:`rdmaflow.arena.default_bytes`)."""
+        existing, what = (self._host_arena, "arena") if cuda is None else (self._gpu_arena, "GPU arena")
+        if cuda is not None:
+            if cuda == "cuda" and existing is not None:  # no index: the one there is
+                cuda = existing.cuda_device
+            cuda = cuda_device_of(cuda)
+        if nbytes is not None:
+            nbytes = byte_count(nbytes, f"the {what}'s nbytes")
+        if existing is not None:
+            if nbytes is not None and nbytes != existing.nbytes:
+                raise InvalidArgumentError(
+                    f"this device already has {'a' if cuda is not None else 'an'} {what} of {existing.nbytes} "
+                    f"bytes; one {what} per device"
+                )
+            if cuda is not None and cuda != existing.cuda_device:
+                raise InvalidArgumentError(
+                    f"this device's GPU arena is on {existing.cuda_device}, not {cuda}; one per device"
+                )
+            return existing
+        if nbytes is None:
+            nbytes = default_bytes(gpu=cuda is not None)
+        arena = Arena(self.alloc_region(nbytes, cuda), cuda)
+        if cuda is None:
+            self._host_arena = arena
+        else:
+            self._gpu_arena = arena
+            self.publish(CUDA_ARENA_NAME, arena.region.descriptor())
+            self.publish(CUDA_IPC_NAME, json.dumps(gpu_ipc_info(arena.base, arena.nbytes, cuda)).encode())
+        return arena
 
     @property
     def arena(self) -> Arena:
         """This device's arena, created with the default size on first use."""
-        return arena_of(self)
+        return self._host_arena if self._host_arena is not None else self._registered_arena(None, None)
+
+    def gpu_arena(self, cuda="cuda") -> Arena:
+        """This device's GPU arena (whichever CUDA device it is on), created with the default size
+        on CUDA device ``cuda`` on first use."""
+        return self._gpu_arena if self._gpu_arena is not None else self._registered_arena(None, cuda)
+
+    def ensure_arena(self, nbytes: int) -> Arena:
+        """This device's arena: the one it has, whatever its size, else a new one of ``nbytes``."""
+        return self._host_arena if self._host_arena is not None else self.create_arena(nbytes)
 
     def empty(self, shape: Sequence[int] | int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
         """An uninitialized tensor born in this device's registered arena: it can be sent with
@@ -309,7 +367,17 @@ class Device(_core.Device):
         a CUDA tensor born in this device's GPU arena."""
         if device is not None and as_torch_device(device).type == "cpu":
             device = None
-        return arena_of(self, device).empty(shape, dtype)
+        return (self.arena if device is None else self.gpu_arena(device)).empty(shape, dtype)
+
+    @property
+    def receivers(self) -> dict[str, tuple]:
+        """The transfer layer's receivers published on this device: name -> (a weak reference to
+        the live receiver published under it, its token)."""
+        return self._receivers
+
+    def keep_until_closed(self, obj) -> None:
+        """Keeps ``obj`` (memory a peer may still write or read) alive as long as this device."""
+        self._quarantine.append(obj)
 
 
 def wait_all(futures: Iterable[Future], timeout: float | None = None) -> None:

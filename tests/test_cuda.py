@@ -1,4 +1,4 @@
-"""GPU tensors (issue 16): GPU memory as regions, and transfers of CUDA tensors.
+"""GPU tensors: GPU memory as regions, and transfers of CUDA tensors.
 
 Two real processes, as in the conformance suite: this one and tests/peer.py or
 tests/transfer_peer.py, over UCX's CUDA transports ("cuda": cuda_ipc and cuda_copy beside shared

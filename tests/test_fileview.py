@@ -1,5 +1,5 @@
-"""The model as files (issue 17): real jobs of a shard and `rdmaflow mount` workers, over UCX
-tcp, with clients that use only POSIX file I/O.
+"""The model as files (iRDMA, Ren et al., HPCC '17, §IV-D): real jobs of a shard and `rdmaflow
+mount` workers, over UCX tcp, with clients that use only POSIX file I/O.
 
 - Two workers train through their mounts with plain os.pwrite/os.pread/os.fsync (the training
   processes load no rdmaflow module, which they report) and end with the parameters of single-process SGD on the

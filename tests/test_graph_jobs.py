@@ -6,13 +6,13 @@
   counted by the stages themselves; copy mode (allocation-site placement off) counts copies.
 - The executor's event trace shows a compute running while a receive is pending; a rank whose
   only work is a pending receive uses almost no CPU (process CPU time during its waits).
-- Every error of issue 14 point 6: split points that differ between ranks, a batch whose shape
+- Every error a pipeline job can meet: split points that differ between ranks, a batch whose shape
   or dtype differs from the plan, a stage killed mid-step: every rank exits with a clear error,
   never a hang. (A model that cannot be captured: test_graph.py.)
 - A model made and captured on the meta device, each stage loading only its own part, trains
   like one process.
 - A two-stage job across two network-namespace hosts.
-- Issue 15: a transformer whose sequence length changes every step trains like one process
+- Shapes that change per batch: a transformer whose sequence length changes every step trains like one process
   over 2 and 3 stages, its boundary tensors on the bounded path; a length beyond the declared
   bound fails every rank; a data-dependent shape (boolean mask) on the dynamic path trains and
   infers like one process.
@@ -343,7 +343,7 @@ def test_a_stage_killed_mid_step(tmp_path):
         assert j.proc("rank1").popen.returncode == -9
 
 
-# -- shapes that change per batch (issue 15) ------------------------------------------------------
+# -- shapes that change per batch ------------------------------------------------------------------
 
 def edge_rows(r: dict, cls: str) -> list[str]:
     return [line for line in r["explain"].splitlines() if line[:1] in "fb" and f" {cls} " in line]

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "rdmaflow"
 # The device layer: the only modules that import the extension itself.
-DEVICE_LAYER = {"__init__.py", "device.py", "arena.py", "_views.py", "errors.py", "deadline.py"}
+DEVICE_LAYER = {"__init__.py", "device.py", "arena.py", "_cuda_ipc.py", "_views.py", "errors.py", "deadline.py"}
 
 # Runs import-linter on the package found in sys.argv[1] rather than on the editable install
 # (whose import hook would otherwise win over sys.path); it runs there too, because import-linter
@@ -75,3 +75,15 @@ def test_the_extension_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from rdmaflow import _core\nimport rdmaflow._core\nfrom rdmaflow._core import Device\n")
     assert _imports_core(bad) == [1, 2, 3]
+
+
+def test_an_import_circle_breaks_the_contract(tmp_path):
+    """The check can fail: two modules of one package that import each other (even inside a
+    function) are reported."""
+    shutil.copytree(PACKAGE, tmp_path / "rdmaflow", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    with open(tmp_path / "rdmaflow" / "graph" / "report.py", "a") as f:
+        f.write("\n\ndef _legend():\n    from rdmaflow.graph import analysis  # a deliberate circle\n    return analysis\n")
+    r = lint_imports(tmp_path)
+    assert r.returncode != 0, r.stdout
+    assert "no import circle" in r.stdout and "BROKEN" in r.stdout, r.stdout
+    assert "No cycles are allowed in rdmaflow.graph" in r.stdout and ".report -> .analysis" in r.stdout, r.stdout

@@ -1,4 +1,4 @@
-"""The parameter server on CUDA (issue 16, item 3): real jobs of shard and worker processes, run
+"""The parameter server on CUDA: real jobs of shard and worker processes, run
 where a CUDA device is visible and skipped, with the reason, elsewhere.
 
 - A PS run of FCN-5 with its worker on CUDA trains 100 steps, and its loss matches the same run

@@ -1,4 +1,4 @@
-"""Training features of the parameter server (issue 5): overlap, worker failure, checkpoints.
+"""Training features of the parameter server: overlap, worker failure, checkpoints.
 
 - Overlap (pushes during backward, weights delivered chunk by chunk under the next forward)
   gives exactly the parameters of the plain synchronous path, with and without zero copy.

@@ -160,7 +160,7 @@ def test_time_left_takes_seconds_or_a_deadline():
 # ==============================================================================================
 def test_arena_alignment_and_accounting(job_secret):
     with local_device() as d:
-        a = Arena(d, 4 * MiB)
+        a = Arena(d.alloc_region(4 * MiB))
         assert a.nbytes == 4 * MiB and a.used == 0 and a.largest_free == 4 * MiB
         assert a.num_allocations == 0 and a.num_free_blocks == 1
         blocks = [a.allocate(n) for n in (1, 255, 256, 257, 4095, 100_000, 0)]
@@ -179,13 +179,13 @@ def test_arena_alignment_and_accounting(job_secret):
         with pytest.raises(rdmaflow.OutOfBoundsError):
             a.allocate(-1)
         with pytest.raises(rdmaflow.InvalidArgumentError):
-            Arena(d, 0)
+            Arena(d.alloc_region(0))
 
 
 def test_arena_is_thread_safe(job_secret):
     """Threads allocate, fill, check and free concurrently: no block is ever shared."""
     with local_device() as d:
-        a = Arena(d, 16 * MiB)
+        a = Arena(d.alloc_region(16 * MiB))
         errors: list[str] = []
         n_threads, rounds = 8, 1500
 
@@ -228,7 +228,7 @@ def test_arena_training_pattern_does_not_fragment(job_secret):
     while gradients and temporaries come and go. Many steps must not fragment the arena."""
     with local_device() as d:
         cap = 32 * MiB
-        a = Arena(d, cap)
+        a = Arena(d.alloc_region(cap))
         rng = random.Random(7)
         params = [a.allocate(rng.choice([4 * KiB, 64 * KiB, 300 * KiB, MiB + 17])) for _ in range(12)]
         p_used = a.used
@@ -260,7 +260,7 @@ def test_arena_training_pattern_does_not_fragment(job_secret):
 
 def test_full_arena_error_names_the_sizes(job_secret):
     with local_device() as d:
-        a = Arena(d, MiB)
+        a = Arena(d.alloc_region(MiB))
         b = a.allocate(600 * KiB)
         e = raises_within(ArenaFullError, 5, a.allocate, 600 * KiB)
         msg = str(e)
@@ -329,6 +329,25 @@ def test_device_empty_lives_in_the_arena_and_returns_its_memory(job_secret, monk
         assert d.create_arena(8 * MiB) is arena
         with pytest.raises(rdmaflow.InvalidArgumentError, match="one arena per device"):
             d.create_arena(16 * MiB)
+
+
+def test_the_device_holds_what_the_layers_keep_per_device(job_secret):
+    """A device's arena, its published receivers and the memory it keeps for peers are its own
+    declared fields, reached through its accessors; nothing else is hung on it."""
+    with local_device() as d:
+        before = set(vars(d))
+        assert d.ensure_arena(2 * MiB) is d.arena and d.arena.nbytes == 2 * MiB  # made once ...
+        assert d.ensure_arena(4 * MiB) is d.arena  # ... and kept, whatever size is asked for later
+        r = StaticReceiver(d, "held", (4,), torch.float32, depth=2)
+        assert d.receivers["held"][0]() is r
+        r.close()
+        assert "held" not in d.receivers
+        n = d.arena.num_allocations
+        d.keep_until_closed(block := d.arena.allocate(64))
+        del block
+        gc.collect()
+        assert d.arena.num_allocations == n + 1  # the device still holds the block
+        assert set(vars(d)) == before, "something hung state of its own on the device"
 
 
 def test_receiver_construction_errors(job_secret):

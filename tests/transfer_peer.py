@@ -130,7 +130,6 @@ def main() -> None:
     import struct
 
     import rdmaflow
-    from rdmaflow.arena import arena_of
     from rdmaflow.transfer import DynamicReceiver, DynamicSender, StaticReceiver, StaticSender
     from rdmaflow.transfer import dynamic as dyn
     from rdmaflow.transfer.bounded import BoundedReceiver, BoundedSender
@@ -177,7 +176,7 @@ def main() -> None:
                             getattr(r, "dtype", None), dtypes, cmd.get("plan"))
             bad = mismatch(t.cpu(), want)
             if bad is None and static and cmd.get("check_slot", True):
-                where = arena_of(dev, "cuda") if t.is_cuda else arena
+                where = dev.gpu_arena() if t.is_cuda else arena
                 bad = None if t.numel() == 0 or where.contains(t) else "the tensor is not in the arena"
             if bad is None:
                 state["verified"] += 1

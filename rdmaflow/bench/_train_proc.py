@@ -10,7 +10,7 @@ system):
   "warmup", "iters", "zero_copy", "overlap", "mode", "lr", "seed", "timeout"}``; system is one
   of rdmaflow, tensorpipe, grpc, ddp, local. Required: system, model, batch, workers, iters;
   the others default to shards 1, warmup 0, zero_copy and overlap true, mode "sync", lr 0.01,
-  seed 0, timeout 300 (seconds). Optional: ``threads`` (torch.set_num_threads; else torch's
+  a seed of 0, timeout 300 (seconds). Optional: ``threads`` (torch.set_num_threads; else torch's
   default), ``dump`` (a path: worker 0 ``torch.save``\\ s its model's final ``state_dict``, tensors
   cloned, there: what tests compare with single-process training), ``policy`` and
   ``staleness`` (rdmaflow's placement and bounded-staleness bound, else its defaults),

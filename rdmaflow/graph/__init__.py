@@ -1,4 +1,4 @@
-"""RDMA-aware graph layer: pipeline-parallel training and inference (seed 000 §3.4 and §4).
+"""RDMA-aware graph layer: pipeline-parallel training and inference (Xue et al., EuroSys '19, §3.4 and §4).
 
 A training script changes a few lines, in the conventions of torch.distributed.pipelining::
 

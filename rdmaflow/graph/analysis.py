@@ -1,4 +1,4 @@
-"""RDMA-aware analysis of a partitioned graph (seed 000 §3.4; issue 14, point 2).
+"""RDMA-aware analysis of a partitioned graph (Xue et al., EuroSys '19, §3.4).
 
 For every tensor that crosses stages (forward, and in training the gradient coming back):
 
@@ -171,14 +171,6 @@ TOKEN_MECHANISM = "flag only"
 DYNAMIC_COPY = ("its size is known only once the op has run (a dynamic shape), so no buffer can be placed "
                 "for it ahead: one copy into registered memory")
 GRADIENT_SITE = "the op that produces the input's gradient (traced in the first backward) writes into the arena"
-MECHANISM_LEGEND = {
-    "static slot": "static placement: WRITE into a slot preallocated per microbatch in flight, fence, flag",
-    "max slot + size": "static placement at the maxima: WRITE the tensor into a slot preallocated at the "
-                       "maxima, WRITE its shape into the slot's size record, fence, flag",
-    "dynamic (READ)": "dynamic allocation: a preallocated metadata slot + flag; the receiver allocates "
-                      "and READs the data",
-    "flag only": "no data: the flag tells the producer the consumer's backward is done with the slot",
-}
 
 
 def grad_nodes(stages: list[StageGraph]) -> set[str]:

@@ -1,4 +1,4 @@
-"""Capture a model with torch.export and partition it into pipeline stages (issue 14, point 1).
+"""Capture a model with torch.export and partition it into pipeline stages.
 
 Split points follow torch.distributed.pipelining: ``pipe_split()`` calls inside ``forward``,
 or a ``split_spec`` of ``{module_fqn: SplitPoint.BEGINNING | SplitPoint.END}``, which wraps

@@ -1,4 +1,4 @@
-"""The polling-async executor of one rank (seed 000 §4; issue 14, point 4).
+"""The polling-async executor of one rank (Xue et al., EuroSys '19, §4).
 
 One ready queue holds three kinds of operations:
 

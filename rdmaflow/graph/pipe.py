@@ -39,7 +39,7 @@ class Pipe:
         ``zero_copy``: ``True`` (or ``"auto"``) places a sent tensor's op in the arena where that
         saves a copy and the placement mode costs less than the copy (docs/graph.md, "Allocation
         sites"); ``"always"`` places every site that can be placed; ``False`` turns placement
-        off: every send copies (seed 000's copy mode). ``stage.explain()`` says per edge why it
+        off: every send copies (Xue et al., EuroSys '19: copy mode). ``stage.explain()`` says per edge why it
         copies."""
         from rdmaflow.graph.stage import PipelineStage
 

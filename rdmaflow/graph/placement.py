@@ -1,4 +1,4 @@
-"""Allocation sites: tensors that will be sent are born in registered memory (seed 000 §3.4).
+"""Allocation sites: tensors that will be sent are born in registered memory (Xue et al., EuroSys '19, §3.4).
 
 The paper instruments the allocator during the first iteration: it records buffer address ->
 (graph node, i-th allocation in it), looks up each sent tensor's address, and from then on

@@ -1,6 +1,15 @@
 """plan.explain(): the analysis as a table, one row per cross-stage edge, and each rank's arena."""
 from __future__ import annotations
 
+# What each mechanism in the table does, printed under it for the mechanisms a plan uses.
+MECHANISM_LEGEND = {
+    "static slot": "static placement: WRITE into a slot preallocated per microbatch in flight, fence, flag",
+    "max slot + size": "static placement at the maxima: WRITE the tensor into a slot preallocated at the "
+                       "maxima, WRITE its shape into the slot's size record, fence, flag",
+    "dynamic (READ)": "dynamic allocation: a preallocated metadata slot + flag; the receiver allocates "
+                      "and READs the data",
+    "flag only": "no data: the flag tells the producer the consumer's backward is done with the slot",
+}
 COLUMNS = ("edge", "from->to", "tensor", "shape/dtype", "class", "bytes", "mechanism", "send", "why")
 
 
@@ -26,8 +35,6 @@ def _row(e, stats: dict | None) -> list[str]:
 
 
 def explain_table(plan, stats: dict | None = None) -> str:
-    from rdmaflow.graph.analysis import MECHANISM_LEGEND
-
     mode = f"training ({plan.schedule})" if plan.training else "inference"
     placement = "on" if plan.zero_copy else "off (copy mode)"
     lines = [f"plan: {plan.num_stages} stages, {plan.n_microbatches} microbatches in flight, {mode}, "

@@ -1,4 +1,4 @@
-"""Microbatch schedules (issue 14, point 5), named as in torch.distributed.pipelining.
+"""Microbatch schedules, named as in torch.distributed.pipelining.
 
 A schedule is the order in which a stage runs its microbatches' forwards (F) and backwards (B)
 within a step; the executor runs them in that order and interleaves the sends and receives.

@@ -26,11 +26,6 @@ from rdmaflow.transfer.flag import Word, wait_flag
 ARENA_SLACK = 16 << 20  # room left in a worker's arena for tensors it pushes without a copy
 
 
-def _arena(dev, nbytes: int):
-    existing = getattr(dev, "_rdmaflow_arena", None)
-    return existing if existing is not None else dev.create_arena(nbytes)
-
-
 class KVHandle:
     """What ``push`` and ``pull`` return; pass it to ``KVStore.wait``."""
 
@@ -170,7 +165,7 @@ class KVStore:
         self.spec = spec = KVLayout(decl, role.num_shards, role.num_workers)
         self.dtype, self.keys = spec.dtype, spec.keys
         L = self.layout = spec.worker
-        self.arena = _arena(self.dev, L.total + ARENA_SLACK)
+        self.arena = self.dev.ensure_arena(L.total + ARENA_SLACK)
         self.block = self.arena.allocate(L.total)
         self.base = self.block.offset
         self.region = self.arena.region

@@ -8,7 +8,7 @@ import math
 import torch
 
 from rdmaflow import InvalidArgumentError
-from rdmaflow.arena import integer
+from rdmaflow._args import integer
 from rdmaflow.ps.protocol import aligned
 from rdmaflow.transfer.dtypes import FLOAT_DTYPES, dtype_name
 
@@ -19,7 +19,7 @@ DTYPES = dict(FLOAT_DTYPES, int32=torch.int32, int64=torch.int64)
 
 
 def key_of(k, what: str = "key") -> int:
-    """A key (an integer in [0, 2**63), as :func:`rdmaflow.arena.integer` takes it), or
+    """A key (an integer in [0, 2**63), as :func:`rdmaflow._args.integer` takes it), or
     InvalidArgumentError naming ``what``."""
     k = integer(k, what)
     if not 0 <= k < (1 << 63):

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
-from rdmaflow.arena import integer
+from rdmaflow._args import integer
 from rdmaflow.deadline import Deadline
 from rdmaflow.job import env_int
 from rdmaflow.ps.adaptive_pull import AdaptivePull

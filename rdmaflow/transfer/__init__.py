@@ -1,7 +1,8 @@
 """Zero-copy tensor transfer over the device (Xue et al., EuroSys '19, §3.2-§3.4).
 
 - ``Arena`` / ``device.empty(shape, dtype)``: one registered region per device, carved up by an
-  allocator, so tensors that will be sent are born in registered memory (rdmaflow.arena).
+  allocator, so tensors that will be sent are born in registered memory (``device.arena``,
+  ``device.gpu_arena()``, ``device.create_arena``).
 - ``StaticSender`` / ``StaticReceiver``: fixed shape and dtype, preallocated destination,
   one-sided WRITE of data, fence, flag; reused every iteration with no handshake.
 - ``BoundedSender`` / ``BoundedReceiver``: fixed dtype, each dimension at most a declared maximum;
@@ -17,7 +18,7 @@ registered memory and the one loop that waits on them), ``pack_header`` / ``unpa
 (what a receiver publishes under its name), and the dtype table (``FLOAT_DTYPES``,
 ``dtype_name``, ``dtype_code``).
 """
-from rdmaflow.arena import Arena, arena_of, create_arena
+from rdmaflow.arena import Arena
 from rdmaflow.transfer.bounded import SIZE_RECORD_BYTES, BoundedReceiver, BoundedSender
 from rdmaflow.transfer.common import CTL_BYTES, FLAG_STRIDE, pack_header, unpack_header
 from rdmaflow.transfer.dtypes import FLOAT_DTYPES, describe, dtype_code, dtype_name
@@ -39,8 +40,6 @@ __all__ = [
     "StaticReceiver",
     "StaticSender",
     "Word",
-    "arena_of",
-    "create_arena",
     "describe",
     "dtype_code",
     "dtype_name",

@@ -1,5 +1,5 @@
 """Transfer with bounded shapes: static placement at the maxima, the actual shape beside the data
-(issue 15; the "bounded" class of seed 000 §3.4's analysis).
+(the "bounded" class of Xue et al., EuroSys '19, §3.4's analysis).
 
 A tensor whose dimensions change per call but never exceed declared maxima (a sequence length
 from a ``Dim(min, max)``) goes to a slot preallocated at the maxima, like a static transfer, with

@@ -25,7 +25,7 @@ import threading
 import torch
 
 from rdmaflow import Device, InvalidArgumentError
-from rdmaflow.arena import Arena, arena_of
+from rdmaflow.arena import Arena
 from rdmaflow.deadline import checked_timeout
 from rdmaflow.device import check_dense
 
@@ -89,7 +89,7 @@ class Endpoint:
         self.device = device
         self.name = name
         self.timeout = checked_timeout(timeout)
-        self.arena: Arena = arena_of(device)
+        self.arena: Arena = device.arena
         self._lock = threading.Lock()
         self.closed = False
 
@@ -99,10 +99,7 @@ def keep_until_device_closes(device: Device, obj) -> None:
     ack word, buffers a receiver will READ) alive until ``device`` closes, so that no transfer
     in flight, nor one of a peer that never learnt the endpoint went away, lands in memory the
     arena gave to someone else."""
-    kept = getattr(device, "_rdmaflow_quarantine", None)
-    if kept is None:
-        kept = device._rdmaflow_quarantine = []
-    kept.append(obj)
+    device.keep_until_closed(obj)
 
 
 class SenderIntro:

@@ -25,7 +25,8 @@ import struct
 import torch
 
 from rdmaflow import READ, Future, InvalidArgumentError, RdmaflowError, RemoteRegion
-from rdmaflow.arena import CUDA_ARENA_NAME, CUDA_IPC_NAME, arena_of, map_gpu_ipc
+from rdmaflow._cuda_ipc import map_gpu_ipc
+from rdmaflow.arena import CUDA_ARENA_NAME, CUDA_IPC_NAME
 from rdmaflow.deadline import ENDPOINT_TIMEOUT, Deadline, call_timeout
 from rdmaflow.transfer.common import KIND_DYNAMIC, check_tensor, keep_until_device_closes, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, dtype_code
@@ -112,7 +113,7 @@ class DynamicReceiver(Receiver):
         slot = self._wait_flag(k, deadline)
         channel = self._connect_sender(deadline)[0]
         dtype, shape, nbytes, src_off, source, gpu = self._parse(slot, k, channel, deadline)
-        arena = self.arena if gpu < 0 else arena_of(self.device, "cuda")
+        arena = self.arena if gpu < 0 else self.device.gpu_arena("cuda")
         out = arena.empty(shape, dtype)
         if nbytes and gpu >= 0 and self._sender_gpu_map is not None:
             out.view(-1).view(torch.uint8).copy_(self._sender_gpu_map[src_off : src_off + nbytes])
@@ -176,7 +177,7 @@ class DynamicSender(Sender):
         nbytes = tensor.numel() * tensor.element_size()
         src, off, arena, gpu = tensor, 0, self.arena, -1
         if tensor.is_cuda:
-            arena, gpu = arena_of(self.device, tensor.device), tensor.device.index
+            arena, gpu = self.device.gpu_arena(tensor.device), tensor.device.index
             off = None if self.mode == "copy" or not nbytes else self._gpu_offset(arena, tensor)
         elif nbytes:
             off = self._arena_offset(tensor, nbytes)

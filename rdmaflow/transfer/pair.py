@@ -35,7 +35,7 @@ from rdmaflow import (
     RemoteRegion,
     TimeoutError,
 )
-from rdmaflow.arena import arena_of, gpu_ipc_info, map_gpu_ipc
+from rdmaflow._cuda_ipc import gpu_ipc_info, map_gpu_ipc
 from rdmaflow.deadline import ENDPOINT_TIMEOUT, Deadline, call_timeout, time_left
 from rdmaflow.transfer.common import (
     CTL_BYTES,
@@ -66,18 +66,10 @@ CLOSED = 1 << 62  # a closing receiver leaves CLOSED + the transfers it received
 MAX_DEPTH = 1 << 16  # slots of a pair, as a sender accepts from a header
 
 
-def _receivers(device) -> dict:
-    """name -> (the live receiver published under it, its token), per device."""
-    live = getattr(device, "_rdmaflow_receivers", None)
-    if live is None:
-        live = device._rdmaflow_receivers = {}
-    return live
-
-
 def _unpublish(device, name: str, token: object) -> None:
     """Unpublishes ``name`` if the receiver of ``token`` still holds it (a receiver closed, or
     dropped without close: then its finalizer calls this)."""
-    live = _receivers(device)
+    live = device.receivers
     held = live.get(name)
     if held is None or held[1] is not token:
         return
@@ -109,7 +101,7 @@ class Receiver(Endpoint):
             raise InvalidArgumentError(f"depth must be an integer in [1, {MAX_DEPTH}], got {depth!r}")
         if not isinstance(name, str):
             raise InvalidArgumentError(f"a receiver's name must be a str, got {type(name).__name__}")
-        held = _receivers(device).get(name)
+        held = device.receivers.get(name)
         other = held[0]() if held is not None else None
         if other is not None and not other.closed:
             raise InvalidArgumentError(f"a receiver named '{name}' already lives on this device: close it first, "
@@ -123,10 +115,10 @@ class Receiver(Endpoint):
         self.data_block = None
         total = self.data_off + self.slot_stride * depth
         if cuda is not None:
-            gpu = arena_of(device, cuda)
+            gpu = device.gpu_arena(cuda)
             self.data_block = gpu.allocate(self.slot_stride * depth)
             meta = dict(meta, data_region=gpu.region.descriptor().hex(), data_base=self.data_block.offset,
-                        data_ipc=gpu_ipc_info(gpu))
+                        data_ipc=gpu_ipc_info(gpu.base, gpu.nbytes, gpu.cuda_device))
             total = self.data_off
             keep_until_device_closes(device, self.data_block)
         self.block = self.arena.allocate(total)
@@ -153,7 +145,7 @@ class Receiver(Endpoint):
                       data=self.data_off, stride=self.slot_stride)
         device.publish(name, pack_header(header, self.arena.region.descriptor()))
         self._token = token = object()
-        _receivers(device)[name] = (weakref.ref(self), token)
+        device.receivers[name] = (weakref.ref(self), token)
         weakref.finalize(self, _unpublish, device, name, token).atexit = False  # dropped without close()
 
     # -- the sender's side of the link -------------------------------------------------------

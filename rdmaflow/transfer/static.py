@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from rdmaflow import Future, InvalidArgumentError, PeerError, TimeoutError
-from rdmaflow.arena import arena_of, shape_of
+from rdmaflow._args import shape_of
 from rdmaflow.deadline import ENDPOINT_TIMEOUT, Deadline, checked_timeout, time_left
 from rdmaflow.transfer.common import FLAG_STRIDE, KIND_STATIC, check_tensor, stream_done
 from rdmaflow.transfer.dtypes import CODE_DTYPE, describe, dtype_code
@@ -66,7 +66,7 @@ class StaticReceiver(Receiver):
         super().__init__(device, name, depth, self.header_bytes + self.nbytes, meta, timeout, cuda)
         raw, first = self._raw, self.data_off
         if self.data_block is not None:  # GPU slots: CUDA tensors holding the arena block
-            raw, first = torch.as_tensor(self.data_block, device=arena_of(device, cuda).cuda_device), 0
+            raw, first = torch.as_tensor(self.data_block, device=device.gpu_arena(cuda).cuda_device), 0
         self._views = []
         for i in range(depth):
             start = first + i * self.slot_stride + self.header_bytes
@@ -317,7 +317,7 @@ class StaticSender(Sender):
         if tensor.is_cuda and nbytes and self.mode == "copy":
             tensor = self._gpu_source(tensor, slot, nbytes)[0]
         elif tensor.is_cuda and nbytes and self.mode == "zerocopy":
-            self._gpu_offset(arena_of(self.device, tensor.device), tensor)
+            self._gpu_offset(self.device.gpu_arena(tensor.device), tensor)
         if nbytes:
             at = self.d_at + slot * self.r_stride + self.header_bytes
             dst = self._gpu_map[at : at + nbytes].view(tensor.dtype)
@@ -330,7 +330,7 @@ class StaticSender(Sender):
         tensor itself (zero copy), or a copy in GPU staging memory of ``slot`` (mode "copy", or
         "auto" with a tensor outside the arena). Then waits for the caller's stream, whose work
         produced the tensor (and the copy): UCX reads it on a stream of its own."""
-        gpu = arena_of(self.device, tensor.device)
+        gpu = self.device.gpu_arena(tensor.device)
         off = None if self.mode == "copy" or not nbytes else self._gpu_offset(gpu, tensor)
         keep = tensor
         if off is None and nbytes:

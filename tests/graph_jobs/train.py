@@ -45,7 +45,7 @@ from rdmaflow.bench import pipeline_models
 
 IN, HIDDEN, OUT = 8, 32, 4
 D_MODEL, HEADS = 16, 2
-MIN_LEN, MAX_LEN = 16, 512    # the transformer's declared sequence lengths (issue 15)
+MIN_LEN, MAX_LEN = 16, 512    # the transformer's declared sequence lengths (the bounded path)
 
 
 class MLP(torch.nn.Module):

@@ -60,7 +60,6 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from rdmaflow import ps
-    from rdmaflow.arena import arena_of
 
     res = ps.init(exit_shards=False)
     if isinstance(res, dict):  # a shard: its statistics
@@ -78,7 +77,7 @@ def main() -> None:
     opt = ps.DistributedOptimizer(model, make_optimizer(model.parameters(), float(cfg["lr"])),
                                   policy=cfg.get("policy", "block"), shard_device=cfg.get("shard_device", "cpu"))
     params = list(model.parameters())
-    region = arena_of(ctx.device, "cuda").region if device.type == "cuda" else None
+    region = ctx.device.gpu_arena().region if device.type == "cuda" else None
     where: list[str] = []  # what was found outside the GPU arena, or moved
 
     def check(when: str, step: int) -> None:
