@@ -25,6 +25,7 @@ import tempfile
 from collections import defaultdict
 
 from rdmaflow._ucx import ucx_env
+from rdmaflow.bench import flags
 from rdmaflow.bench.harness import format_size, parse_sizes
 from rdmaflow.bench.processes import free_port, new_secret
 
@@ -34,15 +35,15 @@ JOB_TIMEOUT = 600.0
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--transport", default="tcp,sm", help="comma list of UCX transports (default tcp,sm)")
-    ap.add_argument("--sizes", default="8,1K,64K,1M,16M", help="comma list of tensor sizes (default 8,1K,64K,1M,16M)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS} (default both)")
+    flags.add_transport(ap)
+    flags.add_sizes(ap, "8,1K,64K,1M,16M", "tensor sizes (default 8,1K,64K,1M,16M)")
+    flags.add_systems(ap, SYSTEMS, SYSTEMS)
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of {OPS} (default all)")
     ap.add_argument("--ranks", default="2,4", help="comma list of rank counts; P2P runs at 2 only (default 2,4)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per cell and system (default 5)")
+    flags.add_repeats(ap, 5, "timed runs per cell and system (default 5)")
     ap.add_argument("--iterations", type=int, default=2000,
                     help="most calls in one timed run (fewer for large sizes: 64 MiB per run; default 2000)")
-    ap.add_argument("--out", default=None, help="a directory for c10d.csv (default: none)")
+    flags.add_out(ap, None, "c10d.csv (default: none)")
 
 
 def _run_job(transport: str, ranks: int, cfg: dict) -> list[dict]:
@@ -76,15 +77,19 @@ def _run_job(transport: str, ranks: int, cfg: dict) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     sizes = parse_sizes(args.sizes)
-    systems = [s for s in args.systems.split(",") if s]
     ops = [o for o in args.ops.split(",") if o]
-    bad = [s for s in systems if s not in SYSTEMS] + [o for o in ops if o not in OPS]
+    try:
+        transports = flags.transports(args.transport)
+        systems = flags.choose(args.systems, SYSTEMS, "--systems")
+    except ValueError as e:
+        print(f"bench c10d: {e}", file=sys.stderr)
+        return 2
+    bad = [o for o in ops if o not in OPS]
     if bad or args.repeats < 1 or args.iterations < 2:
-        print(f"bench c10d: unknown system or op {bad} (systems {SYSTEMS}, ops {OPS}), or --repeats < 1, or --iterations < 2",
-              file=sys.stderr)
+        print(f"bench c10d: unknown op {bad} (ops {OPS}), or --repeats < 1, or --iterations < 2", file=sys.stderr)
         return 2
     rows = []
-    for transport in [t for t in args.transport.split(",") if t]:
+    for transport in transports:
         for ranks in [int(r) for r in args.ranks.split(",") if r]:
             cell_ops = ops if ranks == 2 else [o for o in ops if o == "all_reduce"]
             if cell_ops:
