@@ -77,6 +77,12 @@ void Device::init(const DeviceConfig& cfg) {
   for (const char* name : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
     if (!std::getenv((std::string("UCX_") + name).c_str()))
       ucp_config_modify(ucfg, name, seg.c_str());
+  // A fixed-port device restarts at once: the handshake listener binds with SO_REUSEADDR, so
+  // the connections its predecessor closed first (TIME-WAIT, about 60 s) do not hold the port.
+  // Linux still refuses a second live listener on it. An environment setting wins; a UCX
+  // without the setting ignores it and keeps the wait.
+  if (!std::getenv("UCX_TCP_CM_REUSEADDR") && !std::getenv("UCX_CM_REUSEADDR"))
+    ucp_config_modify(ucfg, "TCP_CM_REUSEADDR", "y");
   // Where the environment names no network device, those the caller chose: UCX's tcp
   // interfaces (and their data ports) then exist only on the device's own interface.
   const char* env_nets = std::getenv("UCX_NET_DEVICES");

@@ -561,6 +561,22 @@ def test_weak_secrets_are_refused_saying_how_to_make_one(weak, monkeypatch):
     rdmaflow.Device("127.0.0.1:0", secret=secrets.token_hex(8)).close()  # 16 characters: enough
 
 
+def test_a_fixed_port_device_restarts_at_once(job_secret):
+    """The listening side closes first with a peer connected (its port in TIME-WAIT): a device
+    on that port starts at once, not 60 s later; two live devices on one port are still refused."""
+    port = free_port()
+    with local_device() as a:
+        dev = rdmaflow.Device(f"127.0.0.1:{port}")
+        a.channel(f"127.0.0.1:{port}")  # a handshake, whose socket the listening side closes first
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="already in use"):
+            rdmaflow.Device(f"127.0.0.1:{port}")
+        dev.close()
+        again = rdmaflow.Device(f"127.0.0.1:{port}")
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="already in use"):
+            rdmaflow.Device(f"127.0.0.1:{port}")
+        again.close()
+
+
 def test_arena_sizes_are_bytes(monkeypatch, job_secret):
     """An arena's size is an integer or a size such as "1M", as $RDMAFLOW_ARENA_BYTES is;
     anything else is refused by name (a str used to meet a comparison's TypeError, and a bad
