@@ -1,5 +1,7 @@
-// Device setup and teardown: validating the configuration, the UCX context, the progress
-// threads and the listener; close(); and how a failed operation's status becomes an error.
+// Device setup and teardown: validating the configuration (the job secret's strength), the UCX
+// context, the progress threads and the listener; close(); and how a failed operation's status
+// becomes an error.
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 
@@ -9,6 +11,21 @@
 namespace rdmaflow {
 
 Device::Device() = default;
+
+// A captured handshake can always be attacked offline: a secret must be too long to guess.
+void check_secret_strength(const std::string& secret) {
+  bool blank = true;
+  for (char c : secret)
+    if (!std::isspace(static_cast<unsigned char>(c))) blank = false;
+  if (secret.size() < kMinSecretBytes || blank)
+    throw Error(ErrorKind::Invalid,
+                "the job secret is too weak (" +
+                    std::string(blank ? "only whitespace" : std::to_string(secret.size()) + " bytes") +
+                    "; at least " + std::to_string(kMinSecretBytes) +
+                    " are needed, not all whitespace): make one with "
+                    "python -c \"import secrets; print(secrets.token_hex(16))\" and give every "
+                    "process of the job the same (secret=... or RDMAFLOW_JOB_SECRET)");
+}
 
 std::shared_ptr<Device> Device::create(const DeviceConfig& cfg) {
   std::shared_ptr<Device> d(new Device());
@@ -22,6 +39,7 @@ void Device::init(const DeviceConfig& cfg) {
     throw Error(ErrorKind::Invalid,
                 "a job secret is required: pass secret=... or set RDMAFLOW_JOB_SECRET; devices "
                 "only hand remote keys to peers that prove they know it");
+  check_secret_strength(cfg.secret);
   if (cfg.num_cqs < 1 || cfg.num_cqs > 64)
     throw Error(ErrorKind::Invalid, "num_cqs must be between 1 and 64, got " +
                                         std::to_string(cfg.num_cqs));
@@ -59,6 +77,12 @@ void Device::init(const DeviceConfig& cfg) {
   for (const char* name : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
     if (!std::getenv((std::string("UCX_") + name).c_str()))
       ucp_config_modify(ucfg, name, seg.c_str());
+  // A fixed-port device restarts at once: the handshake listener binds with SO_REUSEADDR, so
+  // the connections its predecessor closed first (TIME-WAIT, about 60 s) do not hold the port.
+  // Linux still refuses a second live listener on it. An environment setting wins; a UCX
+  // without the setting ignores it and keeps the wait.
+  if (!std::getenv("UCX_TCP_CM_REUSEADDR") && !std::getenv("UCX_CM_REUSEADDR"))
+    ucp_config_modify(ucfg, "TCP_CM_REUSEADDR", "y");
   // Where the environment names no network device, those the caller chose: UCX's tcp
   // interfaces (and their data ports) then exist only on the device's own interface.
   const char* env_nets = std::getenv("UCX_NET_DEVICES");

@@ -100,6 +100,12 @@ TcpCongestion resolve_tcp_congestion(const std::string& wanted);
 // throws Invalid for a cpu this process may not use, Timeout if the line stops moving.
 double cache_line_handoff_ns(int cpu_a, int cpu_b, double seconds);
 
+// The shortest job secret a device accepts, in bytes (docs/security.md, "The job secret").
+constexpr size_t kMinSecretBytes = 16;
+// Throws Invalid, saying how to make a good one, for a secret shorter than kMinSecretBytes or
+// only whitespace.
+void check_secret_strength(const std::string& secret);
+
 struct DeviceConfig {
   std::string endpoint = "127.0.0.1:0";
   int num_cqs = 2;  // two workers: a large send over tcp is striped over both (Channel::write_flagged)

@@ -5,8 +5,9 @@ UCX), which libucx wheel is installed and PyTorch's CUDA version, the transports
 finds (``ucx_info -d``), whether RDMA verbs and CUDA transports are among them and whether
 GPUDirect RDMA is possible, the UCX_*/RDMAFLOW_* settings in force (secrets masked), and what
 a temporary rdmaflow Device actually enabled and where it listens (its handshake listener and
-UCX's tcp data ports, on the interface of its address only: docs/security.md). ``--json`` gives
-the same as one JSON object.
+UCX's tcp data ports, on the interface of its address only: docs/security.md). A
+``$RDMAFLOW_JOB_SECRET`` that devices refuse as too weak is reported (exit status 1) and the
+temporary device made with a secret of its own. ``--json`` gives the same as one JSON object.
 """
 from __future__ import annotations
 
@@ -299,15 +300,24 @@ def _temporary_device() -> dict[str, Any]:
     import rdmaflow
 
     secret = os.environ.get(SECRET_ENV) or secrets.token_hex(16)
+    secret_error = None
     before = set(listening_sockets())
     try:
-        dev = rdmaflow.Device("127.0.0.1:0", secret=secret, connect_timeout=5.0, rpc_timeout=5.0)
+        try:
+            dev = rdmaflow.Device("127.0.0.1:0", secret=secret, connect_timeout=5.0, rpc_timeout=5.0)
+        except rdmaflow.InvalidArgumentError as e:
+            if "job secret is too weak" not in str(e):
+                raise
+            # Reported on its own; the probe of this host goes on with a secret of its own.
+            secret_error = str(e)
+            dev = rdmaflow.Device("127.0.0.1:0", secret=secrets.token_hex(16), connect_timeout=5.0, rpc_timeout=5.0)
     except Exception as e:  # noqa: BLE001 - reported, not raised
-        return {"ok": False, "error": f"{type(e).__name__}: {e}", "transports": [], "text": ""}
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "transports": [], "text": "",
+                "secret_error": secret_error}
     try:
         text = dev.ucx_info()
         listening = [f"[{a}]:{p}" if ":" in a else f"{a}:{p}" for a, p in sorted(set(listening_sockets()) - before)]
-        return {"ok": True, "error": None, "endpoint": dev.endpoint,
+        return {"ok": True, "error": None, "secret_error": secret_error, "endpoint": dev.endpoint,
                 "transports": parse_context_resources(text), "text": text,
                 "same_host_mapping": bool(dev.same_host_mapping),
                 "net_devices": dev.net_devices, "listening": listening}
@@ -376,6 +386,8 @@ def gather() -> dict[str, Any]:
     info["transports"] = transports
     if not dev["ok"]:
         info["warnings"].append(f"a temporary rdmaflow Device could not be created: {dev['error']}")
+    if dev["secret_error"]:
+        info["warnings"].append(f"every device refuses ${SECRET_ENV}: {dev['secret_error']}")
 
     verbs = _presence(VERBS_TRANSPORTS, transports)
     built_without_verbs = "--without-verbs" in flags
@@ -496,13 +508,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints the report; exits 1 when no rdmaflow Device can be made here (scripts check it)."""
+    """Prints the report; exits 1 when no rdmaflow Device can be made here (scripts check it),
+    a weak ``$RDMAFLOW_JOB_SECRET`` included."""
     info = gather()
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         print(format_text(info))
-    return 0 if info["device"]["ok"] else 1
+    return 0 if info["device"]["ok"] and not info["device"]["secret_error"] else 1
 
 
 def _net_devices() -> list[str]:

@@ -428,14 +428,14 @@ def test_cuda_systems_processes_and_arenas():
     # On the host nothing changes: no CUDA arena.
     assert transfer.cuda_arena_bytes("rdmaflow-zerocopy", "receiver", *plan, device="cpu") == 0
 
-    kw = {"secret": "s", "sizes": sizes, "window": 2, "max_inflight": gib, "busy_poll": False,
+    kw = {"secret": "a-bench-test-secret-0123", "sizes": sizes, "window": 2, "max_inflight": gib, "busy_poll": False,
           "sock_dir": "/tmp", "timeout": 30.0, "torch_threads": 1, "consume": "sync", "device": "cuda"}
     zc = transfer.make_system("rdmaflow-zerocopy", "cuda", **kw)
     argv = zc._argv("receiver", 1234)
     assert argv[argv.index("--device") + 1] == "cuda"
     assert int(argv[argv.index("--cuda-arena-bytes") + 1]) == transfer.cuda_arena_bytes(
         "rdmaflow-zerocopy", "receiver", *plan)
-    assert "cuda_ipc" in zc.env["UCX_TLS"] and zc.env["RDMAFLOW_JOB_SECRET"] == "s"
+    assert "cuda_ipc" in zc.env["UCX_TLS"] and zc.env["RDMAFLOW_JOB_SECRET"] == "a-bench-test-secret-0123"
     assert "--cuda-arena-bytes" not in transfer.make_system("rdmaflow-staging", "cuda", **kw)._argv("sender", 1)
     gloo = transfer.make_system("gloo", "cuda", **kw)
     assert "RDMAFLOW_JOB_SECRET" not in gloo.env and "--cuda-arena-bytes" not in gloo._argv("sender", 1)

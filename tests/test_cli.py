@@ -65,6 +65,18 @@ def test_info_names_the_setting_that_leaves_no_way_to_connect():
     assert "UCX_TLS and UCX_NET_DEVICES" not in p.stdout, p.stdout
 
 
+def test_info_reports_a_weak_job_secret():
+    """A short $RDMAFLOW_JOB_SECRET: one line saying so and how to make one, exit status 1, and
+    the rest of the report still made (the temporary device takes a secret of its own)."""
+    weak = "short-secret"
+    p = subprocess.run([sys.executable, "-m", "rdmaflow", "info"], cwd=ROOT, env=dict(os.environ, RDMAFLOW_JOB_SECRET=weak),
+                       capture_output=True, text=True, timeout=30, check=False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "warning: every device refuses $RDMAFLOW_JOB_SECRET: the job secret is too weak (12 bytes" in p.stdout, p.stdout
+    assert "secrets.token_hex(16)" in p.stdout and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert "A temporary rdmaflow Device (" in p.stdout and weak not in p.stdout, p.stdout
+
+
 def test_info_json_and_masked_secret():
     import rdmaflow
 

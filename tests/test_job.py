@@ -159,5 +159,5 @@ def test_a_job_of_several_processes_needs_its_secret(monkeypatch):
         job_secret(2)
     one = job_secret(1)  # a single process makes one up, and keeps it
     assert len(one) == 32 and job_secret(2) == one
-    monkeypatch.setenv("RDMAFLOW_JOB_SECRET", "s3cret")
-    assert job_secret(4) == "s3cret"
+    monkeypatch.setenv("RDMAFLOW_JOB_SECRET", "s3cret-of-the-test-job")
+    assert job_secret(4) == "s3cret-of-the-test-job"
