@@ -1,5 +1,7 @@
-// Device setup and teardown: validating the configuration, the UCX context, the progress
-// threads and the listener; close(); and how a failed operation's status becomes an error.
+// Device setup and teardown: validating the configuration (the job secret's strength), the UCX
+// context, the progress threads and the handshake listener; close(); and how a failed
+// operation's status becomes an error.
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 
@@ -9,6 +11,21 @@
 namespace rdmaflow {
 
 Device::Device() = default;
+
+// A captured handshake can always be attacked offline: a secret must be too long to guess.
+void check_secret_strength(const std::string& secret) {
+  bool blank = true;
+  for (char c : secret)
+    if (!std::isspace(static_cast<unsigned char>(c))) blank = false;
+  if (secret.size() < kMinSecretBytes || blank)
+    throw Error(ErrorKind::Invalid,
+                "the job secret is too weak (" +
+                    std::string(blank ? "only whitespace" : std::to_string(secret.size()) + " bytes") +
+                    "; at least " + std::to_string(kMinSecretBytes) +
+                    " are needed, not all whitespace): make one with "
+                    "python -c \"import secrets; print(secrets.token_hex(16))\" and give every "
+                    "process of the job the same (secret=... or RDMAFLOW_JOB_SECRET)");
+}
 
 std::shared_ptr<Device> Device::create(const DeviceConfig& cfg) {
   std::shared_ptr<Device> d(new Device());
@@ -22,6 +39,7 @@ void Device::init(const DeviceConfig& cfg) {
     throw Error(ErrorKind::Invalid,
                 "a job secret is required: pass secret=... or set RDMAFLOW_JOB_SECRET; devices "
                 "only hand remote keys to peers that prove they know it");
+  check_secret_strength(cfg.secret);
   if (cfg.num_cqs < 1 || cfg.num_cqs > 64)
     throw Error(ErrorKind::Invalid, "num_cqs must be between 1 and 64, got " +
                                         std::to_string(cfg.num_cqs));
@@ -74,38 +92,19 @@ void Device::init(const DeviceConfig& cfg) {
       threads_.emplace_back(std::make_unique<ProgressThread>(this, i, ctx_));
       set_am_handler(threads_.back()->handle(), kFlaggedAmId, flagged_cb, this);
     }
-    start_listening(ss, slen);
+    // Control messages arrive on progress thread 0's worker; handshakes on our own socket.
+    set_am_handler(threads_[0]->handle(), kAmId, am_cb, this);
+    handshaker_ = std::make_unique<Handshaker>(this, ss, slen);
+    endpoint_ = listening_endpoint(cfg_.endpoint, handshaker_->bound());
   } catch (...) {
-    if (listener_) ucp_listener_destroy(listener_);
-    listener_ = nullptr;
+    handshaker_.reset();
     threads_.clear();
     ucp_cleanup(ctx_);
     ctx_ = nullptr;
     throw;
   }
   for (auto& t : threads_) t->start();
-}
-
-// Control messages and connection requests arrive on progress thread 0's worker.
-void Device::start_listening(const sockaddr_storage& ss, socklen_t slen) {
-  set_am_handler(threads_[0]->handle(), kAmId, am_cb, this);
-
-  ucp_listener_params_t lp{};
-  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-  lp.sockaddr.addrlen = slen;
-  lp.conn_handler.cb = conn_cb;
-  lp.conn_handler.arg = this;
-  ucs_status_t st = ucp_listener_create(threads_[0]->handle(), &lp, &listener_);
-  if (st != UCS_OK)
-    throw Error(ErrorKind::Invalid, "cannot listen on " + cfg_.endpoint + ": " +
-                                        (st == UCS_ERR_BUSY ? "the address is already in use" : ucs_error(st)));
-  ucp_listener_attr_t la{};
-  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  st = ucp_listener_query(listener_, &la);
-  if (st != UCS_OK)
-    throw Error(ErrorKind::Generic, "ucp_listener_query failed: " + ucs_error(st));
-  endpoint_ = listening_endpoint(cfg_.endpoint, la.sockaddr);
+  handshaker_->start();
 }
 
 Device::~Device() {
@@ -121,6 +120,8 @@ void Device::check_open() const {
 
 void Device::close() {
   if (closing_.exchange(true)) return;
+  // No handshake starts or ends any more (it may post to progress thread 0: it goes first).
+  if (handshaker_) handshaker_->stop();
   for (auto& t : threads_) t->stop();
   fail_all_rpcs("device " + endpoint_ + " was closed");
   std::vector<std::shared_ptr<Peer>> peers;

@@ -139,7 +139,6 @@ struct Peer {
   enum State { Connecting, Ready, Failed } state = Connecting;
   std::string error;
   bool auth_failed = false;
-  uint8_t nc[16] = {0};
   std::mutex m;
   std::condition_variable cv;
   std::map<int, std::shared_ptr<Channel>> channels;
@@ -309,17 +308,59 @@ class ProgressThread {
   std::vector<std::shared_ptr<Channel>> channels_;
 };
 
-// A control connection (side RPC) to or from a peer device; progress thread 0 only.
+// A control connection (side RPC) to or from a peer device, made once the handshake ended:
+// our endpoint to the peer's worker 0; progress thread 0 only.
 struct Link {
   Device* dev = nullptr;
   ucp_ep_h ep = nullptr;
   bool client = false;           // we connected (peer set) or accepted
   std::shared_ptr<Peer> peer;    // client side
-  bool authed = false;
   bool dead = false;
-  uint8_t nc[16] = {0}, ns[16] = {0};
+  uint64_t token = 0;         // our messages' header names it (Device::links_'s key)
+  uint64_t remote_token = 0;  // the peer's, put in what we send
   uint64_t remote_uuid = 0;
   std::string remote_endpoint;
+};
+
+// The handshake listener and the thread that runs every handshake, accepted and opened
+// (handshake.cpp).
+class Handshaker {
+ public:
+  // Binds and listens on ss (Invalid when the address is in use); start() runs the thread.
+  Handshaker(Device* dev, const sockaddr_storage& ss, socklen_t slen);
+  ~Handshaker();
+  void start();
+  void stop();  // closes every handshake connection; their peers fail
+  const sockaddr_storage& bound() const { return bound_; }
+  double timeout() const { return timeout_; }
+  // Starts the handshake with p at ss; p ends Ready (Device::open_link) or Failed.
+  void connect(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen);
+
+ private:
+  struct Conn;
+  void loop();
+  void wake();
+  void accept_all(std::vector<std::unique_ptr<Conn>>& conns, Clock::time_point* pause);
+  bool step(Conn& c, short revents);
+  bool server_frame(Conn& c, uint32_t type, const std::string& payload);
+  bool client_frame(Conn& c, uint32_t type, const std::string& payload);
+  bool lost(Conn& c);
+  bool malformed(Conn& c);
+  void fail_peer(Conn& c, const std::string& why, bool auth);
+  void refuse(const char* why);  // counts an accepted connection closed unauthenticated
+  void report(bool flush);       // the rate-limited line on stderr
+  Device* dev_;
+  int lfd_ = -1, wake_fd_ = -1;
+  sockaddr_storage bound_{};
+  double timeout_ = 5.0;
+  std::thread thread_;
+  std::mutex m_;
+  bool stop_ = false;
+  std::vector<std::unique_ptr<Conn>> incoming_;  // under m_: opened by connect()
+  // The handshake thread's only.
+  std::map<std::string, size_t> refused_;
+  bool reported_once_ = false;
+  Clock::time_point last_report_{};
 };
 
 // One outstanding side-RPC request, completed by the reply, the link's failure or a timeout.

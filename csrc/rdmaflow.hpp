@@ -4,7 +4,8 @@
 //
 // Contract:
 //   Device       one ucp_context; num_cqs progress threads ("completion queues"), each with its
-//                own ucp_worker; a listener on thread 0 for the side RPC (publish/lookup).
+//                own ucp_worker; a tcp listener of its own for the handshake (handshake.cpp),
+//                then a control link on thread 0 for the side RPC (publish/lookup).
 //   MemRegion    local memory registered with UCX, host or GPU (cuda_device() >= 0); its
 //                descriptor carries address, length, memory type, packed remote key and owner,
 //                with a MAC made with the job secret. GPU memory never takes the same-host
@@ -100,6 +101,12 @@ TcpCongestion resolve_tcp_congestion(const std::string& wanted);
 // throws Invalid for a cpu this process may not use, Timeout if the line stops moving.
 double cache_line_handoff_ns(int cpu_a, int cpu_b, double seconds);
 
+// The shortest job secret a device accepts, in bytes (docs/security.md, "The job secret").
+constexpr size_t kMinSecretBytes = 16;
+// Throws Invalid, saying how to make a good one, for a secret shorter than kMinSecretBytes or
+// only whitespace.
+void check_secret_strength(const std::string& secret);
+
 struct DeviceConfig {
   std::string endpoint = "127.0.0.1:0";
   int num_cqs = 2;  // two workers: a large send over tcp is striped over both (Channel::write_flagged)
@@ -156,6 +163,7 @@ class ProgressThread;
 class CopyPool;
 class FutureJoin;
 struct Link;
+class Handshaker;
 struct Mapping;
 struct Op;
 struct Peer;
@@ -604,12 +612,12 @@ class Device : public std::enable_shared_from_this<Device> {
  private:
   friend class Channel;
   friend class DirectWindow;
+  friend class Handshaker;
   friend class MemRegion;
   friend class ProgressThread;
   Device();
   // device.cpp
   void init(const DeviceConfig& cfg);
-  void start_listening(const sockaddr_storage& ss, socklen_t slen);
   void check_open() const;
   std::string op_error_message(Op* op, ucs_status_t st, ErrorKind* kind);
 
@@ -636,7 +644,17 @@ class Device : public std::enable_shared_from_this<Device> {
   // within = -1: bounded by connect_timeout alone; else by the shorter of the two (a caller's
   // shorter bound fails only that call: the handshake goes on for the others).
   std::shared_ptr<Peer> connect(const std::string& endpoint, double within = -1);
-  void open_link(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen);
+  // After a handshake (the handshake thread): the control link, made on progress thread 0.
+  // open_link: ours to p, which it makes Ready (or Failed). accept_link: to a peer that proved
+  // it knows the secret; false (why set) if it could not be made within rpc_timeout.
+  void open_link(const std::shared_ptr<Peer>& p, uint64_t token, uint64_t remote_token,
+                 uint64_t remote_uuid, std::vector<std::string> worker_addrs);
+  bool accept_link(uint64_t remote_token, uint64_t remote_uuid, const std::string& remote_endpoint,
+                   const std::string& worker_addr, uint64_t* token, std::string* why);
+  // Progress thread 0: the endpoint to worker_addr and the link, registered under token (0:
+  // a fresh one); nullptr (why set) if UCX refused the endpoint.
+  Link* make_link(uint64_t token, uint64_t remote_token, const std::string& worker_addr,
+                  std::string* why);
   std::shared_ptr<Peer> wait_connected(const std::shared_ptr<Peer>& p, double within);
   void send_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
   void handle_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
@@ -647,7 +665,6 @@ class Device : public std::enable_shared_from_this<Device> {
   std::vector<ucs_status_ptr_t> close_links();  // progress thread 0, at close
   static ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
-  static void conn_cb(ucp_conn_request_h req, void* arg);
   // flagged.cpp: a flagged write arriving as an active message, on any worker.
   static ucs_status_t flagged_cb(void* arg, const void* header, size_t header_length, void* data,
                                  size_t length, const ucp_am_recv_param_t* param);
@@ -683,7 +700,7 @@ class Device : public std::enable_shared_from_this<Device> {
   uint64_t job_tag_ = 0;
   ucp_context_h ctx_ = nullptr;
   std::vector<std::unique_ptr<ProgressThread>> threads_;
-  ucp_listener_h listener_ = nullptr;
+  std::unique_ptr<Handshaker> handshaker_;
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_region_{1};
   std::atomic<int> cuda_ordinal_{-1};  // use_cuda_device
@@ -709,7 +726,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<uint64_t> revocations_{0};
   std::vector<std::shared_ptr<RegionMemory>> quarantine_;  // memory a silent peer may still write
   // Progress thread 0 only.
-  std::unordered_map<ucp_ep_h, Link*> links_;
+  std::unordered_map<uint64_t, Link*> links_;  // by token
   std::vector<Link*> dead_links_;  // kept until close: queued commands may still name them
 };
 

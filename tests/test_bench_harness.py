@@ -110,9 +110,9 @@ def test_free_port_and_process_env():
         ephemeral_lo = int(f.read().split()[0])
     if ephemeral_lo > 11000:  # outside the range outgoing connections take their ports from
         assert all(10000 <= processes.free_port() < ephemeral_lo for _ in range(20))
-    env = processes.process_env("tcp", base={"PATH": "/bin"}, secret="s3", threads=2)
+    env = processes.process_env("tcp", base={"PATH": "/bin"}, secret="s3-a-long-test-secret", threads=2)
     assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "lo"
-    assert env["RDMAFLOW_JOB_SECRET"] == "s3" and env["OMP_NUM_THREADS"] == "2" and env["PATH"] == "/bin"
+    assert env["RDMAFLOW_JOB_SECRET"] == "s3-a-long-test-secret" and env["OMP_NUM_THREADS"] == "2" and env["PATH"] == "/bin"
     plain = processes.process_env(base={"PATH": "/bin"})
     assert "UCX_TLS" not in plain and plain["PYTHONUNBUFFERED"] == "1"
     assert len({processes.new_secret() for _ in range(4)}) == 4

@@ -492,37 +492,37 @@ def test_bad_device_arguments(monkeypatch):
     with pytest.raises(rdmaflow.InvalidArgumentError, match="secret"):
         rdmaflow.Device("127.0.0.1:0")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="num_cqs"):
-        rdmaflow.Device("127.0.0.1:0", num_cqs=0, secret="s")
+        rdmaflow.Device("127.0.0.1:0", num_cqs=0, secret="a-test-secret-of-32-characters!")
     for name in ("num_cqs", "qps_per_peer", "copy_threads"):  # never truncated or taken as 1
         for bad in (2.7, True, "2"):
             with pytest.raises(rdmaflow.InvalidArgumentError, match=f"{name} must be an integer, got {bad!r}"):
-                rdmaflow.Device("127.0.0.1:0", secret="s", **{name: bad})
+                rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!", **{name: bad})
     with pytest.raises(rdmaflow.InvalidArgumentError, match="host:port"):
-        rdmaflow.Device("localhost", secret="s")
+        rdmaflow.Device("localhost", secret="a-test-secret-of-32-characters!")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="copy_threads"):
-        rdmaflow.Device("127.0.0.1:0", secret="s", copy_threads=0)
+        rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!", copy_threads=0)
     for bad in (float("nan"), -1, 0, float("inf"), "10"):
         with pytest.raises(rdmaflow.InvalidArgumentError, match="connect_timeout must be a"):
-            rdmaflow.Device("127.0.0.1:0", secret="s", connect_timeout=bad)
+            rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!", connect_timeout=bad)
         with pytest.raises(rdmaflow.InvalidArgumentError, match="rpc_timeout must be a"):
-            rdmaflow.Device("127.0.0.1:0", secret="s", rpc_timeout=bad)
+            rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!", rpc_timeout=bad)
     monkeypatch.setenv("RDMAFLOW_SAME_HOST", "maybe")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="RDMAFLOW_SAME_HOST"):
-        rdmaflow.Device("127.0.0.1:0", secret="s")
+        rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!")
     monkeypatch.delenv("RDMAFLOW_SAME_HOST")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="flagged_writes must be auto, put or message"):
-        rdmaflow.Device("127.0.0.1:0", secret="s", flagged_writes="fence")
+        rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!", flagged_writes="fence")
     monkeypatch.setenv("RDMAFLOW_FLAGGED_WRITES", "weak")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="RDMAFLOW_FLAGGED_WRITES"):
-        rdmaflow.Device("127.0.0.1:0", secret="s")
+        rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!")
     monkeypatch.delenv("RDMAFLOW_FLAGGED_WRITES")
     with pytest.raises(rdmaflow.InvalidArgumentError, match="spin_us must be an integer"):
-        rdmaflow.Device("127.0.0.1:0", secret="s", spin_us=-1)
+        rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!", spin_us=-1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "abc")
     with pytest.raises(rdmaflow.InvalidArgumentError, match=r"\$LOCAL_WORLD_SIZE must be an integer"):
-        rdmaflow.Device("127.0.0.1:0", secret="s")
+        rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!")
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    with rdmaflow.Device("127.0.0.1:0", secret="s") as d:
+    with rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!") as d:
         with pytest.raises(rdmaflow.InvalidArgumentError):
             d.alloc_region(0)
         for bad in (-1, 1.5, True, "lots", None):  # -1 used to reach the core as a size_t
@@ -579,7 +579,7 @@ def test_timeouts_that_are_not_seconds_are_refused():
     assert checked_timeout(1e300) is None and Deadline(1e10).left() is None and checked_timeout(1e8) == 1e8
     with pytest.raises(rdmaflow.InvalidArgumentError, match=r"rpc_timeout must be a positive, finite number of "
                                                             r"seconds \(at most 1e\+08, about three years\), got 1e\+300"):
-        rdmaflow.Device("127.0.0.1:0", secret="s", rpc_timeout=1e300)
+        rdmaflow.Device("127.0.0.1:0", secret="a-test-secret-of-32-characters!", rpc_timeout=1e300)
     d = Deadline(-1)
     assert d.passed() and d.left() == 0.0 and d.timeout == -1.0
 

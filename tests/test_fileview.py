@@ -21,6 +21,7 @@ import importlib.util
 import itertools
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -409,7 +410,7 @@ def test_bad_mountpoint_and_unreachable_job(tmp_path, monkeypatch, capsys):
 
     decl = declaration(tmp_path / "model.json")
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RDMAFLOW_JOB_SECRET": "x",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RDMAFLOW_JOB_SECRET": secrets.token_hex(16),
            "RDMAFLOW_PS_TIMEOUT": "3"}
     out = subprocess.run([sys.executable, "-m", "rdmaflow", "mount", str(tmp_path / "missing"), "--model", decl],
                          env=base_env(env), capture_output=True, text=True, timeout=120, check=False)

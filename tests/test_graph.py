@@ -376,7 +376,7 @@ def one_rank(monkeypatch):
     from rdmaflow.bench.processes import free_port
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                 "RDMAFLOW_JOB_SECRET": "one-rank"}.items():
+                 "RDMAFLOW_JOB_SECRET": "one-rank-job-secret-0123"}.items():
         monkeypatch.setenv(k, v)
 
 

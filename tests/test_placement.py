@@ -19,7 +19,7 @@ from rdmaflow.graph.placement import COSTS_ENV, Placement, copy_cost, mode_cost_
 
 @pytest.fixture(scope="module")
 def arena():
-    with local_device(secret="placement-test") as dev:
+    with local_device(secret="placement-test-secret") as dev:
         dev.create_arena(64 << 20)
         yield dev.arena
 
