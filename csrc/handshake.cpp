@@ -111,7 +111,6 @@ Handshaker::Handshaker(Device* dev, const sockaddr_storage& ss, socklen_t slen) 
 
 Handshaker::~Handshaker() {
   stop();
-  if (lfd_ >= 0) ::close(lfd_);
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
@@ -124,6 +123,8 @@ void Handshaker::stop() {
   }
   wake();
   if (thread_.joinable()) thread_.join();
+  if (lfd_ >= 0) ::close(lfd_);  // the port is free once close() returns
+  lfd_ = -1;
 }
 
 void Handshaker::wake() {
