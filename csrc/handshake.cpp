@@ -7,8 +7,8 @@
 // handshake within handshake_timeout (RDMAFLOW_HANDSHAKE_TIMEOUT, default 5 s) is closed; a
 // frame with a wrong magic, a type out of turn, a length over kMaxHandshakeFrame or a payload
 // that does not parse closes it at once; at most kMaxHalfOpen accepted connections are in
-// their handshake at once (a new one closes the oldest); a refusal is counted and reported on
-// stderr at most once per kReportEvery.
+// their handshake at once (a new one closes the one that got least far); a refusal is counted
+// and reported on stderr at most once per kReportEvery.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -290,12 +290,15 @@ void Handshaker::accept_all(std::vector<std::unique_ptr<Conn>>& conns, Clock::ti
       }
       return;
     }
+    // Over the cap, the connection that got least far goes: one still without a whole HELLO
+    // before one whose AUTH is due (a legitimate connector sends each at once), the oldest first.
     size_t inbound = 0;
     Conn* oldest = nullptr;
+    auto rank = [](const Conn* c) { return std::make_pair(c->step != Conn::WantHello, c->deadline); };
     for (auto& c : conns)
-      if (!c->outbound) {
+      if (!c->outbound && c->step != Conn::Closing) {
         ++inbound;
-        if (!oldest || c->deadline < oldest->deadline) oldest = c.get();
+        if (!oldest || rank(c.get()) < rank(oldest)) oldest = c.get();
       }
     if (inbound >= kMaxHalfOpen && oldest) {
       refuse("closed for a newer one (over the cap of 64 in their handshake)");

@@ -646,7 +646,8 @@ class Device : public std::enable_shared_from_this<Device> {
   std::shared_ptr<Peer> connect(const std::string& endpoint, double within = -1);
   // After a handshake (the handshake thread): the control link, made on progress thread 0.
   // open_link: ours to p, which it makes Ready (or Failed). accept_link: to a peer that proved
-  // it knows the secret; false (why set) if it could not be made within rpc_timeout.
+  // it knows the secret; false (why set) if it could not be made within rpc_timeout (at most
+  // the handshake timeout).
   void open_link(const std::shared_ptr<Peer>& p, uint64_t token, uint64_t remote_token,
                  uint64_t remote_uuid, std::vector<std::string> worker_addrs);
   bool accept_link(uint64_t remote_token, uint64_t remote_uuid, const std::string& remote_endpoint,

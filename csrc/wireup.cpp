@@ -7,6 +7,7 @@
 // AUTH(connector's MAC, its token and worker 0 address) -> WELCOME(acceptor's MAC, token,
 // worker addresses). The acceptor sends nothing keyed by the secret before the connector's MAC
 // verified; each control message then names the receiver's token.
+#include <algorithm>
 #include <cstring>
 
 #include "internal.hpp"
@@ -159,8 +160,10 @@ bool Device::accept_link(uint64_t remote_token, uint64_t remote_uuid,
     *why = "device " + endpoint_ + " is closing";
     return false;
   }
-  if (!done->wait(cfg_.rpc_timeout)) {
-    *why = "device " + endpoint_ + " did not make the link within " + seconds_text(cfg_.rpc_timeout) + " s";
+  // The handshake thread waits here: no longer than a handshake may last.
+  const double bound = std::min(cfg_.rpc_timeout, handshaker_->timeout());
+  if (!done->wait(bound)) {
+    *why = "device " + endpoint_ + " did not make the link within " + seconds_text(bound) + " s";
     return false;
   }
   if (!done->ok()) {

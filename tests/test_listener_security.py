@@ -93,6 +93,25 @@ def settle_fds(pid: int, start: int, within: float) -> int:
     return n
 
 
+def listening_ports(pid: int) -> dict[int, str]:
+    """The tcp ports process pid listens on, each with its address in /proc's hex."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = {}
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    local_addr, port = cols[1].split(":")
+                    out[int(port, 16)] = local_addr
+    return out
+
+
 def bad_connection(target: tuple[str, int], rng: random.Random, i: int) -> None:
     """One of the attacker's connections, picked by i."""
     with contextlib.suppress(OSError), socket.create_connection(target, timeout=5) as s:
@@ -122,6 +141,7 @@ def target(spawn_peer):
 @tcp_only
 def test_a_flood_of_bad_connections_leaves_the_fds_and_a_peer_is_served(target):
     pid, where = target.proc.pid, addr(target.endpoint)
+    assert listening_ports(pid)[where[1]] == "0100007F"  # a loopback device's listener: 127.0.0.1 alone
     round_trip(target.endpoint)  # the first peer's link costs the device what it costs
     start, start_rss = num_fds(pid), rss_mib(pid)
     rng = random.Random(61)
@@ -258,31 +278,6 @@ def test_the_listener_closes_what_it_cannot_use_at_once(target):
         t0 = time.monotonic()
         assert read_all(s, TIMEOUT + 5) == b""
         assert TIMEOUT * 0.8 < time.monotonic() - t0 < TIMEOUT + 4
-
-
-def listening_ports(pid: int) -> dict[int, str]:
-    """The tcp ports process pid listens on, each with its address in /proc's hex."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-    out = {}
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for row in f.read().splitlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                    local_addr, port = cols[1].split(":")
-                    out[int(port, 16)] = local_addr
-    return out
-
-
-@tcp_only
-def test_the_handshake_listener_of_a_loopback_device_listens_on_loopback(target):
-    port = addr(target.endpoint)[1]
-    assert listening_ports(target.proc.pid)[port] == "0100007F"  # 127.0.0.1
 
 
 def test_a_fixed_port_device_restarts_at_once(job_secret):
