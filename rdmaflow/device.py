@@ -156,7 +156,10 @@ class Device(_core.Device):
     The default of two lets a static send of 4 MiB or more over tcp travel as two halves on two
     workers' connections (docs/transfer.md); an idle worker's thread sleeps.
     Peers must share ``secret`` (default: ``$RDMAFLOW_JOB_SECRET``) before any remote key is
-    handed out. Progress threads sleep on UCX's wakeup fd when idle unless ``busy_poll``.
+    handed out; one shorter than 16 bytes, or only whitespace, is refused (make one with
+    ``secrets.token_hex(16)``; docs/security.md). The handshake listener binds ``endpoint``'s
+    address alone and closes a connection that has not proved the secret within
+    ``$RDMAFLOW_HANDSHAKE_TIMEOUT`` seconds (default 5). Progress threads sleep on UCX's wakeup fd when idle unless ``busy_poll``.
     ``data_error_handling`` turns on UCX's peer-failure mode for data endpoints as well as the
     control link; it costs TCP puts much of their bandwidth, and a dead peer is detected
     without it.
