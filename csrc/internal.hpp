@@ -309,7 +309,8 @@ class ProgressThread {
 };
 
 // A control connection (side RPC) to or from a peer device, made once the handshake ended:
-// our endpoint to the peer's worker 0; progress thread 0 only.
+// our endpoint to the peer's worker 0 (an accepted link's made at the peer's first message);
+// progress thread 0 only.
 struct Link {
   Device* dev = nullptr;
   ucp_ep_h ep = nullptr;
@@ -320,6 +321,7 @@ struct Link {
   uint64_t remote_token = 0;  // the peer's, put in what we send
   uint64_t remote_uuid = 0;
   std::string remote_endpoint;
+  std::string worker_addr;  // accepted: the peer's worker 0, reached once it sent a message
 };
 
 // The handshake listener and the thread that runs every handshake, accepted and opened

@@ -645,9 +645,10 @@ class Device : public std::enable_shared_from_this<Device> {
   // shorter bound fails only that call: the handshake goes on for the others).
   std::shared_ptr<Peer> connect(const std::string& endpoint, double within = -1);
   // After a handshake (the handshake thread): the control link, made on progress thread 0.
-  // open_link: ours to p, which it makes Ready (or Failed). accept_link: to a peer that proved
-  // it knows the secret; false (why set) if it could not be made within rpc_timeout (at most
-  // the handshake timeout).
+  // open_link: ours to p, which it makes Ready (or Failed). accept_link: registers the link of
+  // a peer that proved it knows the secret (its endpoint is made at the peer's first message,
+  // am_cb); false (why set) if that did not happen within rpc_timeout (at most the handshake
+  // timeout).
   void open_link(const std::shared_ptr<Peer>& p, uint64_t token, uint64_t remote_token,
                  uint64_t remote_uuid, std::vector<std::string> worker_addrs);
   bool accept_link(uint64_t remote_token, uint64_t remote_uuid, const std::string& remote_endpoint,
@@ -656,6 +657,7 @@ class Device : public std::enable_shared_from_this<Device> {
   // a fresh one); nullptr (why set) if UCX refused the endpoint.
   Link* make_link(uint64_t token, uint64_t remote_token, const std::string& worker_addr,
                   std::string* why);
+  bool connect_link(Link* l, const std::string& worker_addr, std::string* why);
   std::shared_ptr<Peer> wait_connected(const std::shared_ptr<Peer>& p, double within);
   void send_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
   void handle_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);

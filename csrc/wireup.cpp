@@ -77,6 +77,15 @@ Link* Device::make_link(uint64_t token, uint64_t remote_token, const std::string
   l->dev = this;
   l->token = token;
   l->remote_token = remote_token;
+  if (!connect_link(l, worker_addr, why)) {
+    delete l;
+    return nullptr;
+  }
+  links_[token] = l;
+  return l;
+}
+
+bool Device::connect_link(Link* l, const std::string& worker_addr, std::string* why) {
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -87,13 +96,11 @@ Link* Device::make_link(uint64_t token, uint64_t remote_token, const std::string
   ucp_ep_h h = nullptr;
   ucs_status_t st = ucp_ep_create(threads_[0]->handle(), &ep, &h);
   if (st != UCS_OK) {
-    delete l;
     *why = "cannot create a UCX endpoint to it: " + ucs_error(st);
-    return nullptr;
+    return false;
   }
   l->ep = h;
-  links_[token] = l;
-  return l;
+  return true;
 }
 
 void Device::open_link(const std::shared_ptr<Peer>& p, uint64_t token, uint64_t remote_token,
@@ -146,12 +153,16 @@ bool Device::accept_link(uint64_t remote_token, uint64_t remote_uuid,
   auto done = std::make_shared<FutureState>();
   auto got = std::make_shared<uint64_t>(0);
   if (!threads_[0]->post([this, done, got, remote_token, remote_uuid, remote_endpoint, worker_addr] {
-        std::string why;
-        Link* l = make_link(0, remote_token, worker_addr, &why);
-        if (!l) {
-          done->complete_error(ErrorKind::Peer, why);
-          return;
-        }
+        // Its endpoint comes with the connector's first message (am_cb): made now, it would
+        // open a connection towards the connector's worker 0 just as the connector opens its
+        // own, which UCX's tcp transport takes over (ProgressThread::data_eps_).
+        Link* l = new Link;
+        l->dev = this;
+        do random_bytes(&l->token, sizeof l->token);
+        while (l->token == 0 || links_.count(l->token));
+        l->remote_token = remote_token;
+        l->worker_addr = worker_addr;
+        links_[l->token] = l;
         l->remote_uuid = remote_uuid;
         l->remote_endpoint = remote_endpoint;
         *got = l->token;
@@ -237,6 +248,11 @@ ucs_status_t Device::am_cb(void* arg, const void* header, size_t header_length, 
   // Replies are sent from the command queue, not from inside UCX's callback.
   d->threads_[0]->post([d, l, h, payload] {
     if (l->dead) return;
+    std::string why;
+    if (!l->ep && !d->connect_link(l, l->worker_addr, &why)) {  // an accepted link's first message
+      d->on_link_error(l, UCS_ERR_UNREACHABLE);
+      return;
+    }
     try {
       d->handle_ctrl(l, h.type, h.req, payload);
     } catch (Error& e) {
@@ -355,11 +371,10 @@ void Device::on_link_error(Link* l, ucs_status_t st) {
       }
   }
   fail_rpcs_for(l, why);
+  if (links_.erase(l->token)) dead_links_.push_back(l);
   if (l->ep) {
     ucp_ep_h ep = l->ep;
     l->ep = nullptr;
-    links_.erase(l->token);
-    dead_links_.push_back(l);
     threads_[0]->post([ep] { close_endpoint(ep, true, nullptr); });
   }
 }
