@@ -31,6 +31,7 @@ namespace rdmaflow {
 namespace {
 
 constexpr size_t kMaxHalfOpen = 64;
+constexpr int kMaxTries = 4;  // a connector's handshakes with one peer, when the listener closes them
 constexpr double kReportEvery = 10.0;  // seconds between two lines on stderr
 constexpr double kDefaultHandshakeTimeout = 5.0;
 
@@ -80,6 +81,9 @@ struct Handshaker::Conn {
   uint8_t nc[16] = {0}, ns[16] = {0};
   uint64_t uuid_c = 0, uuid_s = 0, token_c = 0;
   std::string remote_endpoint;
+  sockaddr_storage ss{};  // outbound: where to, for another try
+  socklen_t slen = 0;
+  int tries = 0;
 };
 
 Handshaker::Handshaker(Device* dev, const sockaddr_storage& ss, socklen_t slen) : dev_(dev) {
@@ -134,10 +138,18 @@ void Handshaker::wake() {
 }
 
 void Handshaker::connect(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen) {
+  open(p, ss, slen, 0, after(dev_->cfg_.connect_timeout + 1.0));
+}
+
+void Handshaker::open(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen,
+                      int tries, Clock::time_point deadline) {
   auto c = std::make_unique<Conn>();
   c->outbound = true;
   c->peer = p;
-  c->deadline = after(dev_->cfg_.connect_timeout + 1.0);
+  c->deadline = deadline;
+  c->ss = ss;
+  c->slen = slen;
+  c->tries = tries;
   c->uuid_c = dev_->uuid_;
   random_bytes(c->nc, 16);
   c->fd = ::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -379,6 +391,12 @@ bool Handshaker::step(Conn& c, short re) {
 }
 
 bool Handshaker::lost(Conn& c) {
+  // A listener closes the handshakes that got least far when too many wait (a flood): the
+  // connector tries again, with fresh nonces, while its deadline allows.
+  if (c.outbound && c.tries < kMaxTries && Clock::now() < c.deadline) {
+    open(c.peer, c.ss, c.slen, c.tries + 1, c.deadline);
+    return false;
+  }
   if (c.outbound)
     fail_peer(c, "cannot connect to " + c.peer->endpoint +
                      ": the connection closed during the handshake (is an rdmaflow device listening there?)",

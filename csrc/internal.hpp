@@ -340,6 +340,8 @@ class Handshaker {
 
  private:
   struct Conn;
+  void open(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen, int tries,
+            Clock::time_point deadline);
   void loop();
   void wake();
   void accept_all(std::vector<std::unique_ptr<Conn>>& conns, Clock::time_point* pause);
