@@ -1035,7 +1035,8 @@ def test_roles_from_an_impossible_launcher_environment_are_refused(monkeypatch):
                         "RDMAFLOW_NUM_WORKERS": -1}, "must both be at least 1"),
                       ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_ROLE": "worker", "RDMAFLOW_ROLE_INDEX": 0,  # waited
                         "RDMAFLOW_NUM_SHARDS": 1, "RDMAFLOW_NUM_WORKERS": 2}, r"make 3 processes; \$WORLD_SIZE=2"),
-                      ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_SHARDS_PER_NODE": 0}, r"SHARDS_PER_NODE=0 must be"),
+                      ({"RANK": 1, "WORLD_SIZE": 2, "RDMAFLOW_SHARDS_PER_NODE": 0},
+                       r"started without a parameter-server shard \(rdmaflow launch --shards-per-node 0"),
                       ({}, r"no launcher started it: run it with `rdmaflow launch --nproc-per-node 1 SCRIPT")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=said):
             role(**env)
