@@ -6,9 +6,11 @@ The store carries only endpoints and small JSON documents; region descriptors (r
 through the devices' authenticated side RPC, never through the store.
 
 Rank 0 serves the store at ``MASTER_ADDR:MASTER_PORT``, on that address only (torch's own
-binds every interface), unless a torchrun agent already does (``TORCHELASTIC_USE_AGENT_STORE``;
-the agent's binds every interface: docs/security.md). Every wait is bounded and watches the
-abort key, so that a process that fails makes every other one raise instead of waiting.
+binds every interface), unless a launcher already does (``TORCHELASTIC_USE_AGENT_STORE=True``):
+torchrun's agent (it binds every interface: docs/security.md), or ``rdmaflow launch
+--shard-replicas`` on node 0 (``StoreHost``, on that address only), so that the store outlives
+every shard. Every wait is bounded and watches the abort key, so that a process that fails
+makes every other one raise instead of waiting.
 
 Leaving. A process that fails late must still be able to read why the job was aborted, so the
 process serving the store outlives the others, boundedly. Keys under the namespace:
@@ -22,6 +24,17 @@ process serving the store outlives the others, boundedly. Keys under the namespa
       process dead (a dead one never leaves):       its store until then)
       dead/KIND/INDEX += 1; the first to name
       that process adds 1 to dead
+
+Where a launcher serves the store (``StoreHost``), no process serves it and none waits: each
+node's launcher knows when its own processes are gone (dead ones included), and says so under
+``rdmaflow/launch/``; node 0's outlives the others, boundedly:
+
+    the launcher of node N > 0, once every      node 0's launcher, once its own processes
+    process of its node has ended               have ended
+    -----------------------------               ------------------------------------------
+    node_done(): nodes_done += 1, once          wait_nodes(): wait until nodes_done ==
+                                                  nnodes - 1 or LINGER s have passed, then
+                                                  stop serving
 """
 from __future__ import annotations
 
@@ -249,6 +262,50 @@ class JobStore:
             until = time.monotonic() + min(self.timeout, LINGER)
             while time.monotonic() < until and self._gone() < self.world_size:
                 time.sleep(POLL)
+
+
+LAUNCH_NS = "rdmaflow/launch/"  # the launchers' own keys
+
+
+class StoreHost:
+    """The job's c10d store served by a launcher (``rdmaflow launch --shard-replicas`` on node
+    0) instead of rank 0, at ``host:port`` on that address only, as rank 0 binds it. The job's
+    processes connect as clients (the launcher sets ``TORCHELASTIC_USE_AGENT_STORE=True``). On
+    another node, ``serve=False`` connects to node 0's store as a client, for ``node_done``."""
+
+    def __init__(self, host: str, port: int, timeout: float, serve: bool = True):
+        import torch.distributed as dist
+
+        fd = _store_socket(host, port) if serve else None
+        self.address = f"{host}:{port}"
+        try:
+            self.tcp = dist.TCPStore(host, port, None, serve, timeout=timedelta(seconds=timeout),
+                                     wait_for_workers=False,
+                                     **({} if fd is None else {"master_listen_fd": fd}))
+        except Exception as e:  # noqa: BLE001 - torch raises several types here
+            raise PeerError(f"cannot {'serve' if serve else 'reach'} the job's c10d store at {self.address}: "
+                            f"{_short(e)}") from None
+
+    def abort(self, namespace: str, reason: str) -> str | None:
+        """Records ``reason`` as the job's abort reason under ``namespace`` (as ``JobStore.abort``:
+        the first wins), so that every process, on every node, raises with it. Best effort."""
+        with contextlib.suppress(RuntimeError):
+            return self.tcp.compare_set(namespace + "abort", "", reason).decode()
+        return None
+
+    def node_done(self) -> None:
+        """Says that every process of this node has ended (a node other than 0). Best effort."""
+        with contextlib.suppress(RuntimeError):
+            self.tcp.add(LAUNCH_NS + "nodes_done", 1)
+
+    def wait_nodes(self, others: int, linger: float = LINGER) -> int:
+        """Waits, at most ``linger`` seconds, until ``others`` nodes said ``node_done``; returns
+        how many did."""
+        until, done = time.monotonic() + linger, 0
+        with contextlib.suppress(RuntimeError):
+            while (done := self.tcp.add(LAUNCH_NS + "nodes_done", 0)) < others and time.monotonic() < until:
+                time.sleep(POLL * 5)
+        return done
 
 
 _SERVING: list[JobStore] = []  # the stores this process serves, held until exit

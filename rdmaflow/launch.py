@@ -22,6 +22,14 @@ the same variables torchrun sets (static rendezvous: rank = node rank x processe
 local rank), keeps the others running when a worker dies, and stops them all when a shard
 fails. The shards go on while at least N workers live (RDMAFLOW_MIN_WORKERS).
 
+``--shard-replicas R`` (R > 1) keeps R replicas of each shard's units (RDMAFLOW_SHARD_REPLICAS;
+the parameter server places and updates them) and needs the same self-supervision: a shard
+process that dies (a signal, or an exit without an exception of its own) is restarted with its
+rank and RDMAFLOW_SHARD_INCARNATION=1, 2, ... up to ``--max-shard-restarts`` times, one line
+each; past that the job ends. Node 0's rdmaflow launch then serves the job's store itself, at
+--master-addr:--master-port, until the job ends, so that the store outlives every shard; the
+processes connect to it (TORCHELASTIC_USE_AGENT_STORE=True).
+
 Either way a SIGTERM, SIGINT or SIGHUP sent to this process alone stops every process of the
 node (docs/parameter-server.md, "Stopping a job").
 """
@@ -42,6 +50,7 @@ import tempfile
 import time
 
 JOIN_TIMEOUT = 60.0  # seconds a node other than 0 waits for node 0's store (the ranks' own: theirs)
+MAX_SHARD_RESTARTS = 3  # per shard process, with --shard-replicas > 1
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -68,6 +77,15 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="survive worker failures while at least this many workers live (the job's total; "
                         "rdmaflow launch then supervises the processes itself instead of torchrun) (default: off, "
                         "the job stops when any process fails)")
+    p.add_argument("--shard-replicas", type=int, default=1, metavar="R",
+                   help="shard processes that hold each unit of the parameter server (a primary and R-1 backups, "
+                        "on other hosts where there are several); R > 1 makes rdmaflow launch supervise the "
+                        "processes itself, restart a dead shard and serve the job's store on node 0, so that the "
+                        "store outlives every shard (default 1: no replicas, torchrun)")
+    p.add_argument("--max-shard-restarts", type=int, default=None, metavar="N",
+                   help=f"with --shard-replicas R > 1: how many times each shard process that dies is restarted "
+                        f"(same rank, RDMAFLOW_SHARD_INCARNATION=1, 2, ...) before the job ends "
+                        f"(default {MAX_SHARD_RESTARTS})")
     p.add_argument("--resume", action="store_true",
                    help="restart from the latest checkpoint (sets RDMAFLOW_RESUME=1 for the job) (default off)")
     p.add_argument("--dry-run", action="store_true",
@@ -94,6 +112,7 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
                          "an address and a port in [1, 65535]")
     if not ns.join_timeout > 0:
         raise SystemExit(f"rdmaflow launch: --join-timeout {ns.join_timeout} must be > 0 seconds")
+    check_replicas(ns)
     if getattr(ns, "module", None):
         check_module(ns.module)
     elif ns.script is None:
@@ -119,6 +138,15 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
             raise SystemExit(f"rdmaflow launch: --min-workers must be between 1 and the job's "
                              f"{ns.nnodes * ns.nproc_per_node} workers")
         env["RDMAFLOW_MIN_WORKERS"] = str(ns.min_workers)
+    # The launcher's value is the job's, also over one exported in this shell.
+    env["RDMAFLOW_SHARD_REPLICAS"] = str(ns.shard_replicas)
+    env.pop("RDMAFLOW_SHARD_INCARNATION", None)  # set on a restart only
+    env.pop("RDMAFLOW_MAX_SHARD_RESTARTS", None)
+    if replicated(ns):
+        env["RDMAFLOW_MAX_SHARD_RESTARTS"] = str(ns.max_shard_restarts)
+        # The processes connect to the store node 0's launcher serves (torchrun's convention
+        # for its agent's store; torch's env:// rendezvous then reads the restart count).
+        env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     argv = [sys.executable, "-m", "rdmaflow._agent",
             "--nnodes", str(ns.nnodes), "--nproc-per-node", str(ns.nproc_per_node + ns.shards_per_node),
             "--node-rank", str(ns.node_rank), "--master-addr", ns.master_addr, "--master-port", str(ns.master_port),
@@ -126,6 +154,31 @@ def command(ns: argparse.Namespace) -> tuple[list[str], dict]:
             "--rdzv-conf", f"timeout={max(1, round(ns.join_timeout))}",
             "-m", "rdmaflow._rank", *target(ns)]
     return argv, env
+
+
+def replicated(ns: argparse.Namespace) -> bool:
+    """Whether the job keeps several replicas of each shard's units (--shard-replicas > 1)."""
+    return getattr(ns, "shard_replicas", 1) > 1
+
+
+def check_replicas(ns: argparse.Namespace) -> None:
+    """Refuses --shard-replicas and --max-shard-restarts that cannot describe the job, before
+    anything starts; sets --max-shard-restarts' default."""
+    shards = ns.nnodes * ns.shards_per_node
+    if ns.shard_replicas < 1:
+        raise SystemExit(f"rdmaflow launch: --shard-replicas {ns.shard_replicas} must be >= 1 (1: no replicas)")
+    if replicated(ns) and ns.shard_replicas > shards:
+        raise SystemExit(f"rdmaflow launch: --shard-replicas {ns.shard_replicas} needs at least {ns.shard_replicas} "
+                         f"shard processes, one per replica; the job has {shards} (--nnodes {ns.nnodes} x "
+                         f"--shards-per-node {ns.shards_per_node})")
+    if ns.max_shard_restarts is None:
+        ns.max_shard_restarts = MAX_SHARD_RESTARTS
+    elif ns.max_shard_restarts < 0:
+        raise SystemExit(f"rdmaflow launch: --max-shard-restarts {ns.max_shard_restarts} must be >= 0 "
+                         "(0: a shard that dies is not restarted)")
+    elif not replicated(ns):
+        raise SystemExit("rdmaflow launch: --max-shard-restarts restarts the shards of a replicated job; it needs "
+                         "--shard-replicas 2 or more (a restarted shard copies its state from another replica)")
 
 
 def role(ns: argparse.Namespace, rank: int) -> str:
@@ -156,7 +209,21 @@ def summary(ns: argparse.Namespace) -> str:
         what = f"{plural(ns.nproc_per_node, 'worker')} + {plural(ns.shards_per_node, 'shard')} per node"
         if ns.nnodes > 1:
             what += f" ({ns.nnodes * ns.nproc_per_node} workers + {ns.nnodes * ns.shards_per_node} shards in all)"
+    if replicated(ns):
+        where += (f" (served by node 0's rdmaflow launch); {ns.shard_replicas} replicas of each unit, a dead shard "
+                  f"restarted up to {plural(ns.max_shard_restarts, 'time')}")
     return f"rdmaflow launch: starting {what}: {ranks}; {where}"
+
+
+def shared_hosts(ns: argparse.Namespace) -> str | None:
+    """What to say when replicas of a unit must share a host (more replicas than hosts), or None."""
+    if not replicated(ns) or ns.shard_replicas <= ns.nnodes:
+        return None
+    if ns.nnodes == 1:
+        return (f"rdmaflow launch: the {ns.shard_replicas} replicas of each unit share this one host: they survive a "
+                "shard process's death, not the host's")
+    return (f"rdmaflow launch: --shard-replicas {ns.shard_replicas} on {ns.nnodes} hosts: some replicas of a unit "
+            "share a host, and that host's failure loses them both")
 
 
 def target(ns: argparse.Namespace) -> list[str]:
@@ -200,14 +267,20 @@ def dry_run(ns: argparse.Namespace, argv: list[str], env: dict) -> str:
     """The shell commands that run the job as ``run`` would: the variables the launcher sets
     (a secret it would make is made by the shell), then torchrun, or with --min-workers each
     process it supervises."""
-    set_here = {k: v for k, v in env.items() if k.startswith("RDMAFLOW_") and os.environ.get(k) != v}
+    set_here = {k: v for k, v in env.items()
+                if k.startswith(("RDMAFLOW_", "TORCHELASTIC_")) and os.environ.get(k) != v}
     assigns = [shlex.join([f"{k}={v}"]) for k, v in sorted(set_here.items()) if k != "RDMAFLOW_JOB_SECRET"]
     if "RDMAFLOW_JOB_SECRET" in set_here:
         assigns.insert(0, "RDMAFLOW_JOB_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(16))')")
     lines = [f"export {' '.join(assigns)}"] if assigns else []
-    if ns.min_workers is None:
+    if ns.min_workers is None and not replicated(ns):
         return "\n".join(lines + [shlex.join(argv)])
-    lines.append("# --min-workers: rdmaflow launch runs and supervises these processes itself (no torchrun)")
+    flag = "--shard-replicas" if replicated(ns) else "--min-workers"
+    lines.append(f"# {flag}: rdmaflow launch runs and supervises these processes itself (no torchrun)")
+    if replicated(ns):
+        lines.append(f"# they connect to the job's store at {ns.master_addr}:{ns.master_port}, which node 0's rdmaflow "
+                     "launch serves (TORCHELASTIC_USE_AGENT_STORE=True); a shard that died restarts with its own "
+                     "line and RDMAFLOW_SHARD_INCARNATION=1, 2, ...")
     for lr in range(ns.nproc_per_node + ns.shards_per_node):
         per = " ".join(f"{k}={shlex.quote(v)}" for k, v in supervised_env(ns, lr).items())
         lines.append(f"{per} {shlex.join(supervised_argv(ns))} &")
@@ -257,7 +330,7 @@ def ucx_hint(cause: str, env: dict) -> str:
 def failure_line(ns: argparse.Namespace, failures: list[dict], env: dict) -> str:
     """The one line a failed job ends with: the culprit's rank, role and cause."""
     f = culprit(ns, failures)
-    cause = _cause(f.get("message"), f.get("exitcode", 1))
+    cause = _cause(f.get("message"), f.get("exitcode", 1)) + f.get("note", "")
     others = len(failures) - 1
     tail = f"; {plural(others, 'other process')} failed after it" if others else ""
     return (f"rdmaflow launch: the job failed: rank {f['rank']} ({role(ns, f['rank'])}): {cause}"
@@ -273,10 +346,28 @@ def _read_error_file(path: str) -> str | None:
     return str(m.get("message", m)) if isinstance(m, dict) else str(m)
 
 
+def restartable(f: dict) -> bool:
+    """Whether a shard's end is a death that a restart answers: killed by a signal (SIGKILL, a
+    crash), or a non-zero exit without an exception of its own (os._exit). An exception (the
+    program's failure, or the job's abort: a rerun would raise it again) or an interruption
+    (Ctrl-C: status 130) ends the job as without replicas."""
+    return not f.get("message") and f["exitcode"] not in (130, -signal.SIGINT)
+
+
+def _job_store(ns: argparse.Namespace, serve: bool):
+    """Node 0's store (``serve``: served here, for the whole job), or a client of it."""
+    from rdmaflow.job import StoreHost
+
+    return StoreHost(ns.master_addr, ns.master_port, ns.join_timeout, serve=serve)
+
+
 def supervise(ns: argparse.Namespace, env: dict) -> int:
-    """Runs this node's processes; a dead worker is reported and the rest go on."""
+    """Runs this node's processes (--min-workers, --shard-replicas > 1): with --min-workers a dead
+    worker is reported and the rest go on; with --shard-replicas a dead shard is restarted with
+    its rank (up to --max-shard-restarts), and node 0 serves the job's store until the job ends."""
     spn, local = ns.shards_per_node, ns.nproc_per_node + ns.shards_per_node
     errors = tempfile.mkdtemp(prefix="rdmaflow-launch-")
+    replicas = replicated(ns)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt  # stop the job's processes as on Ctrl-C
@@ -284,7 +375,15 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
     # SIGHUP too: UCX's debug handler (UCX_DEBUG_SIGNO) took it, and the job ran on.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_term)
-    procs = []
+    procs: list[subprocess.Popen] = []
+    restarts, seen = [0] * local, [False] * local
+    store = None  # node 0's, served here (--shard-replicas > 1)
+
+    def start(lr: int, incarnation: int = 0) -> subprocess.Popen:
+        per = dict(env, **supervised_env(ns, lr), TORCHELASTIC_ERROR_FILE=os.path.join(errors, f"{lr}.json"))
+        if incarnation:
+            per["RDMAFLOW_SHARD_INCARNATION"] = str(incarnation)
+        return subprocess.Popen(supervised_argv(ns), env=per, start_new_session=True)
 
     def stop_all(sig=signal.SIGTERM):
         for p in procs:
@@ -299,29 +398,60 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
         return {"rank": ns.node_rank * local + lr, "exitcode": rc, "message": _read_error_file(path),
                 "timestamp": os.stat(path).st_mtime if os.path.exists(path) else time.time()}
 
+    def who(lr: int) -> str:
+        rank = ns.node_rank * local + lr
+        return f"{role(ns, rank)} (rank {rank})"
+
     status, stopping, failures = 0, False, []
     try:  # from the first start on: a signal while starting stops the ones already started
+        if replicas:  # node 0 serves the store; another node's launcher holds a client, to say it is done
+            from rdmaflow.errors import PeerError
+
+            try:
+                store = _job_store(ns, serve=ns.node_rank == 0)
+            except PeerError as e:
+                raise SystemExit(f"rdmaflow launch: {e}") from None
         for lr in range(local):
-            per = dict(env, **supervised_env(ns, lr), TORCHELASTIC_ERROR_FILE=os.path.join(errors, f"{lr}.json"))
-            procs.append(subprocess.Popen(supervised_argv(ns), env=per, start_new_session=True))
-        while any(p.poll() is None for p in procs):
+            procs.append(start(lr))
+        while not all(seen):
             for lr, p in enumerate(procs):
                 rc = p.poll()
-                if rc is None or getattr(p, "_seen", False):
+                if rc is None or seen[lr]:
                     continue
-                p._seen = True
-                if rc != 0 and stopping:
-                    continue  # stopped with the job: the shard's failure is the one reported
-                if rc != 0:
-                    failures.append(failure(lr, rc))
-                if rc != 0 and lr < spn:
-                    print(f"rdmaflow launch: {role(ns, failures[-1]['rank'])} (rank {failures[-1]['rank']}) "
-                          f"exited with {rc}; stopping the job", file=sys.stderr, flush=True)
-                    status, stopping = (rc if rc > 0 else 1), True
-                    stop_all()
-                elif rc != 0:
-                    print(f"rdmaflow launch: {role(ns, failures[-1]['rank'])} (rank {failures[-1]['rank']}) "
-                          f"exited with {rc}; the others go on", file=sys.stderr, flush=True)
+                seen[lr] = True
+                if rc == 0 or stopping:
+                    continue  # done; or stopped with the job: the failure that stopped it is the one reported
+                f = failure(lr, rc)
+                cause = _cause(f["message"], rc)
+                if lr < spn and replicas and restartable(f) and restarts[lr] < ns.max_shard_restarts:
+                    restarts[lr] += 1
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(errors, f"{lr}.json"))
+                    procs[lr], seen[lr] = start(lr, restarts[lr]), False
+                    print(f"rdmaflow launch: {who(lr)} died ({cause}); restarted it as incarnation {restarts[lr]} "
+                          f"(restart {restarts[lr]} of at most {ns.max_shard_restarts}), pid {procs[lr].pid}",
+                          file=sys.stderr, flush=True)
+                    continue
+                failures.append(f)
+                if lr < spn and replicas and restartable(f):
+                    f["note"] = (f", after {plural(restarts[lr], 'restart')}: past --max-shard-restarts "
+                                 f"{ns.max_shard_restarts}")
+                    print(f"rdmaflow launch: {who(lr)} died ({cause}) with no restart left (--max-shard-restarts "
+                          f"{ns.max_shard_restarts}); stopping the job", file=sys.stderr, flush=True)
+                    # the parameter server's abort reason: every process, on every node, ends with it
+                    from rdmaflow.ps.context import PREFIX
+
+                    store.abort(PREFIX, f"{role(ns, f['rank'])}: died ({cause}) {restarts[lr] + 1} times, past "
+                                        f"--max-shard-restarts {ns.max_shard_restarts}")
+                elif lr >= spn and ns.min_workers is not None:
+                    print(f"rdmaflow launch: {who(lr)} exited with {rc}; the others go on", file=sys.stderr,
+                          flush=True)
+                    continue
+                else:
+                    print(f"rdmaflow launch: {who(lr)} exited with {rc}; stopping the job", file=sys.stderr,
+                          flush=True)
+                status, stopping = (rc if rc > 0 else 1), True
+                stop_all()
             time.sleep(0.1)
     except KeyboardInterrupt:
         stop_all(signal.SIGINT)
@@ -331,14 +461,36 @@ def supervise(ns: argparse.Namespace, env: dict) -> int:
         stop_all(signal.SIGKILL)
         print(f"rdmaflow launch: interrupted; stopped the job's {plural(local, 'process')} on this node",
               file=sys.stderr, flush=True)
+        if ns.node_rank == 0:
+            store = None  # interrupted: node 0 closes the store at once
         return 130
     finally:
         shutil.rmtree(errors, ignore_errors=True)
+        if replicas:
+            leave(ns, store)
     if status == 0 and any(p.returncode != 0 for p in procs[:spn]):
         status = 1
     if status != 0:
         print(failure_line(ns, failures, env), file=sys.stderr, flush=True)
     return status
+
+
+def leave(ns: argparse.Namespace, store) -> None:
+    """The end of a replicated job on this node (rdmaflow.job, "Leaving"): node 0's launcher keeps
+    the store it serves until every other node's launcher said its processes have ended, at most
+    rdmaflow.job.LINGER seconds; another node's launcher says so."""
+
+    if ns.nnodes == 1 or store is None:
+        return
+    if ns.node_rank > 0:
+        store.node_done()
+        return
+    from rdmaflow.job import LINGER
+
+    done = store.wait_nodes(ns.nnodes - 1)
+    if done < ns.nnodes - 1:
+        print(f"rdmaflow launch: {plural(ns.nnodes - 1 - done, 'other node')} did not say its processes ended "
+              f"within {LINGER:.0f} s; closing the job's store", file=sys.stderr, flush=True)
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -452,7 +604,9 @@ def run(ns: argparse.Namespace) -> int:
             raise SystemExit(f"rdmaflow launch: node 0's store at {ns.master_addr}:{ns.master_port} did not answer "
                              f"within {ns.join_timeout:.0f} s ({why}): start node 0 with the same --master-addr and "
                              "--master-port, and open that port in its firewall")
-    if ns.min_workers is not None:
+    if hosts := shared_hosts(ns):
+        print(hosts, file=sys.stderr, flush=True)
+    if ns.min_workers is not None or replicated(ns):
         return supervise(ns, env)
     rc, doc = run_torchrun(argv, env)
     if doc.get("failures"):

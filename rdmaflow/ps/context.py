@@ -10,6 +10,10 @@ launchers that place roles themselves.
 
 The job's c10d store, its secret and the leaving protocol are ``rdmaflow.job``'s; the parameter
 server's keys live under ``PREFIX``.
+
+Replicated shards (``rdmaflow launch --shard-replicas R``): ``shard_replicas``,
+``max_shard_restarts`` and ``shard_incarnation`` read what the launcher set
+(``RDMAFLOW_SHARD_REPLICAS``, ``RDMAFLOW_MAX_SHARD_RESTARTS``, ``RDMAFLOW_SHARD_INCARNATION``).
 """
 from __future__ import annotations
 
@@ -87,6 +91,51 @@ def resolve_role() -> Role:
     if local_rank < spn:
         return Role("shard", node * spn + local_rank, nnodes * spn, nnodes * wpn, rank, world)
     return Role("worker", node * wpn + local_rank - spn, nnodes * spn, nnodes * wpn, rank, world)
+
+
+def store_outlives_shards() -> bool:
+    """Whether a launcher serves the job's store (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun's
+    agent, or ``rdmaflow launch --shard-replicas`` on node 0), so that it outlives every shard;
+    else rank 0, a shard, serves it and the store goes with that shard."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def shard_replicas(role: Role | None = None) -> int:
+    """How many shard processes hold each unit (a primary and R-1 backups):
+    ``$RDMAFLOW_SHARD_REPLICAS``, which ``rdmaflow launch --shard-replicas`` sets; 1 when unset.
+    InvalidArgumentError when it is below 1, above ``role``'s shard count (if given), or above 1
+    while rank 0, a shard, serves the job's store (it would go with that shard)."""
+    r = env_int("RDMAFLOW_SHARD_REPLICAS", 1)
+    if r < 1:
+        raise InvalidArgumentError(f"$RDMAFLOW_SHARD_REPLICAS={r} must be at least 1 (1: no replicas)")
+    if role is not None and r > role.num_shards:
+        raise InvalidArgumentError(f"$RDMAFLOW_SHARD_REPLICAS={r} needs at least {r} shard processes; "
+                                   f"the job has {role.num_shards}")
+    if r > 1 and not store_outlives_shards():
+        raise InvalidArgumentError(
+            f"$RDMAFLOW_SHARD_REPLICAS={r}, but rank 0, a shard, serves the job's store, which would go with it: "
+            "start the job with `rdmaflow launch --shard-replicas`, or serve the store elsewhere and set "
+            "TORCHELASTIC_USE_AGENT_STORE=True")
+    return r
+
+
+def max_shard_restarts() -> int:
+    """How many times the launcher restarts each dead shard process (``$RDMAFLOW_MAX_SHARD_RESTARTS``,
+    ``rdmaflow launch --max-shard-restarts``; 0 when unset: nobody restarts it)."""
+    n = env_int("RDMAFLOW_MAX_SHARD_RESTARTS", 0)
+    if n < 0:
+        raise InvalidArgumentError(f"$RDMAFLOW_MAX_SHARD_RESTARTS={n} must be at least 0")
+    return n
+
+
+def shard_incarnation() -> int:
+    """0 for a shard process's first start, n for its n-th restart with the same rank
+    (``$RDMAFLOW_SHARD_INCARNATION``, which the launcher sets on a restart; a shard started by
+    hand in place of a dead one sets it too). A process of incarnation n > 0 rejoins a running job."""
+    n = env_int("RDMAFLOW_SHARD_INCARNATION", 0)
+    if n < 0:
+        raise InvalidArgumentError(f"$RDMAFLOW_SHARD_INCARNATION={n} must be at least 0")
+    return n
 
 
 class Store(JobStore):
