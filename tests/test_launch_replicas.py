@@ -121,7 +121,7 @@ def test_a_killed_shard_is_restarted_with_its_incarnation_until_the_limit(tmp_pa
     env = {k: v for k, v in os.environ.items() if k != "RDMAFLOW_JOB_SECRET"}
     p = subprocess.run([sys.executable, "-m", "rdmaflow", "launch", "--shards-per-node", "2", "--shard-replicas", "2",
                         "--max-shard-restarts", "1", "--master-port", str(free_port()), str(script)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False,
                        stdin=subprocess.DEVNULL, start_new_session=True)
     out, err = p.stdout, p.stderr
     assert p.returncode == 1, out + err
@@ -176,13 +176,13 @@ def test_a_shard_on_node_1_is_restarted_while_node_0_serves_the_store(tmp_path):
     with TwoHosts() as (a, b):
         procs = [host.popen([sys.executable, "-m", "rdmaflow", "launch", "--nnodes", "2", "--node-rank", str(i),
                              "--master-addr", a.addr, "--master-port", "29500", "--shard-replicas", "2",
-                             str(script)], env=dict(env, RDMAFLOW_HOST=host.addr), cwd=ROOT,
+                             "--join-timeout", "180", str(script)], env=dict(env, RDMAFLOW_HOST=host.addr), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i, host in enumerate((a, b))]
         outs = []
         for p in procs:
             try:
-                outs.append(p.communicate(timeout=120))
+                outs.append(p.communicate(timeout=240))
             finally:
                 if p.poll() is None:
                     p.kill()
