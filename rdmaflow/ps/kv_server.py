@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError, RemoteRegion
+from rdmaflow import READ, WRITE, Arena, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
 from rdmaflow.ps.protocol import ABORT, DONE, LEFT_WITHOUT_CLOSE
@@ -23,16 +23,6 @@ def sum_handler(key: int, stored: torch.Tensor, pushed: torch.Tensor) -> None:
     """The default server-side handler: ``stored += pushed`` (applied to a whole request at once
     as one ``index_add_``, never called per key)."""
     stored.add_(pushed)
-
-
-def job_kind(ctx) -> str:
-    """What worker 0 declared the job to be: "kv" (a KVStore) or "model" (a DistributedOptimizer)."""
-    try:
-        cfg = json.loads(ctx.store.get("config"))
-    except Exception as e:
-        ctx.store.abort(f"shard {ctx.role.index}: {e}")
-        raise
-    return cfg.get("kind", "model")
 
 
 def check_handlers(handler, batch_handler) -> None:
@@ -72,7 +62,9 @@ class KVShard:
         self.js = spec.shard_keys[self.id]      # i -> j
         self.n, self.nw = len(self.js), role.num_workers
         L = self.layout = spec.shards[self.id]
-        arena = self.dev.create_arena(L.total + (1 << 20))
+        # A region of this service's own, not the device's one arena: a job's other services
+        # (services.py) and a KVStore's arena tensors size theirs independently.
+        arena = self.arena = Arena(self.dev.alloc_region(L.total + (1 << 20)))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
         self.region = arena.region
@@ -97,10 +89,10 @@ class KVShard:
         self.released = 0
         self.inflight: list = []
         self.dev.publish("ps/kv/shard", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
-        store.set(f"ready/shard/{self.id}", "1")
+        store.set(f"kv/ready/shard/{self.id}", "1")
         for w in range(self.nw):
             ep = store.get(f"ep/worker/{w}")
-            store.wait([f"ready/worker/{w}"])
+            store.wait([f"kv/ready/worker/{w}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/kv/worker", self.ctx.timeout), "ps/kv/worker")
             if int(meta["total"]) != spec.worker.total:
                 raise ShardFailure(f"worker {w} computed a layout of {meta['total']} bytes, shard {self.id} "

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from rdmaflow import READ, WRITE, PeerError, RdmaflowError, RemoteRegion, wait_all
+from rdmaflow import READ, WRITE, Arena, PeerError, RdmaflowError, RemoteRegion, wait_all
 from rdmaflow.deadline import Deadline
 from rdmaflow.job import env_int
 from rdmaflow.ps import checkpoint
@@ -92,7 +92,9 @@ class Shard:
         self.hyper_fields = hyper_fields(self.config["optim"])
         self.layout = L = ShardLayout(n, self.itemsize, self.nw, 2 if self.switching else 1, len(self.hyper_fields),
                                       len(self.plan.params))
-        arena = self.dev.create_arena(L.total + (1 << 20))
+        # A region of this service's own, not the device's one arena: a job's other services
+        # (services.py) and a KVStore's arena tensors size theirs independently.
+        arena = self.arena = Arena(self.dev.alloc_region(L.total + (1 << 20)))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
