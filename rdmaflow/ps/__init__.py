@@ -54,6 +54,9 @@ class PSContext:
     optimizer_state: str | None = None  # this job's DistributedOptimizer, the same way
     services: tuple[str, ...] | None = None  # what this worker declared (services.py); None: its first service
     services_agreed: bool = False  # whether they were checked against worker 0's (or written, on worker 0)
+    # How long a shard's service waits for its workers to make it (None: ``timeout``; longer in a job of
+    # several services, whose workers make one after another's setup: services.py)
+    declare_timeout: float | None = None
 
     @property
     def is_shard(self) -> bool:

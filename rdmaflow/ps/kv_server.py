@@ -57,7 +57,7 @@ class KVShard:
     def setup(self) -> None:
         store, role = self.store, self.role
         store.set(f"ep/shard/{self.id}", self.dev.endpoint)
-        job = json.loads(store.get_large("kv/spec"))
+        job = json.loads(store.get_large("kv/spec", getattr(self.ctx, "declare_timeout", None)))
         spec = self.spec = KVLayout({"dtype": job["dtype"], "keys": job["keys"]}, role.num_shards, role.num_workers)
         self.js = spec.shard_keys[self.id]      # i -> j
         self.n, self.nw = len(self.js), role.num_workers

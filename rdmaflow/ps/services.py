@@ -111,6 +111,9 @@ def serve(ctx, makers: dict) -> dict:
     services = [makers[n]() for n in names]
     if len(services) == 1:
         return services[0].run()
+    # A worker makes its services one after the other, each after the last one's setup, and may
+    # compute between them: a service's shard side waits for its declaration as for a step.
+    ctx.declare_timeout = max(ctx.timeout, ctx.step_timeout)
     stats: dict = {}
     errors: dict[str, BaseException] = {}
 

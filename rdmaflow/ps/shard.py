@@ -58,7 +58,7 @@ class Shard:
         store, role = self.store, self.role
         torch.set_num_threads(shard_threads())
         store.set(f"ep/shard/{self.id}", self.dev.endpoint)
-        self.config = json.loads(store.get("config"))
+        self.config = json.loads(store.get("config", getattr(self.ctx, "declare_timeout", None)))
         self.spec = spec = json.loads(store.get("spec"))
         self.mode = self.config["mode"]
         self.staleness = int(self.config.get("staleness", 0))
