@@ -4,6 +4,8 @@ DistributedOptimizer, in one job (docs/parameter-server.md, "Several services in
 
     rdmaflow launch --nproc-per-node 2 --shards-per-node 2 examples/ctr.py [--steps 300]
     python examples/ctr.py --single --workers 2 [--steps 300]     # the same model in one process
+    rdmaflow launch --nproc-per-node 2 --shards-per-node 0 examples/ctr.py --ddp   # DDP over gloo
+    python examples/ctr.py --compare-ddp [--rows 1048576]   # both jobs, samples/s side by side
 
 Data: every sample has a bag of ids per feature, drawn from a Zipf distribution over that
 feature's raw ids (a few ids are in most samples, most ids are rare), and a click label drawn
@@ -15,7 +17,9 @@ them per feature (sum or mean, as ``nn.EmbeddingBag``), run the MLP, backward; p
 gradient rows' update ``-lr * grad / workers`` (the shards add it: plain SGD on the mean of the
 workers' gradients), ``opt.step()`` for the MLP, then a barrier so that the next pull sees
 every worker's update. ``--single`` trains the same model in plain torch on the concatenation
-of the workers' batches; its loss matches the job's up to rounding.
+of the workers' batches; its loss matches the job's up to rounding. ``--ddp`` trains it with the
+table replicated on every worker and its dense gradient allreduced by DDP over gloo every step,
+as a user without a parameter server would.
 
 Until the sparse table of rdmaflow.ps is in, the embeddings are a declared ``KVStore`` over a
 hashed key space of ``--rows`` keys (ids that collide share a row, in both modes alike).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -36,7 +41,11 @@ def options(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--single", action="store_true", help="train the same model in one process, plain torch")
-    p.add_argument("--workers", type=int, default=2, help="--single: the job's worker count to reproduce")
+    p.add_argument("--ddp", action="store_true", help="train the same model by DDP over gloo (under a launcher)")
+    p.add_argument("--compare-ddp", action="store_true",
+                   help="run the job and the DDP job one after the other; print their samples/s")
+    p.add_argument("--workers", type=int, default=2,
+                   help="--single: the job's worker count to reproduce; --compare-ddp: the workers (and shards)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=256, help="samples per worker and step")
     p.add_argument("--features", type=int, default=4, help="sparse features (bags of ids) per sample")
@@ -115,11 +124,17 @@ def forward(data: Data, mlp, index, labels, rows: torch.Tensor):
     return F.binary_cross_entropy_with_logits(logits, labels)
 
 
+def say(line: str) -> None:
+    """One write per line: the workers share the launcher's pipe, and lines must not interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def report(losses: list[float], args, seconds: float, **extra) -> None:
     tail = losses[-args.tail:]
     res = {"loss": sum(tail) / len(tail), "first_loss": losses[0], "steps": len(losses),
            "samples_per_s": args.steps * args.batch * extra.pop("workers") / seconds, **extra}
-    print("ctr result: " + json.dumps(res), flush=True)
+    say("ctr result: " + json.dumps(res))
 
 
 def single(args) -> None:
@@ -143,7 +158,7 @@ def single(args) -> None:
             table -= args.emb_lr * table.grad
         losses.append(loss.item())
         if args.log_every and (step + 1) % args.log_every == 0:
-            print(f"ctr single: step {step + 1}: loss {sum(losses[-args.log_every:]) / args.log_every:.4f}", flush=True)
+            say(f"ctr single: step {step + 1}: loss {sum(losses[-args.log_every:]) / args.log_every:.4f}")
     report(losses, args, time.monotonic() - t0, workers=args.workers, mode="single")
 
 
@@ -174,17 +189,81 @@ def distributed(args) -> None:
         losses.append(loss.item())
         if args.log_every and (step + 1) % args.log_every == 0:
             recent = losses[-args.log_every:]
-            print(f"ctr worker {w}: step {step + 1}: loss {sum(recent) / len(recent):.4f}", flush=True)
+            say(f"ctr worker {w}: step {step + 1}: loss {sum(recent) / len(recent):.4f}")
     seconds = time.monotonic() - t0
     report(losses, args, seconds, workers=nw, mode="job", worker=w)
     table.close()
     opt.close()
 
 
+def ddp(args) -> None:
+    """The same model with its embedding table replicated on every worker and trained by
+    DistributedDataParallel over gloo: every step allreduces the whole table's dense gradient
+    (nn.EmbeddingBag without sparse gradients), the MLP's too."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    w, nw = dist.get_rank(), dist.get_world_size()
+    data = Data(args)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = make_mlp(args)
+            self.table = torch.nn.Parameter(torch.zeros(args.rows, args.dim))
+
+        def forward(self, keys, labels):
+            return forward(data, self.mlp, keys, labels, self.table)
+
+    model = torch.nn.parallel.DistributedDataParallel(Model())
+    opt = torch.optim.SGD([{"params": model.module.mlp.parameters(), "lr": args.lr, "momentum": 0.9},
+                           {"params": [model.module.table], "lr": args.emb_lr}])
+    losses, t0 = [], time.monotonic()
+    for step in range(args.steps):
+        keys, labels = data.batch(step, w)
+        opt.zero_grad()
+        loss = model(keys, labels)
+        loss.backward()  # allreduces the mean gradient: the table's rows all, touched or not
+        opt.step()
+        losses.append(loss.item())
+        if args.log_every and (step + 1) % args.log_every == 0:
+            recent = losses[-args.log_every:]
+            say(f"ctr ddp worker {w}: step {step + 1}: loss {sum(recent) / len(recent):.4f}")
+    report(losses, args, time.monotonic() - t0, workers=nw, mode="ddp", worker=w)
+    dist.destroy_process_group()
+
+
+def compare_ddp(args, argv) -> None:
+    """Runs the job (2 workers x 2 shards) and the DDP job (2 workers) one after the other on this
+    host with the same arguments, and prints their training throughput side by side."""
+    import subprocess
+
+    from rdmaflow.bench.processes import free_port
+
+    rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--compare-ddp"]
+    launch = [sys.executable, "-m", "rdmaflow", "launch", "--nproc-per-node", str(args.workers)]
+    runs = {"ps": ["--shards-per-node", str(args.workers), __file__, *rest],
+            "ddp": ["--shards-per-node", "0", __file__, "--ddp", *rest]}
+    rates = {}
+    for name, cmd in runs.items():
+        out = subprocess.run(launch + ["--master-port", str(free_port())] + cmd, capture_output=True, text=True, check=False)
+        found = [json.loads(ln.split("ctr result: ", 1)[1]) for ln in out.stdout.splitlines() if "ctr result: " in ln]
+        if out.returncode != 0 or not found:
+            raise SystemExit(f"ctr: the {name} job failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+        rates[name] = min(r["samples_per_s"] for r in found)  # the slowest worker's view of the job
+        loss = sum(r["loss"] for r in found) / len(found)
+        say(f"ctr {name}: {rates[name]:,.0f} samples/s, loss {loss:.4f}")
+    print(f"ctr: the parameter server trains {rates['ps'] / rates['ddp']:.2f}x the samples per second of DDP over gloo "
+          f"({args.rows} rows x {args.dim} floats, {args.workers} workers)", flush=True)
+
+
 def main(argv=None) -> None:
     args = options(argv)
     torch.set_num_threads(1)
-    (single if args.single else distributed)(args)
+    if args.compare_ddp:
+        compare_ddp(args, argv)
+    else:
+        (single if args.single else ddp if args.ddp else distributed)(args)
 
 
 if __name__ == "__main__":
