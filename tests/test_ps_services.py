@@ -4,7 +4,8 @@ the same shard processes (rdmaflow/ps/services.py), over UCX tcp.
 Two jobs of 2 workers x 2 shards run together through ``rdmaflow launch``: one trains a small MLP
 through DistributedOptimizer while it pushes and pulls a KVStore table in the same loop, the
 other trains the same MLP alone. The MLP's parameters must be bit-identical, and the table's
-values exactly the sums every worker pushed.
+values exactly the sums every worker pushed. A third job (1 x 1) has a KVStore handler that
+raises: the KVStore and the DistributedOptimizer of its worker both get the reason.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from rdmaflow._ucx import ucx_env
 from rdmaflow.bench.processes import free_port
@@ -71,40 +74,98 @@ print("RESULT " + json.dumps(res), flush=True)
 """
 
 
-def launch(script: str, mode: str) -> subprocess.Popen:
+# 1 worker x 1 shard, both services; the KVStore's handler raises on the shard. The worker's
+# KVStore and then its DistributedOptimizer must both learn why the job stopped.
+FAILING = """
+import json, sys, torch
+import rdmaflow.ps as ps
+from rdmaflow import _core
+
+def handler(key, stored, pushed):
+    raise ValueError("no such row")
+
+ctx = ps.init(services=("optimizer", "kv"), kv_handler=handler)
+model = torch.nn.Linear(4, 1)
+opt = ps.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+kv = ps.KVStore([0], [(2,)])
+errors = {}
+try:
+    kv.wait(kv.push([0], [torch.ones(2)]))
+    kv.wait(kv.pull([0]))
+except _core.RdmaflowError as e:
+    errors["kv"] = f"{type(e).__name__}: {e}"
+try:
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    opt.synchronize()
+except _core.RdmaflowError as e:
+    errors["optimizer"] = f"{type(e).__name__}: {e}"
+print("RESULT " + json.dumps(dict(errors, worker=0)), flush=True)
+sys.exit(3)
+"""
+
+
+def launch(script: str, mode: str = "", workers: int = 2, shards: int = 2) -> subprocess.Popen:
     env = ucx_env("tcp", {k: v for k, v in os.environ.items() if not k.startswith(("RDMAFLOW_", "TORCHELASTIC_"))})
     env.update(OMP_NUM_THREADS="1", RDMAFLOW_PS_TIMEOUT="90", RDMAFLOW_PS_STEP_TIMEOUT="90")
     return subprocess.Popen([sys.executable, "-m", "rdmaflow", "launch", "--master-port", str(free_port()),
-                             "--nproc-per-node", "2", "--shards-per-node", "2", script, mode], cwd=ROOT, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                             "--nproc-per-node", str(workers), "--shards-per-node", str(shards), script,
+                             *([mode] if mode else [])], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def results(p: subprocess.Popen, timeout: float = 150) -> dict:
+def output(p: subprocess.Popen, timeout: float = 150) -> str:
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, 9)
         out, _ = p.communicate()
         raise AssertionError(f"the job did not finish in {timeout} s:\n{out[-4000:]}") from None
-    assert p.returncode == 0, out[-4000:]
+    return out
+
+
+def results(out: str, count: int) -> dict:
     found = [json.loads(ln.split("RESULT ", 1)[1]) for ln in out.splitlines() if "RESULT " in ln]
-    assert len(found) == 2, out[-4000:]
+    assert len(found) == count, out[-4000:]
     return {r["worker"]: r for r in found}
 
 
-def test_a_job_serves_a_distributed_optimizer_beside_a_kvstore(tmp_path):
-    script = tmp_path / "mixed.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    jobs = {mode: launch(str(script), mode) for mode in ("mixed", "alone")}
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Every job of this file, started together (they spend most of their time importing torch)."""
+    tmp = tmp_path_factory.mktemp("services")
+    (tmp / "mixed.py").write_text(textwrap.dedent(SCRIPT))
+    (tmp / "failing.py").write_text(textwrap.dedent(FAILING))
+    started = {"mixed": launch(str(tmp / "mixed.py"), "mixed"), "alone": launch(str(tmp / "mixed.py"), "alone"),
+               "failing": launch(str(tmp / "failing.py"), workers=1, shards=1)}
     try:
-        mixed, alone = results(jobs["mixed"]), results(jobs["alone"])
+        yield started
     finally:
-        for p in jobs.values():
+        for p in started.values():
             if p.poll() is None:
                 os.killpg(p.pid, 9)
+
+
+def test_a_job_serves_a_distributed_optimizer_beside_a_kvstore(jobs):
+    outs = {name: output(jobs[name]) for name in ("mixed", "alone")}
+    for name, out in outs.items():
+        assert jobs[name].returncode == 0, out[-4000:]
+    mixed, alone = results(outs["mixed"], 2), results(outs["alone"], 2)
     for w in (0, 1):
         assert mixed[w]["params"] == alone[w]["params"], "the MLP trained beside a KVStore differs"
         assert mixed[w]["kv_exact"] and mixed[w]["seen_own"], mixed[w]
     assert mixed[0]["params"] == mixed[1]["params"]  # sync mode: one model
     assert mixed[0]["kv_total"] > 0
+
+
+def test_a_failing_service_stops_the_others_with_its_reason(jobs):
+    out = output(jobs["failing"])
+    assert jobs["failing"].returncode != 0, out[-4000:]
+    errors = results(out, 1)[0]
+    why = "the kv handler raised on key 0 (push from worker 0): ValueError('no such row')"
+    assert errors.get("kv", "").startswith("WorkerFailure: ") and why in errors["kv"], out[-4000:]
+    assert errors.get("optimizer", "").startswith("WorkerFailure: the job was aborted: ") and why in errors["optimizer"], \
+        out[-4000:]
+    assert "shard 0 failed: " in out and why in out, out[-4000:]  # the shard process says it, once

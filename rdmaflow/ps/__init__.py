@@ -57,6 +57,7 @@ class PSContext:
     # How long a shard's service waits for its workers to make it (None: ``timeout``; longer in a job of
     # several services, whose workers make one after another's setup: services.py)
     declare_timeout: float | None = None
+    stop_reason: str | None = None  # on a shard: why one of its services failed (the others stop on it)
 
     @property
     def is_shard(self) -> bool:

@@ -12,6 +12,7 @@ from rdmaflow import READ, WRITE, Arena, InvalidArgumentError, RdmaflowError, Re
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
 from rdmaflow.ps.protocol import ABORT, DONE, LEFT_WITHOUT_CLOSE
+from rdmaflow.ps.services import stop_others, stopping
 from rdmaflow.ps.shard import ShardFailure
 from rdmaflow.transfer.common import pack_header, unpack_header
 
@@ -277,6 +278,9 @@ class KVShard:
         last_progress = last_check = last_store = now
         while True:
             all_done = bool((self.done >= DONE).all())  # read before the flags: DONE came after them
+            reason = stopping(self.ctx)  # another service of this process failed
+            if reason:
+                raise ShardFailure(f"the job was aborted: {reason}")
             progressed = self._round()
             if self.id == 0 and self._barrier():
                 progressed = True
@@ -312,6 +316,7 @@ class KVShard:
             return self.stats
         except (Exception, KeyboardInterrupt) as e:  # Ctrl-C too: the workers learn why the job stops
             reason = f"shard {self.id}: {'interrupted (SIGINT)' if isinstance(e, KeyboardInterrupt) else e}"
+            stop_others(self.ctx, reason)
             self.store.abort(reason)
             self._abort_workers(reason)
             # ps.init then leaves the store (JobStore.leave): if this process serves it, it stays

@@ -88,6 +88,19 @@ def declare(ctx, kind: str) -> None:
     ctx.services_agreed = True
 
 
+def stop_others(ctx, reason: str) -> None:
+    """A service of this shard process failed: the others stop at their next look (``stopping``),
+    before its workers learn of it, so that none of theirs gets another reply meanwhile."""
+    if getattr(ctx, "stop_reason", None) is None:
+        ctx.stop_reason = reason
+
+
+def stopping(ctx) -> str | None:
+    """Why another service of this shard process failed, if one did (an attribute read: a service
+    looks at it once per request or step, as its loop goes round)."""
+    return getattr(ctx, "stop_reason", None)
+
+
 def job_services(ctx) -> tuple[str, ...]:
     """On a shard: the services worker 0 declared (a failure to read them aborts the job)."""
     try:
