@@ -1,8 +1,9 @@
 """Which services a parameter-server job runs, and a shard process that serves all of them.
 
 A job's workers may use several services of ``rdmaflow.ps`` at once: a ``DistributedOptimizer``
-("optimizer": the dense part of a model) beside a ``KVStore`` ("kv": its embeddings), say. Each
-service has its own shard side (``Shard``, ``KVShard``: an object with ``run()``), with its own
+("optimizer": the dense part of a model) beside ``SparseTable``s ("sparse": its embeddings) or a
+``KVStore`` ("kv"), say. Each service has its own shard side (``Shard``, ``SparseShard``,
+``KVShard``: an object with ``run()``), with its own
 registered memory, flags and done words; they share the shard process's device and the job's
 store, under keys of their own.
 
@@ -32,7 +33,8 @@ from rdmaflow import InvalidArgumentError
 from rdmaflow.ps.context import dumps
 
 KEY = "services"
-SERVICES = {"optimizer": "DistributedOptimizer", "kv": "KVStore"}  # name -> the worker's class
+# name -> the worker's class; "sparse" stands for all of a job's SparseTables (one shard service)
+SERVICES = {"optimizer": "DistributedOptimizer", "kv": "KVStore", "sparse": "SparseTable"}
 STOP_SECONDS = 30.0  # how long a shard waits, after a failure or Ctrl-C, for its other services to stop
 
 
