@@ -21,8 +21,10 @@ of the workers' batches; its loss matches the job's up to rounding. ``--ddp`` tr
 table replicated on every worker and its dense gradient allreduced by DDP over gloo every step,
 as a user without a parameter server would.
 
-Until the sparse table of rdmaflow.ps is in, the embeddings are a declared ``KVStore`` over a
-hashed key space of ``--rows`` keys (ids that collide share a row, in both modes alike).
+The embeddings are a ``ps.SparseTable``: keys are the 64-bit hashed ids themselves, rows are made
+on the shards when first pushed and read as zeros before. ``--table kv`` keeps them in a declared
+``KVStore`` of ``--rows`` keys instead (the hashed ids modulo ``--rows``: ids that collide share
+a row, in ``--single`` alike).
 """
 from __future__ import annotations
 
@@ -52,7 +54,10 @@ def options(argv=None) -> argparse.Namespace:
     p.add_argument("--bag", type=int, default=3, help="ids per bag (feature f has 1 + f %% BAG)")
     p.add_argument("--raw-ids", type=int, default=20000, help="raw ids per feature")
     p.add_argument("--zipf", type=float, default=1.1, help="the Zipf exponent of the ids")
-    p.add_argument("--rows", type=int, default=1 << 16, help="the hashed key space (the KVStore's keys)")
+    p.add_argument("--table", choices=("sparse", "kv"), default="sparse",
+                   help="the embeddings' service: a SparseTable keyed by the 64-bit hashed ids (default), or a "
+                        "declared KVStore of --rows keys (the hashed ids modulo --rows)")
+    p.add_argument("--rows", type=int, default=1 << 16, help="--table kv: the declared key space")
     p.add_argument("--dim", type=int, default=8, help="embedding dimension")
     p.add_argument("--hidden", type=int, default=64, help="the MLP's hidden width")
     p.add_argument("--lr", type=float, default=0.05, help="the MLP's SGD learning rate (momentum 0.9)")
@@ -86,10 +91,14 @@ class Data:
         ranks = torch.arange(1, raw + 1, dtype=torch.float64)
         self.cdf = torch.cumsum(ranks.pow(-args.zipf), 0)
         self.cdf /= self.cdf[-1].clone()
-        # Key of (feature f, raw id r): a 64-bit mix (splitmix64's) of f * raw + r, as an int64,
-        # taken into the table's key space; popular ids are then spread over the shards.
-        self.keys = torch.tensor([mix64(i + args.seed * 0x632BE59BD9B4E019) % args.rows for i in range(nf * raw)],
-                                 dtype=torch.int64).view(nf, raw)
+        # Key of (feature f, raw id r): a 64-bit mix (splitmix64's) of f * raw + r, as an int64
+        # (any int64 is a SparseTable key); a declared KVStore takes it modulo --rows.
+        mixed = [mix64(i + args.seed * 0x632BE59BD9B4E019) for i in range(nf * raw)]
+        if args.table == "kv":
+            mixed = [m % args.rows for m in mixed]
+        else:
+            mixed = [m - (1 << 64) if m >= 1 << 63 else m for m in mixed]
+        self.keys = torch.tensor(mixed, dtype=torch.int64).view(nf, raw)
         hidden = torch.Generator().manual_seed(10_007 + args.seed)
         self.weight = torch.randn(nf, raw, generator=hidden) * 1.5  # the hidden model: a score per id
         self.bias = -1.0
@@ -143,7 +152,8 @@ def single(args) -> None:
     data = Data(args)
     mlp = make_mlp(args)
     opt = torch.optim.SGD(mlp.parameters(), lr=args.lr, momentum=0.9)
-    table = torch.zeros(args.rows, args.dim, requires_grad=True)  # the job's rows start at zero too
+    every = torch.unique(data.keys)  # every key the data can produce, a row each (ids that collide share it)
+    table = torch.zeros(len(every), args.dim, requires_grad=True)  # the job's rows start at zero too
     losses, t0 = [], time.monotonic()
     for step in range(args.steps):
         parts = [data.batch(step, w) for w in range(args.workers)]
@@ -151,7 +161,7 @@ def single(args) -> None:
         labels = torch.cat([p[1] for p in parts])
         opt.zero_grad()
         table.grad = None
-        loss = forward(data, mlp, keys, labels, table)  # a key is its row
+        loss = forward(data, mlp, [torch.searchsorted(every, k) for k in keys], labels, table)
         loss.backward()
         opt.step()
         with torch.no_grad():
@@ -165,13 +175,16 @@ def single(args) -> None:
 def distributed(args) -> None:
     from rdmaflow import ps
 
-    ctx = ps.init(services=("optimizer", "kv"))  # shards serve both inside init() and exit when done
+    ctx = ps.init(services=("optimizer", args.table))  # shards serve both inside init() and exit when done
     w, nw = ctx.role.index, ctx.role.num_workers
     data = Data(args)
     mlp = make_mlp(args)  # the same initial weights on every worker (and in --single)
     opt = ps.DistributedOptimizer(mlp, torch.optim.SGD(mlp.parameters(), lr=args.lr, momentum=0.9),
                                   policy="variable")
-    table = ps.KVStore(range(args.rows), [(args.dim,)] * args.rows, torch.float32)  # zeros
+    if args.table == "sparse":  # rows made on first touch, zeros until pushed; the shards add what comes
+        table = ps.SparseTable("ctr", dim=args.dim, dtype=torch.float32, initializer="zeros", handler="add")
+    else:
+        table = ps.KVStore(range(args.rows), [(args.dim,)] * args.rows, torch.float32)  # zeros
     losses, t0 = [], time.monotonic()
     for step in range(args.steps):
         keys, labels = data.batch(step, w)
@@ -183,7 +196,8 @@ def distributed(args) -> None:
         loss = forward(data, mlp, index, labels, rows)
         loss.backward()
         # The rows' update: the shards add every worker's, so each sends its share of the mean.
-        table.push(uniq, (rows.grad * (-args.emb_lr / nw)).reshape(-1))
+        update = rows.grad * (-args.emb_lr / nw)
+        table.push(uniq, update if args.table == "sparse" else update.reshape(-1))  # returns at once
         opt.step()
         table.barrier()  # every worker's update is in before anyone's next pull
         losses.append(loss.item())

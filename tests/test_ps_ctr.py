@@ -1,6 +1,7 @@
-"""examples/ctr.py, the click-through-rate model: its embeddings on the parameter server's shards
-and its MLP through DistributedOptimizer in one job (2 workers x 2 shards, UCX tcp), against the
-same model trained in one process with plain torch on the same samples and seed (--single)."""
+"""examples/ctr.py, the click-through-rate model: its embeddings in a SparseTable and its MLP
+through DistributedOptimizer in one job (2 workers x 2 shards, UCX shared memory: the tables'
+pulls are mapped gathers), against the same model trained in one process with plain torch on
+the same samples and seed (--single)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from rdmaflow._ucx import ucx_env
 from rdmaflow.bench.processes import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--steps", "40", "--batch", "128", "--raw-ids", "2000", "--rows", "4096", "--log-every", "0", "--tail", "10"]
+SMALL = ["--steps", "40", "--batch", "128", "--raw-ids", "2000", "--log-every", "0", "--tail", "10"]
 
 
 def results(p: subprocess.Popen, count: int, timeout: float = 150) -> list[dict]:
@@ -29,7 +30,7 @@ def results(p: subprocess.Popen, count: int, timeout: float = 150) -> list[dict]
 
 
 def test_the_ctr_job_learns_as_the_single_process_model_does():
-    env = ucx_env("tcp", {k: v for k, v in os.environ.items() if not k.startswith(("RDMAFLOW_", "TORCHELASTIC_"))})
+    env = ucx_env("sm", {k: v for k, v in os.environ.items() if not k.startswith(("RDMAFLOW_", "TORCHELASTIC_"))})
     env.update(OMP_NUM_THREADS="1", RDMAFLOW_PS_TIMEOUT="90", RDMAFLOW_PS_STEP_TIMEOUT="90")
     common = {"cwd": ROOT, "env": env, "stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE,
               "stderr": subprocess.STDOUT, "text": True, "start_new_session": True}
