@@ -133,6 +133,13 @@ def forward(data: Data, mlp, index, labels, rows: torch.Tensor):
     return F.binary_cross_entropy_with_logits(logits, labels)
 
 
+def lap(ms: dict, what: str, since: float) -> float:
+    """Adds the milliseconds since ``since`` to ``ms[what]``; returns now."""
+    now = time.perf_counter()
+    ms[what] += 1e3 * (now - since)
+    return now
+
+
 def say(line: str) -> None:
     """One write per line: the workers share the launcher's pipe, and lines must not interleave."""
     sys.stdout.write(line + "\n")
@@ -186,26 +193,35 @@ def distributed(args) -> None:
     else:
         table = ps.KVStore(range(args.rows), [(args.dim,)] * args.rows, torch.float32)  # zeros
     losses, t0 = [], time.monotonic()
+    ms = dict.fromkeys(("data", "pull", "compute", "push", "step", "barrier"), 0.0)  # where a step's time goes
     for step in range(args.steps):
+        t = time.perf_counter()
         keys, labels = data.batch(step, w)
         uniq, inverse = torch.unique(torch.cat([k.reshape(-1) for k in keys]), return_inverse=True)
+        t = lap(ms, "data", t)
         rows = table.wait(table.pull(uniq)).view(-1, args.dim).requires_grad_()
+        t = lap(ms, "pull", t)
         index = list(inverse.split([k.numel() for k in keys]))
         index = [i.view(k.shape) for i, k in zip(index, keys)]  # where each id's row is in `rows`
         opt.zero_grad()
         loss = forward(data, mlp, index, labels, rows)
         loss.backward()
+        t = lap(ms, "compute", t)
         # The rows' update: the shards add every worker's, so each sends its share of the mean.
         update = rows.grad * (-args.emb_lr / nw)
         table.push(uniq, update if args.table == "sparse" else update.reshape(-1))  # returns at once
+        t = lap(ms, "push", t)
         opt.step()
+        t = lap(ms, "step", t)
         table.barrier()  # every worker's update is in before anyone's next pull
+        lap(ms, "barrier", t)
         losses.append(loss.item())
         if args.log_every and (step + 1) % args.log_every == 0:
             recent = losses[-args.log_every:]
             say(f"ctr worker {w}: step {step + 1}: loss {sum(recent) / len(recent):.4f}")
     seconds = time.monotonic() - t0
-    report(losses, args, seconds, workers=nw, mode="job", worker=w)
+    report(losses, args, seconds, workers=nw, mode="job", worker=w, table=args.table,
+           ms_per_step={k: round(v / args.steps, 3) for k, v in ms.items()})
     table.close()
     opt.close()
 
@@ -224,10 +240,11 @@ def ddp(args) -> None:
         def __init__(self):
             super().__init__()
             self.mlp = make_mlp(args)
-            self.table = torch.nn.Parameter(torch.zeros(args.rows, args.dim))
+            self.every = torch.unique(data.keys)  # a row for every key the data can produce, as --single
+            self.table = torch.nn.Parameter(torch.zeros(len(self.every), args.dim))
 
         def forward(self, keys, labels):
-            return forward(data, self.mlp, keys, labels, self.table)
+            return forward(data, self.mlp, [torch.searchsorted(self.every, k) for k in keys], labels, self.table)
 
     model = torch.nn.parallel.DistributedDataParallel(Model())
     opt = torch.optim.SGD([{"params": model.module.mlp.parameters(), "lr": args.lr, "momentum": 0.9},
@@ -267,8 +284,9 @@ def compare_ddp(args, argv) -> None:
         rates[name] = min(r["samples_per_s"] for r in found)  # the slowest worker's view of the job
         loss = sum(r["loss"] for r in found) / len(found)
         say(f"ctr {name}: {rates[name]:,.0f} samples/s, loss {loss:.4f}")
-    print(f"ctr: the parameter server trains {rates['ps'] / rates['ddp']:.2f}x the samples per second of DDP over gloo "
-          f"({args.rows} rows x {args.dim} floats, {args.workers} workers)", flush=True)
+    rows = args.features * args.raw_ids if args.table == "sparse" else args.rows
+    print(f"ctr: the parameter server ({args.table} table) trains {rates['ps'] / rates['ddp']:.2f}x the samples per "
+          f"second of DDP over gloo (up to {rows} rows x {args.dim} floats, {args.workers} workers)", flush=True)
 
 
 def main(argv=None) -> None:
