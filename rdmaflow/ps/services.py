@@ -3,9 +3,8 @@
 A job's workers may use several services of ``rdmaflow.ps`` at once: a ``DistributedOptimizer``
 ("optimizer": the dense part of a model) beside ``SparseTable``s ("sparse": its embeddings) or a
 ``KVStore`` ("kv"), say. Each service has its own shard side (``Shard``, ``SparseShard``,
-``KVShard``: an object with ``run()``), with its own
-registered memory, flags and done words; they share the shard process's device and the job's
-store, under keys of their own.
+``KVShard``: an object with ``run()``), with its own registered memory, flags and done words;
+they share the shard process's device and the job's store, under keys of their own.
 
 Who writes what, in what order (the job's c10d store, key ``services``)::
 
@@ -13,15 +12,18 @@ Who writes what, in what order (the job's c10d store, key ``services``)::
               (or its first service made)   services=, when it makes its first service: that
                                             one alone
     shards:   ps.init()                     wait for the list (bounded, ps.init's timeout), then
-                                            run every service on it, each in its own thread
+                                            run every service on it: the first on this thread,
+                                            each other one in a thread of its own
     worker w: its first service made        compares its own list (services=, else that first
                                             service alone) with worker 0's: a difference aborts
                                             the job, naming both lists
 
 Shards learn the list before any service starts and never from a later call, so no service can
 be missed: a worker that makes a service its list does not name raises at once. A shard process
-exits when every one of its services is done; a failure in one aborts the job (the store's
-abort key), which the other services see within a second and stop on.
+exits when every one of its services is done. A service that fails leaves its reason in the
+process (``stop_others``) before it tells anyone else, then aborts the job (the store's abort key)
+and tells its own workers; the process's other services look at it once per step or request
+(``stopping``) and stop too, telling theirs.
 """
 from __future__ import annotations
 
