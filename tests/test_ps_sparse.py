@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_ps_kv import Job, finished_ok
 
-from rdmaflow.ps.sparse_table import Normal, mix
+from rdmaflow.ps.sparse_table import Normal, TableFormat, TableView, entry_check, mix, place
 
 JOB = pathlib.Path(__file__).parent / "ps_jobs" / "sparse.py"
 DEADLINE = 240.0
@@ -120,3 +120,36 @@ def test_hash_words_wrap_as_unsigned_64_bit_arithmetic():
 
     x = torch.tensor([0, 1, -5, (1 << 62) + 12345, -(1 << 63)], dtype=torch.int64)
     assert [int(t) & m for t in mix(x)] == [ref(int(t)) for t in x]
+
+
+def test_placed_keys_are_found_and_a_mixed_copy_of_an_entry_fails_its_check():
+    """No I/O: every placed key is found in its slot and absent ones are not; an entry copied
+    partly before and partly after a write (any subset of its words) never matches its check."""
+    fmt = TableFormat(16, torch.float32, 0)
+    nb = 256
+    view = TableView(torch.zeros(fmt.region_bytes(nb), dtype=torch.uint8), fmt, nb)
+    fill = torch.zeros(nb, dtype=torch.int64)
+    keys = torch.randint(-(1 << 63), (1 << 63) - 1, (1500,), generator=torch.Generator().manual_seed(1))
+    slots = place(fill, keys, nb)
+    assert slots is not None and len(set(slots.tolist())) == len(keys)
+    view.keys.view(-1, 2)[slots] = torch.stack([keys, torch.ones_like(keys)], 1)
+    found, at = view.find(keys)
+    assert bool(found.all()) and torch.equal(at, slots)
+    assert not bool(view.find(keys + 1)[0].any())
+    assert place(fill, torch.arange(10**4), nb) is None   # more than the slots: the table must grow
+    old = torch.zeros(1, fmt.words, dtype=torch.int64)
+    old[0, 1] = 77
+    old[0, 0] = 2
+    fmt.rows_of(old)[:] = 3.0
+    old[0, 2] = entry_check(old, fmt.row_words)[0]
+    new = old.clone()
+    new[0, 0] = 4
+    fmt.rows_of(new)[:] = 4.0
+    new[0, 2] = entry_check(new, fmt.row_words)[0]
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2000):
+        take = torch.rand(fmt.words, generator=g) < 0.5
+        mixed = torch.where(take, new, old)
+        if torch.equal(mixed, old) or torch.equal(mixed, new):
+            continue
+        assert int(mixed[0, 2]) != int(entry_check(mixed, fmt.row_words)[0]), take
