@@ -9,44 +9,35 @@ import os
 import subprocess
 import sys
 
-from rdmaflow._ucx import ucx_env
-from rdmaflow.bench.processes import free_port
+from ps_job import PSJob
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "ctr.py")
 SMALL = ["--steps", "40", "--batch", "128", "--raw-ids", "2000", "--log-every", "0", "--tail", "10"]
 
 
-def results(p: subprocess.Popen, count: int, timeout: float = 150) -> list[dict]:
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9)
-        out, _ = p.communicate()
-        raise AssertionError(f"{p.args} did not finish in {timeout} s:\n{out[-4000:]}") from None
-    assert p.returncode == 0, out[-4000:]
-    found = [json.loads(ln.split("ctr result: ", 1)[1]) for ln in out.splitlines() if "ctr result: " in ln]
-    assert len(found) == count, out[-4000:]
+def results(text: str, count: int) -> list[dict]:
+    found = [json.loads(ln.split("ctr result: ", 1)[1]) for ln in text.splitlines() if ln.startswith("ctr result: ")]
+    assert len(found) == count, text[-4000:]
     return found
 
 
-def test_the_ctr_job_learns_as_the_single_process_model_does():
-    env = ucx_env("sm", {k: v for k, v in os.environ.items() if not k.startswith(("RDMAFLOW_", "TORCHELASTIC_"))})
-    env.update(OMP_NUM_THREADS="1", RDMAFLOW_PS_TIMEOUT="90", RDMAFLOW_PS_STEP_TIMEOUT="90")
-    common = {"cwd": ROOT, "env": env, "stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE,
-              "stderr": subprocess.STDOUT, "text": True, "start_new_session": True}
-    job = subprocess.Popen([sys.executable, "-m", "rdmaflow", "launch", "--master-port", str(free_port()),
-                            "--nproc-per-node", "2", "--shards-per-node", "2", "examples/ctr.py", *SMALL], **common)
-    one = subprocess.Popen([sys.executable, "examples/ctr.py", "--single", "--workers", "2", *SMALL], **common)
+def test_the_ctr_job_learns_as_the_single_process_model_does(tmp_path):
+    job = PSJob("ctr", [EXAMPLE, *SMALL], 2, 2, "sm", tmp_path)
+    one = subprocess.Popen([sys.executable, EXAMPLE, "--single", "--workers", "2", *SMALL], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ,
+                           OMP_NUM_THREADS="1"))
     try:
-        workers = results(job, 2)
-        (single,) = results(one, 1)
+        assert job.wait() == [0] * 4, job.output()
+        out, _ = one.communicate(timeout=120)
     finally:
-        for p in (job, one):
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
+        job.kill()
+        one.kill()
+    workers = [results(job.worker_output(w), 1)[0] for w in (0, 1)]
+    (single,) = results(out, 1)
     # Equal batches: the job's loss is the mean of its workers', the single model's of their union.
     loss = sum(r["loss"] for r in workers) / 2
     first = sum(r["first_loss"] for r in workers) / 2
     assert abs(loss - single["loss"]) <= 0.05 * single["loss"], (workers, single)
     assert abs(first - single["first_loss"]) <= 1e-5, (workers, single)  # the same samples, the same start
     assert loss < first - 0.03, (workers, single)  # it learned
+    assert all(r["table"] == "sparse" for r in workers), workers

@@ -1,7 +1,7 @@
 """One parameter-server job, several services: a DistributedOptimizer beside a KVStore, served by
 the same shard processes (rdmaflow/ps/services.py), over UCX tcp.
 
-Two jobs of 2 workers x 2 shards run together through ``rdmaflow launch``: one trains a small MLP
+Two jobs of 2 workers x 2 shards run together (tests/ps_job.py): one trains a small MLP
 through DistributedOptimizer while it pushes and pulls a KVStore table in the same loop, the
 other trains the same MLP alone. The MLP's parameters must be bit-identical, and the table's
 values exactly the sums every worker pushed. A third job (1 x 1) has a KVStore handler that
@@ -10,17 +10,10 @@ raises: the KVStore and the DistributedOptimizer of its worker both get the reas
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-
-from rdmaflow._ucx import ucx_env
-from rdmaflow.bench.processes import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from ps_job import PSJob
 
 SCRIPT = """
 import json, sys, torch
@@ -107,28 +100,10 @@ sys.exit(3)
 """
 
 
-def launch(script: str, mode: str = "", workers: int = 2, shards: int = 2) -> subprocess.Popen:
-    env = ucx_env("tcp", {k: v for k, v in os.environ.items() if not k.startswith(("RDMAFLOW_", "TORCHELASTIC_"))})
-    env.update(OMP_NUM_THREADS="1", RDMAFLOW_PS_TIMEOUT="90", RDMAFLOW_PS_STEP_TIMEOUT="90")
-    return subprocess.Popen([sys.executable, "-m", "rdmaflow", "launch", "--master-port", str(free_port()),
-                             "--nproc-per-node", str(workers), "--shards-per-node", str(shards), script,
-                             *([mode] if mode else [])], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def output(p: subprocess.Popen, timeout: float = 150) -> str:
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9)
-        out, _ = p.communicate()
-        raise AssertionError(f"the job did not finish in {timeout} s:\n{out[-4000:]}") from None
-    return out
-
-
-def results(out: str, count: int) -> dict:
-    found = [json.loads(ln.split("RESULT ", 1)[1]) for ln in out.splitlines() if "RESULT " in ln]
-    assert len(found) == count, out[-4000:]
+def results(job: PSJob, count: int) -> dict:
+    found = [json.loads(ln.split("RESULT ", 1)[1]) for w in range(count)
+             for ln in job.worker_output(w).splitlines() if ln.startswith("RESULT ")]
+    assert len(found) == count, job.output()
     return {r["worker"]: r for r in found}
 
 
@@ -138,21 +113,21 @@ def jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("services")
     (tmp / "mixed.py").write_text(textwrap.dedent(SCRIPT))
     (tmp / "failing.py").write_text(textwrap.dedent(FAILING))
-    started = {"mixed": launch(str(tmp / "mixed.py"), "mixed"), "alone": launch(str(tmp / "mixed.py"), "alone"),
-               "failing": launch(str(tmp / "failing.py"), workers=1, shards=1)}
+    started = {}
     try:
+        started["mixed"] = PSJob("mixed", [str(tmp / "mixed.py"), "mixed"], 2, 2, "tcp", tmp)
+        started["alone"] = PSJob("alone", [str(tmp / "mixed.py"), "alone"], 2, 2, "tcp", tmp)
+        started["failing"] = PSJob("failing", [str(tmp / "failing.py")], 1, 1, "tcp", tmp)
         yield started
     finally:
-        for p in started.values():
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
+        for job in started.values():
+            job.kill()
 
 
 def test_a_job_serves_a_distributed_optimizer_beside_a_kvstore(jobs):
-    outs = {name: output(jobs[name]) for name in ("mixed", "alone")}
-    for name, out in outs.items():
-        assert jobs[name].returncode == 0, out[-4000:]
-    mixed, alone = results(outs["mixed"], 2), results(outs["alone"], 2)
+    for name in ("mixed", "alone"):
+        assert jobs[name].wait() == [0] * 4, jobs[name].output()
+    mixed, alone = results(jobs["mixed"], 2), results(jobs["alone"], 2)
     for w in (0, 1):
         assert mixed[w]["params"] == alone[w]["params"], "the MLP trained beside a KVStore differs"
         assert mixed[w]["kv_exact"] and mixed[w]["seen_own"], mixed[w]
@@ -161,11 +136,12 @@ def test_a_job_serves_a_distributed_optimizer_beside_a_kvstore(jobs):
 
 
 def test_a_failing_service_stops_the_others_with_its_reason(jobs):
-    out = output(jobs["failing"])
-    assert jobs["failing"].returncode != 0, out[-4000:]
-    errors = results(out, 1)[0]
+    job = jobs["failing"]
+    assert job.wait() == [1, 3], job.output()  # the shard fails, the worker reports and exits 3
+    errors = results(job, 1)[0]
     why = "the kv handler raised on key 0 (push from worker 0): ValueError('no such row')"
-    assert errors.get("kv", "").startswith("WorkerFailure: ") and why in errors["kv"], out[-4000:]
+    assert errors.get("kv", "").startswith("WorkerFailure: ") and why in errors["kv"], job.output()
     assert errors.get("optimizer", "").startswith("WorkerFailure: the job was aborted: ") and why in errors["optimizer"], \
-        out[-4000:]
-    assert "shard 0 failed: " in out and why in out, out[-4000:]  # the shard process says it, once
+        job.output()
+    shard = job.logs[0].read_text()
+    assert shard.count("shard 0 failed: ") == 1 and why in shard, job.output()  # the shard says it, once
