@@ -373,10 +373,16 @@ class SparseShard:
         self.store.set(f"sparse/ep/shard/{self.id}", "1")
         now = time.monotonic()
         last_progress = last_check = last_store = now
+        # Bounded like any service's wait for its declaration (services.py): a job that declared
+        # "sparse" and whose workers make no table would otherwise keep this shard forever.
+        first_by = now + (getattr(self.ctx, "declare_timeout", None) or self.ctx.timeout)
         while True:
             reason = stopping(self.ctx)  # another service of this process failed
             if reason:
                 raise ShardFailure(f"the job was aborted: {reason}")
+            if not self.tables and time.monotonic() > first_by:
+                raise ShardFailure(f"no SparseTable was made within {first_by - now:.0f} s, though the job runs "
+                                   "the 'sparse' service: every worker makes its tables soon after ps.init()")
             all_done = bool(self.tables) and all(t.finished() for t in self.tables)
             progressed = False
             for t in self.tables:  # every table's round, whatever the others did
