@@ -5,14 +5,14 @@ DistributedOptimizer, in one job (docs/parameter-server.md, "Several services in
     rdmaflow launch --nproc-per-node 2 --shards-per-node 2 examples/ctr.py [--steps 300]
     python examples/ctr.py --single --workers 2 [--steps 300]     # the same model in one process
     rdmaflow launch --nproc-per-node 2 --shards-per-node 0 examples/ctr.py --ddp   # DDP over gloo
-    python examples/ctr.py --compare-ddp [--rows 1048576]   # both jobs, samples/s side by side
+    python examples/ctr.py --compare-ddp [--raw-ids 100000 --dim 16]   # both jobs' samples/s side by side
 
 Data: every sample has a bag of ids per feature, drawn from a Zipf distribution over that
 feature's raw ids (a few ids are in most samples, most ids are rare), and a click label drawn
 from a fixed hidden model of those ids (so the loss can fall below log 2). A raw id is hashed
 into the embedding table's key space. Worker w's batch at step t depends on (seed, t, w) only.
 
-A step on each worker: pull the rows of the batch's unique keys (one request per shard), pool
+A step on each worker: pull the rows of the batch's unique keys (one-sided where the table allows), pool
 them per feature (sum or mean, as ``nn.EmbeddingBag``), run the MLP, backward; push the
 gradient rows' update ``-lr * grad / workers`` (the shards add it: plain SGD on the mean of the
 workers' gradients), ``opt.step()`` for the MLP, then a barrier so that the next pull sees
