@@ -916,10 +916,19 @@ def test_worker_arguments_are_checked_before_joining():
     for state, words in [("open", "already has a DistributedOptimizer"), ("closed", "was closed, and its shards")]:
         with pytest.raises(rdmaflow.InvalidArgumentError, match=words):
             ps.DistributedOptimizer(model, opt, ctx=SimpleNamespace(is_worker=True, kv_state=None, optimizer_state=state))
-        with pytest.raises(rdmaflow.InvalidArgumentError, match="this worker made a DistributedOptimizer"):
-            KVStore([0], [(1,)], ctx=SimpleNamespace(is_worker=True, kv_state=None, optimizer_state=state))
-    with pytest.raises(rdmaflow.InvalidArgumentError, match="this worker made a KVStore"):
-        ps.DistributedOptimizer(model, opt, ctx=SimpleNamespace(is_worker=True, kv_state="closed", optimizer_state=None))
+        with pytest.raises(rdmaflow.InvalidArgumentError, match="this job's KVStore was closed"
+                           if state == "closed" else "already has a KVStore"):
+            KVStore([0], [(1,)], ctx=SimpleNamespace(is_worker=True, kv_state=state, optimizer_state=None))
+    # Both in one job: declared by ps.init(services=...) (rdmaflow/ps/services.py), else refused.
+    from rdmaflow.ps import services
+    one = SimpleNamespace(services=("optimizer",), services_agreed=True, role=SimpleNamespace(index=1))
+    with pytest.raises(rdmaflow.InvalidArgumentError, match=r"runs DistributedOptimizer only.*"
+                       r"ps.init\(services=\['kv', 'optimizer'\]\)"):
+        services.declare(one, "kv")
+    assert services.checked(["kv", "optimizer"]) == services.checked(("optimizer", "kv")) == ("kv", "optimizer")
+    for bad, words in [(["kv", "kv"], "twice"), ([], "at least one"), (["dense"], "at least one"), (3, "a list")]:
+        with pytest.raises(rdmaflow.InvalidArgumentError, match=words):
+            services.checked(bad)
     closed = Worker.__new__(Worker)
     closed._closed = True
     for call, op in [(lambda: closed.push_range(0, 4), "push_range"), (lambda: closed.wait_range(0, 4), "wait_range"),

@@ -1042,8 +1042,8 @@ def test_a_shard_that_dies_during_a_barrier_is_named(jobs):
 def test_workers_of_one_job_must_use_one_api(jobs):
     job = jobs("mixed_api")
     (_, w1) = [r["error"] for r in job.results()]
-    assert w1 == ("WorkerFailure: worker 1 made a DistributedOptimizer, but worker 0 runs a KVStore job: every "
-                  "worker of a job must use the same API"), job.output()
+    assert w1 == ("InvalidArgumentError: worker 1 uses DistributedOptimizer, but worker 0 declared KVStore: every "
+                  "worker of a job must declare the same services (ps.init(services=...))"), job.output()
 
 
 def test_a_shard_declares_a_worker_it_finds_dead(jobs):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,9 +36,22 @@ from rdmaflow.ps.context import Role, Store, resolve_role
 from rdmaflow.ps.kv import KVHandle, KVStore
 from rdmaflow.ps.kv_server import check_handlers
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
+from rdmaflow.ps.services import announce as announce_services
+from rdmaflow.ps.services import checked as checked_services
+from rdmaflow.ps.sparse import (
+    Constant,
+    Normal,
+    SparseAdagrad,
+    SparseHandle,
+    SparseTable,
+    TableFullError,
+    Uniform,
+    check_user_handlers,
+)
 from rdmaflow.ps.worker import MODES, Worker
 
-__all__ = ["MODES", "POLICIES", "DistributedOptimizer", "KVHandle", "KVStore", "PSContext", "init"]
+__all__ = ["MODES", "POLICIES", "Constant", "DistributedOptimizer", "KVHandle", "KVStore", "Normal", "PSContext",
+           "SparseAdagrad", "SparseHandle", "SparseTable", "TableFullError", "Uniform", "init"]
 
 
 @dataclass
@@ -50,6 +63,14 @@ class PSContext:
     step_timeout: float
     kv_state: str | None = None  # this job's KVStore: None (none made yet), "open" or "closed"
     optimizer_state: str | None = None  # this job's DistributedOptimizer, the same way
+    services: tuple[str, ...] | None = None  # what this worker declared (services.py); None: its first service
+    services_agreed: bool = False  # whether they were checked against worker 0's (or written, on worker 0)
+    # How long a shard's service waits for its workers to make it (None: ``timeout``; longer in a job of
+    # several services, whose workers make one after another's setup: services.py)
+    declare_timeout: float | None = None
+    stop_reason: str | None = None  # on a shard: why one of its services failed (the others stop on it)
+    sparse_handlers: dict = field(default_factory=dict)  # init's sparse_handlers, by name
+    sparse_names: list = field(default_factory=list)     # the SparseTables this worker made, in order
 
     @property
     def is_shard(self) -> bool:
@@ -67,15 +88,25 @@ _CTX: PSContext | None = None
 
 
 def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,
-         kv_handler=None, kv_batch_handler=None) -> PSContext:
+         kv_handler=None, kv_batch_handler=None, sparse_handlers: dict | None = None,
+         services=None) -> PSContext:
     """Joins the job. On a shard this serves until every worker is done, then exits the process
     (``exit_shards=False`` returns the shard's statistics instead); on a worker it returns the
     context that ``DistributedOptimizer`` or ``KVStore`` uses. ``kv_handler(key, stored, pushed)``
     is what the shards of a ``KVStore`` job apply to each key of a push (default: ``stored +=
     pushed``, over a whole request at once); ``kv_batch_handler(keys, stored, pushed)`` instead
-    gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py)."""
+    gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py).
+    ``sparse_handlers``: ``{name: fn(keys, rows, pushed)}``, handlers a ``SparseTable`` names
+    (``handler="name"``): ``fn`` returns the new rows or updates ``rows`` in place (sparse.py).
+
+    ``services``: what the job's workers use, when it is more than one service, e.g.
+    ``("optimizer", "sparse")`` for a ``DistributedOptimizer`` beside ``SparseTable``s; every
+    worker gives the same (shards ignore it: they serve what worker 0 declared). Without it a job
+    runs the one service each worker makes first (services.py)."""
     global _CTX
     check_handlers(kv_handler, kv_batch_handler)
+    sparse_handlers = check_user_handlers(sparse_handlers)
+    services = checked_services(services)
     timeout = seconds_setting(timeout, "timeout", "RDMAFLOW_PS_TIMEOUT", 60.0)
     step_timeout = seconds_setting(step_timeout, "step_timeout", "RDMAFLOW_PS_STEP_TIMEOUT", 300.0)
     role = resolve_role()
@@ -83,13 +114,18 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     store = Store(role, timeout)
     host = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     device = Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
-    ctx = PSContext(role, store, device, timeout, step_timeout)
+    ctx = PSContext(role, store, device, timeout, step_timeout, sparse_handlers=sparse_handlers,
+                    services=services)
     if role.kind == "shard":
-        from rdmaflow.ps.kv import KVShard, job_kind
+        from rdmaflow.ps.kv import KVShard
+        from rdmaflow.ps.services import serve
         from rdmaflow.ps.shard import Shard
+        from rdmaflow.ps.sparse import SparseShard
 
+        makers = {"optimizer": lambda: Shard(ctx), "kv": lambda: KVShard(ctx, kv_handler, kv_batch_handler),
+                  "sparse": lambda: SparseShard(ctx, sparse_handlers)}
         try:
-            stats = KVShard(ctx, kv_handler, kv_batch_handler).run() if job_kind(ctx) == "kv" else Shard(ctx).run()
+            stats = serve(ctx, makers)  # every service worker 0 declared, each in its own thread
         except (RdmaflowError, KeyboardInterrupt) as e:  # Ctrl-C: rdmaflow launch passes it to every process
             stopped = isinstance(e, KeyboardInterrupt)
             why = "interrupted; the job is aborted" if stopped else f"failed: {e}"
@@ -108,6 +144,7 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
             sys.exit(0)
         stats["ctx"] = ctx
         return stats
+    announce_services(ctx)
     _CTX = ctx
     return ctx
 
@@ -164,8 +201,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise InvalidArgumentError("call rdmaflow.ps.init() first")
         if not ctx.is_worker:
             raise InvalidArgumentError("DistributedOptimizer runs on workers; this process is a shard")
-        if ctx.kv_state is not None:
-            raise InvalidArgumentError("this worker made a KVStore: a job uses a KVStore or a DistributedOptimizer")
         if ctx.optimizer_state == "open":
             raise InvalidArgumentError("this job already has a DistributedOptimizer: a job trains one model")
         if ctx.optimizer_state == "closed":

@@ -21,7 +21,7 @@ unit: the default handler as one vectorised ``index_add_`` over the request, a u
 
 Modules: kv_layout.py (the declaration; KVLayout, KVServerArea, KVClientArea: where everything
 is), kv_request.py (a push or pull checked and cut by shard), kv_client.py (KVStore, the
-worker), kv_server.py (KVShard, and ``job_kind``: which kind of shard a job runs),
+worker), kv_server.py (KVShard),
 kv_snapshot.py (the file ``save()`` writes and ``init=`` reads).
 
 The data path is one-sided, like the rest of the parameter server (see protocol.py): the
@@ -99,7 +99,7 @@ from __future__ import annotations
 from rdmaflow.ps.kv_client import KVHandle, KVStore
 from rdmaflow.ps.kv_layout import KVClientArea, KVLayout, KVServerArea, declaration, describe_difference
 from rdmaflow.ps.kv_request import Request
-from rdmaflow.ps.kv_server import KVShard, job_kind, sum_handler
+from rdmaflow.ps.kv_server import KVShard, sum_handler
 
 __all__ = ["KVClientArea", "KVHandle", "KVLayout", "KVServerArea", "KVShard", "KVStore", "Request", "declaration",
-           "describe_difference", "job_kind", "sum_handler"]
+           "describe_difference", "sum_handler"]

@@ -18,6 +18,7 @@ from rdmaflow.ps.context import dumps
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
 from rdmaflow.ps.kv_request import Request, short
 from rdmaflow.ps.protocol import DONE
+from rdmaflow.ps.services import declare as declare_service
 from rdmaflow.ps.worker import WorkerFailure
 from rdmaflow.transfer.common import pack_header, unpack_header
 from rdmaflow.transfer.dtypes import dtype_name
@@ -87,9 +88,6 @@ class KVStore:
             raise InvalidArgumentError("call rdmaflow.ps.init() first")
         if not ctx.is_worker:
             raise InvalidArgumentError("KVStore runs on workers; this process is a shard")
-        if ctx.optimizer_state is not None:
-            raise InvalidArgumentError("this worker made a DistributedOptimizer: a job uses a KVStore or a "
-                                       "DistributedOptimizer")
         if ctx.kv_state == "open":
             raise InvalidArgumentError("this job already has a KVStore: declare every key in one KVStore")
         if ctx.kv_state == "closed":
@@ -149,14 +147,10 @@ class KVStore:
     # -- setup ------------------------------------------------------------------------------------
     def _setup(self, decl: dict, init) -> None:
         store, role = self.store, self.role
+        declare_service(self.ctx, "kv")  # the job's shards serve a KVStore (services.py)
         store.set(f"ep/worker/{self.id}", self.dev.endpoint)
         if self.id == 0:
             store.set_large("kv/spec", dumps(dict(decl, init=init is not None)))  # ~15 bytes a key
-            store.set("config", dumps({"kind": "kv"}))
-        cfg = json.loads(store.get("config"))
-        if cfg.get("kind") != "kv":
-            raise WorkerFailure(f"worker {self.id} made a KVStore, but worker 0 runs a DistributedOptimizer job: "
-                                "every worker of a job must use the same API")
         job = json.loads(store.get_large("kv/spec"))
         job_decl = {"dtype": job["dtype"], "keys": job["keys"]}
         if job_decl != decl:
@@ -197,11 +191,11 @@ class KVStore:
         self._unflushed: list = []  # futures of push flags not yet known to be visible
         self._held: list = []  # (the futures of a push's WRITEs, the arena tensors it sends from)
         self.dev.publish("ps/kv/worker", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
-        store.set(f"ready/worker/{self.id}", "1")
+        store.set(f"kv/ready/worker/{self.id}", "1")
         self.shards = []
         for s in range(ns):
             ep = store.get(f"ep/shard/{s}")
-            store.wait([f"ready/shard/{s}"])
+            store.wait([f"kv/ready/shard/{s}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/kv/shard", self.ctx.timeout), "ps/kv/shard")
             if int(meta["total"]) != spec.shards[s].total:
                 raise WorkerFailure(f"shard {s} computed a layout of {meta['total']} bytes, this worker "

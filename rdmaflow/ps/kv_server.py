@@ -8,10 +8,11 @@ import time
 
 import torch
 
-from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError, RemoteRegion
+from rdmaflow import READ, WRITE, Arena, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
 from rdmaflow.ps.protocol import ABORT, DONE, LEFT_WITHOUT_CLOSE
+from rdmaflow.ps.services import stop_others, stopping
 from rdmaflow.ps.shard import ShardFailure
 from rdmaflow.transfer.common import pack_header, unpack_header
 
@@ -23,16 +24,6 @@ def sum_handler(key: int, stored: torch.Tensor, pushed: torch.Tensor) -> None:
     """The default server-side handler: ``stored += pushed`` (applied to a whole request at once
     as one ``index_add_``, never called per key)."""
     stored.add_(pushed)
-
-
-def job_kind(ctx) -> str:
-    """What worker 0 declared the job to be: "kv" (a KVStore) or "model" (a DistributedOptimizer)."""
-    try:
-        cfg = json.loads(ctx.store.get("config"))
-    except Exception as e:
-        ctx.store.abort(f"shard {ctx.role.index}: {e}")
-        raise
-    return cfg.get("kind", "model")
 
 
 def check_handlers(handler, batch_handler) -> None:
@@ -67,12 +58,14 @@ class KVShard:
     def setup(self) -> None:
         store, role = self.store, self.role
         store.set(f"ep/shard/{self.id}", self.dev.endpoint)
-        job = json.loads(store.get_large("kv/spec"))
+        job = json.loads(store.get_large("kv/spec", getattr(self.ctx, "declare_timeout", None)))
         spec = self.spec = KVLayout({"dtype": job["dtype"], "keys": job["keys"]}, role.num_shards, role.num_workers)
         self.js = spec.shard_keys[self.id]      # i -> j
         self.n, self.nw = len(self.js), role.num_workers
         L = self.layout = spec.shards[self.id]
-        arena = self.dev.create_arena(L.total + (1 << 20))
+        # A region of this service's own, not the device's one arena: a job's other services
+        # (services.py) and a KVStore's arena tensors size theirs independently.
+        arena = self.arena = Arena(self.dev.alloc_region(L.total + (1 << 20)))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
         self.region = arena.region
@@ -97,10 +90,10 @@ class KVShard:
         self.released = 0
         self.inflight: list = []
         self.dev.publish("ps/kv/shard", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
-        store.set(f"ready/shard/{self.id}", "1")
+        store.set(f"kv/ready/shard/{self.id}", "1")
         for w in range(self.nw):
             ep = store.get(f"ep/worker/{w}")
-            store.wait([f"ready/worker/{w}"])
+            store.wait([f"kv/ready/worker/{w}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/kv/worker", self.ctx.timeout), "ps/kv/worker")
             if int(meta["total"]) != spec.worker.total:
                 raise ShardFailure(f"worker {w} computed a layout of {meta['total']} bytes, shard {self.id} "
@@ -285,6 +278,9 @@ class KVShard:
         last_progress = last_check = last_store = now
         while True:
             all_done = bool((self.done >= DONE).all())  # read before the flags: DONE came after them
+            reason = stopping(self.ctx)  # another service of this process failed
+            if reason:
+                raise ShardFailure(f"the job was aborted: {reason}")
             progressed = self._round()
             if self.id == 0 and self._barrier():
                 progressed = True
@@ -320,6 +316,7 @@ class KVShard:
             return self.stats
         except (Exception, KeyboardInterrupt) as e:  # Ctrl-C too: the workers learn why the job stops
             reason = f"shard {self.id}: {'interrupted (SIGINT)' if isinstance(e, KeyboardInterrupt) else e}"
+            stop_others(self.ctx, reason)
             self.store.abort(reason)
             self._abort_workers(reason)
             # ps.init then leaves the store (JobStore.leave): if this process serves it, it stays

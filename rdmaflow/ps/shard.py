@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from rdmaflow import READ, WRITE, PeerError, RdmaflowError, RemoteRegion, wait_all
+from rdmaflow import READ, WRITE, Arena, PeerError, RdmaflowError, RemoteRegion, wait_all
 from rdmaflow.deadline import Deadline
 from rdmaflow.job import env_int
 from rdmaflow.ps import checkpoint
@@ -33,6 +33,7 @@ from rdmaflow.ps.protocol import (
     record_bytes,
     write_runs_then_flag,
 )
+from rdmaflow.ps.services import stop_others, stopping
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 from rdmaflow.transfer.common import stream_done
 
@@ -58,7 +59,7 @@ class Shard:
         store, role = self.store, self.role
         torch.set_num_threads(shard_threads())
         store.set(f"ep/shard/{self.id}", self.dev.endpoint)
-        self.config = json.loads(store.get("config"))
+        self.config = json.loads(store.get("config", getattr(self.ctx, "declare_timeout", None)))
         self.spec = spec = json.loads(store.get("spec"))
         self.mode = self.config["mode"]
         self.staleness = int(self.config.get("staleness", 0))
@@ -92,7 +93,9 @@ class Shard:
         self.hyper_fields = hyper_fields(self.config["optim"])
         self.layout = L = ShardLayout(n, self.itemsize, self.nw, 2 if self.switching else 1, len(self.hyper_fields),
                                       len(self.plan.params))
-        arena = self.dev.create_arena(L.total + (1 << 20))
+        # A region of this service's own, not the device's one arena: a job's other services
+        # (services.py) and a KVStore's arena tensors size theirs independently.
+        arena = self.arena = Arena(self.dev.alloc_region(L.total + (1 << 20)))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
@@ -284,7 +287,8 @@ class Shard:
             raise ShardFailure(f"worker {w} pushed nothing for step {t} within {self.ctx.step_timeout:.0f} s")
 
         if wait_flag(self.push[w], t, Deadline(self.ctx.step_timeout), f"the push of worker {w} for step {t}",
-                     give_up=lambda: self._worker_died(w), abort_reason=self.store.abort_reason,
+                     give_up=lambda: self._stop_if_another_failed() or self._worker_died(w),
+                     abort_reason=self.store.abort_reason,
                      aborted=ShardFailure, on_timeout=too_late, poll=POLL):
             return self.push[w].get()
         return None
@@ -355,6 +359,7 @@ class Shard:
                     flags[w] = f
             t1 = time.monotonic()
             prof["wait_push"] += t1 - t0
+            self._stop_if_another_failed()  # before any reply: none of step t goes out then
             if not flags:
                 return  # every worker died or finished
             finished = [w for w, f in flags.items() if f >= DONE]
@@ -411,6 +416,7 @@ class Shard:
         idle_since = time.monotonic()
         last_check = time.monotonic()
         while self.live():
+            self._stop_if_another_failed()
             progressed = False
             for w in self.live():
                 f = self.push[w].get()
@@ -464,6 +470,13 @@ class Shard:
                     raise ShardFailure(f"no worker pushed anything within {self.ctx.step_timeout:.0f} s")
             time.sleep(0.0002)
 
+    def _stop_if_another_failed(self) -> bool:
+        """Raises once another service of this shard process has failed (services.py)."""
+        reason = stopping(self.ctx)
+        if reason:
+            raise ShardFailure(f"the job was aborted: {reason}")
+        return False
+
     def run(self) -> dict:
         try:
             self.setup()
@@ -487,6 +500,7 @@ class Shard:
             return self.stats
         except (Exception, KeyboardInterrupt) as e:  # Ctrl-C too: the workers learn why the job stops
             reason = f"shard {self.id}: {'interrupted (SIGINT)' if isinstance(e, KeyboardInterrupt) else e}"
+            stop_others(self.ctx, reason)
             self.store.abort(reason)
             self._abort_workers()
             if isinstance(e, (RdmaflowError, KeyboardInterrupt)):

@@ -34,7 +34,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from rdmaflow import WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
+from rdmaflow import WRITE, Arena, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow._args import integer
 from rdmaflow.deadline import Deadline
 from rdmaflow.job import env_int
@@ -61,6 +61,7 @@ from rdmaflow.ps.protocol import (
     record_bytes,
     write_runs_then_flag,
 )
+from rdmaflow.ps.services import declare as declare_service
 from rdmaflow.ps.shared_wait import SharedWait
 from rdmaflow.ps.step_gradients import StepGradients
 from rdmaflow.ps.step_record import StepRecord
@@ -189,14 +190,12 @@ class Worker:
         named = self._named
         self.cuda = model_device(named)  # None: a host model
         spec = spec_of(named)
+        declare_service(self.ctx, "optimizer")  # the job's shards serve a DistributedOptimizer (services.py)
         store.set(f"ep/worker/{self.id}", self.dev.endpoint)
         if self.id == 0:
             store.set("config", json.dumps(mine))
             store.set("spec", json.dumps(spec))
         cfg = json.loads(store.get("config"))
-        if cfg.get("kind", "model") != "model":  # worker 0 made a KVStore: it sets no "spec"
-            raise WorkerFailure(f"worker {self.id} made a DistributedOptimizer, but worker 0 runs a KVStore job: "
-                                "every worker of a job must use the same API")
         job_spec = json.loads(store.get("spec"))
         if spec != job_spec:
             raise WorkerFailure(f"worker {self.id}'s model differs from the job's: "
@@ -216,7 +215,9 @@ class Worker:
         # The hyperparameters that may change (an LR scheduler's lr) go in the step record.
         L = self.layout = WorkerLayout(plan.total, isz, self.role.num_shards, 2 if self.switching else 1,
                                        0 if self.cuda else 2, len(hyper_fields(cfg["optim"])), len(plan.params))
-        arena = self.dev.create_arena(L.total + (1 << 20))
+        # A region of this service's own, not the device's one arena: a job's other services
+        # (services.py) and a KVStore's arena tensors size theirs independently.
+        arena = self.arena = Arena(self.dev.alloc_region(L.total + (1 << 20)))
         self.block = arena.allocate(L.total)
         self.base = self.block.offset
         self.region = arena.region
