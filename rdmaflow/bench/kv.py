@@ -12,6 +12,9 @@ each N, one key holding an N-float tensor (the keys after them). Per N it times,
 
 Each repeat is the median of ``--iters`` timed calls; the table shows the median over repeats
 [min-max] and the ratio keys/tensor, the target being at most 3x for N from 100 to 10,000.
+
+``--sparse`` runs :mod:`rdmaflow.bench.kv_sparse` instead: Zipf-distributed ids from an embedding
+table, ``SparseTable`` next to the declared store and dictionary servers over RPC.
 """
 from __future__ import annotations
 
