@@ -79,6 +79,9 @@ void bind_pairs(py::module_& m) {
       "returns when its stores are done; data written before store_word() is visible to a "
       "reader that loads that word with acquire semantics.")
       .def_property_readonly("nbytes", &DirectWindow::length)
+      .def_property_readonly("address", &DirectWindow::address,
+                             "Where the peer's region is mapped in this process, valid while this "
+                             "window lives: loads from it read the peer's memory in place.")
       .def(
           "write",
           [](DirectWindow& w, int64_t offset, uintptr_t address, int64_t nbytes) {

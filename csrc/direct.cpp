@@ -26,6 +26,8 @@ std::shared_ptr<DirectWindow> Channel::direct_window(const std::shared_ptr<Remot
 
 size_t DirectWindow::length() const { return remote_->length; }
 
+uintptr_t DirectWindow::address() const { return reinterpret_cast<uintptr_t>(map_->base); }
+
 void DirectWindow::check_bounds(size_t off, size_t n) const {
   check_inside(off, n, remote_->length, "remote");
 }

@@ -803,6 +803,9 @@ WaitStatus wait_credit(uintptr_t ack_addr, int64_t need, uint64_t closed_value, 
 class DirectWindow {
  public:
   size_t length() const;
+  // Where the peer's region is mapped in this process (valid while this window lives): for
+  // readers that load from it in place, e.g. a sparse table's gather (rdmaflow/ps/sparse.py).
+  uintptr_t address() const;
   // Copies n bytes from src to [off, off + n) of the peer's region. Throws OutOfBounds,
   // Region (the owner freed it), Peer (the channel failed), Closed.
   void write(size_t off, const void* src, size_t n);

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,9 +36,20 @@ from rdmaflow.ps.context import Role, Store, resolve_role
 from rdmaflow.ps.kv import KVHandle, KVStore
 from rdmaflow.ps.kv_server import check_handlers
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
+from rdmaflow.ps.sparse import (
+    Constant,
+    Normal,
+    SparseAdagrad,
+    SparseHandle,
+    SparseTable,
+    TableFullError,
+    Uniform,
+    check_user_handlers,
+)
 from rdmaflow.ps.worker import MODES, Worker
 
-__all__ = ["MODES", "POLICIES", "DistributedOptimizer", "KVHandle", "KVStore", "PSContext", "init"]
+__all__ = ["MODES", "POLICIES", "Constant", "DistributedOptimizer", "KVHandle", "KVStore", "Normal", "PSContext",
+           "SparseAdagrad", "SparseHandle", "SparseTable", "TableFullError", "Uniform", "init"]
 
 
 @dataclass
@@ -50,6 +61,8 @@ class PSContext:
     step_timeout: float
     kv_state: str | None = None  # this job's KVStore: None (none made yet), "open" or "closed"
     optimizer_state: str | None = None  # this job's DistributedOptimizer, the same way
+    sparse_handlers: dict = field(default_factory=dict)  # init's sparse_handlers, by name
+    sparse_names: list = field(default_factory=list)     # the SparseTables this worker made, in order
 
     @property
     def is_shard(self) -> bool:
@@ -67,15 +80,18 @@ _CTX: PSContext | None = None
 
 
 def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,
-         kv_handler=None, kv_batch_handler=None) -> PSContext:
+         kv_handler=None, kv_batch_handler=None, sparse_handlers: dict | None = None) -> PSContext:
     """Joins the job. On a shard this serves until every worker is done, then exits the process
     (``exit_shards=False`` returns the shard's statistics instead); on a worker it returns the
     context that ``DistributedOptimizer`` or ``KVStore`` uses. ``kv_handler(key, stored, pushed)``
     is what the shards of a ``KVStore`` job apply to each key of a push (default: ``stored +=
     pushed``, over a whole request at once); ``kv_batch_handler(keys, stored, pushed)`` instead
-    gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py)."""
+    gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py).
+    ``sparse_handlers``: ``{name: fn(keys, rows, pushed)}``, handlers a ``SparseTable`` names
+    (``handler="name"``): ``fn`` returns the new rows or updates ``rows`` in place (sparse.py)."""
     global _CTX
     check_handlers(kv_handler, kv_batch_handler)
+    sparse_handlers = check_user_handlers(sparse_handlers)
     timeout = seconds_setting(timeout, "timeout", "RDMAFLOW_PS_TIMEOUT", 60.0)
     step_timeout = seconds_setting(step_timeout, "step_timeout", "RDMAFLOW_PS_STEP_TIMEOUT", 300.0)
     role = resolve_role()
@@ -83,13 +99,20 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     store = Store(role, timeout)
     host = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     device = Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
-    ctx = PSContext(role, store, device, timeout, step_timeout)
+    ctx = PSContext(role, store, device, timeout, step_timeout, sparse_handlers=sparse_handlers)
     if role.kind == "shard":
         from rdmaflow.ps.kv import KVShard, job_kind
         from rdmaflow.ps.shard import Shard
+        from rdmaflow.ps.sparse import SparseShard
 
         try:
-            stats = KVShard(ctx, kv_handler, kv_batch_handler).run() if job_kind(ctx) == "kv" else Shard(ctx).run()
+            kind = job_kind(ctx)
+            if kind == "kv":
+                stats = KVShard(ctx, kv_handler, kv_batch_handler).run()
+            elif kind == "sparse":
+                stats = SparseShard(ctx, sparse_handlers).run()
+            else:
+                stats = Shard(ctx).run()
         except (RdmaflowError, KeyboardInterrupt) as e:  # Ctrl-C: rdmaflow launch passes it to every process
             stopped = isinstance(e, KeyboardInterrupt)
             why = "interrupted; the job is aborted" if stopped else f"failed: {e}"

@@ -26,7 +26,8 @@ def sum_handler(key: int, stored: torch.Tensor, pushed: torch.Tensor) -> None:
 
 
 def job_kind(ctx) -> str:
-    """What worker 0 declared the job to be: "kv" (a KVStore) or "model" (a DistributedOptimizer)."""
+    """What worker 0 declared the job to be: "kv" (a KVStore), "sparse" (SparseTables) or "model" (a
+    DistributedOptimizer)."""
     try:
         cfg = json.loads(ctx.store.get("config"))
     except Exception as e:
