@@ -3,9 +3,9 @@
 Roles (``--role``):
 
 * ``rdmaflow``: a process of an rdmaflow job of one shard and one worker (torchrun's variables
-  from the driver). The shard serves inside ``ps.init`` and exits; the worker holds the system
-  named by ``--system``: ``declared`` (a ``KVStore`` declaring keys 0..rows-1) or ``sparse``
-  (a ``SparseTable`` whose rows 0..rows-1 were pushed once, pulled by either read path).
+  from the driver). The shard serves inside ``ps.init`` and exits; the worker holds the systems
+  named by ``--system``: ``declared`` (a ``KVStore`` declaring keys 0..rows-1), or
+  ``sparse-read`` and/or ``sparse-request`` (a ``SparseTable`` each, rows 0..rows-1 pushed once).
 * ``dict-server``: the dictionary-of-rows servers (:mod:`.baselines.dict_server`), TensorPipe
   and gRPC, in one process, each with its own dictionary.
 * ``dict-client``: their clients.
@@ -105,39 +105,33 @@ class Declared:
 
 
 class Sparse:
-    """A ``SparseTable`` pulled by one read path (``read_path``: "read", the one-sided READs of
-    the shard's hash table, or "request", one batched request per shard)."""
+    """A ``SparseTable`` (zeros, add) with rows 0..rows-1 pushed once (zeros), made with one
+    ``read_path``: "read" (one-sided: the shard's region mapped on one host, READs over UCX) or
+    "request" (one batched request per shard). Each system has a table of its own, so that
+    their pushes are timed and their values compared apart."""
 
-    def __init__(self, table, read_path: str) -> None:
-        self.table, self.read_path = table, read_path
+    def __init__(self, rows: int, dim: int, read_path: str, fill_batch: int = 65536) -> None:
+        from rdmaflow import ps
+
+        self.table = ps.SparseTable(f"bench-{read_path}", dim=dim, dtype=torch.float32, initializer="zeros",
+                                    handler="add", read_path=read_path)
+        zeros = torch.zeros(fill_batch, dim)
+        for lo in range(0, rows, fill_batch):
+            keys = torch.arange(lo, min(rows, lo + fill_batch))
+            self.table.wait(self.table.push(keys, zeros[: len(keys)]))
 
     def pull(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.table.wait(self.table.pull(keys, read_path=self.read_path))
+        return self.table.wait(self.table.pull(keys))
 
     def push(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.table.wait(self.table.push(keys, values))
 
     def stats(self) -> dict:
-        st = self.table.stats()
-        return {k: st[k] for k in ("one_sided_rows", "requests") if k in st}
+        """The worker's and the shards' counters (rows read one-sided, by request; requests served)."""
+        return {k: v for k, v in self.table.stats().items() if isinstance(v, int)}
 
     def close(self) -> None:
-        pass
-
-
-def sparse_systems(rows: int, dim: int, fill_batch: int = 65536) -> dict:
-    """One ``SparseTable`` (zeros, add) with rows 0..rows-1 pushed once (zeros), pulled by each
-    read path."""
-    from rdmaflow import ps
-
-    table = ps.SparseTable("bench", dim=dim, dtype=torch.float32, initializer="zeros", handler="add",
-                           max_rows_per_shard=max(2 * rows, 1 << 16))
-    zeros = torch.zeros(fill_batch, dim)
-    for lo in range(0, rows, fill_batch):
-        keys = torch.arange(lo, min(rows, lo + fill_batch))
-        table.wait(table.push(keys, zeros[: len(keys)]))
-    table.barrier()
-    return {"sparse-read": Sparse(table, "read"), "sparse-request": Sparse(table, "request")}
+        self.table.close()
 
 
 # -- the command loop ------------------------------------------------------------------------------
@@ -189,6 +183,7 @@ def measure(system, pool: list[torch.Tensor], dim: int, start: int, iters: int, 
         system.push(keys, values)
         out["push"].append((time.perf_counter() - t0) * 1e3)
     out["next"] = first + iters
+    out["pulls"] = warmup + iters  # the calls the counters' change covers
     if before is not None:
         after = system.stats()
         out["stats"] = {k: after[k] - before[k] for k in after if k in before and isinstance(after[k], (int, float))}
@@ -202,8 +197,10 @@ def run_rdmaflow(args: argparse.Namespace) -> int:
     ps.init()  # a shard serves here and exits
     pool = zipf_pool(args.rows, args.keys, args.zipf, args.seed)
     t0 = time.perf_counter()
-    systems = {"declared": Declared(args.rows, args.dim)} if args.system == "declared" \
-        else sparse_systems(args.rows, args.dim)
+    systems = {}
+    for name in args.system.split(","):
+        systems[name] = (Declared(args.rows, args.dim) if name == "declared"
+                         else Sparse(args.rows, args.dim, name.removeprefix("sparse-")))
     return serve(systems, pool, args.rows, args.dim, {"setup_s": time.perf_counter() - t0})
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -41,7 +42,8 @@ SPARSE = ("sparse-read", "sparse-request")
 RPC = ("tensorpipe-dict", "grpc-dict")
 SHORT = {"sparse-read": "read", "sparse-request": "req", "declared": "decl", "tensorpipe-dict": "tp",
          "grpc-dict": "grpc"}
-# The processes that hold the systems: a system's group starts once per cell for all of its systems.
+# The processes that hold the systems: a group starts once per cell for those of its systems that
+# run together (a system that does not fit --max-memory beside the others of its group runs alone).
 GROUPS = {"sparse": SPARSE, "declared": ("declared",), "dict": RPC}
 OPS = ("pull", "push")
 DEFAULT_ROWS, QUICK_ROWS = "100000,1000000", "10000"
@@ -58,21 +60,21 @@ DICT_ROW_OVERHEAD = 520      # a dict entry and a small tensor of its own: 513 B
 DECLARED_KEY_OVERHEAD = 700  # the declaration as Python lists, its JSON and the layout, in each process: 278 B + JSON
 
 
-def footprint(group: str, rows: int, dim: int, servers: int = 2) -> int:
-    """Estimated bytes a group's processes hold for a table of rows x dim float32 (``servers``: how
-    many dictionary servers the dict group runs)."""
+def footprint(system: str, rows: int, dim: int) -> int:
+    """Estimated bytes a system's processes hold for a table of rows x dim float32."""
     v = rows * dim * 4
-    if group == "declared":  # shard: the values, a push area and a reply area, each the whole table;
+    if system == "declared":  # shard: the values, a push area and a reply area, each the whole table;
         return 5 * v + 2 * rows * (16 + DECLARED_KEY_OVERHEAD)  # worker: a push stage and a landing area
-    if group == "sparse":  # one table for both read paths: rows at load factor <= 1/2, growth's old + new
-        return 3 * v + 64 * rows
-    return servers * (v + rows * DICT_ROW_OVERHEAD)  # each dictionary server's rows
+    if system in SPARSE:  # entries of version, key, check and the row + 16 B of bucket keys a slot
+        return 3 * rows * (24 + 8 * math.ceil(dim * 4 / 8) + 16)
+    return v + rows * DICT_ROW_OVERHEAD  # a dictionary server's rows
 
 
 WHY = {"declared": "5x the values: the shard's values, push and reply areas, the worker's push stage and landing "
                    "area; and the declaration, ~700 B a key in each process",
-       "sparse": "estimated: 3x the values, a hash table at load factor 1/2 and growth's old and new tables",
-       "dict": "the values and ~520 B a row (a dict entry, a tensor of its own) per dictionary server"}
+       "sparse-read": "3 hash-table entries a row: up to 2x the rows in slots, and growth's old and new regions",
+       "tensorpipe-dict": "the values and ~520 B a row: a dict entry and a tensor of its own"}
+WHY["sparse-request"], WHY["grpc-dict"] = WHY["sparse-read"], WHY["tensorpipe-dict"]
 
 
 def mem_available() -> int:
@@ -128,7 +130,8 @@ class Group:
                              GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
                              RDMAFLOW_SHARDS_PER_NODE="1", TORCHELASTIC_USE_AGENT_STORE="True")
                     self.procs.append(processes.ChildProcess(
-                        [*worker, "--role", "rdmaflow", "--system", name], e, f"{name} {label}", stdin=rank == 1))
+                        [*worker, "--role", "rdmaflow", "--system", ",".join(systems)], e, f"{name} {label}",
+                        stdin=rank == 1))
             else:
                 self.sock_dir = tempfile.mkdtemp(prefix="rdmaflow-kv-")
                 # gRPC's address is chosen here, so that server and client start at once
@@ -194,22 +197,23 @@ def plan(systems: list[str], rows: int, dim: int, budget: int, res: Results, tra
     groups = []
     for g, members in GROUPS.items():
         mine = [s for s in members if s in systems]
-        if not mine:
-            continue
         if g == "sparse" and no_sparse:
             for s in mine:
                 res.na(transport, rows, dim, s, no_sparse)
             continue
-        need = footprint(g, rows, dim, len(mine))
-        if g == "dict" and need > budget and len(mine) > 1 and footprint(g, rows, dim, 1) <= budget:
-            groups += [(g, [s], footprint(g, rows, dim, 1)) for s in mine]  # one server at a time
-            continue
-        if need > budget:
-            for s in mine:
+        fits = []
+        for s in mine:
+            need = footprint(s, rows, dim)
+            if need > budget:
                 res.na(transport, rows, dim, s, f"needs about {need / 2**30:.1f} GiB at {rows:,} x {dim} "
-                       f"({WHY[g]}), more than --max-memory {budget / 2**30:.1f} GiB")
-            continue
-        groups.append((g, mine, need))
+                       f"({WHY[s]}), more than --max-memory {budget / 2**30:.1f} GiB")
+            else:
+                fits.append(s)
+        together = sum(footprint(s, rows, dim) for s in fits)
+        if fits and together <= budget:
+            groups.append((g, fits, together))
+        else:  # one at a time
+            groups += [(g, [s], footprint(s, rows, dim)) for s in fits]
     batches: list[list[tuple[str, list[str]]]] = []
     used: list[int] = []
     for g, mine, need in groups:  # first fit
@@ -269,8 +273,11 @@ def run_batch(batch: list[tuple[str, list[str]]], transport: str, rows: int, dim
                 start[s] = msg["next"]
                 c["pull"] += msg["pull"]
                 c["push"] += msg["push"]
-                for key, v in (msg.get("stats") or {}).items():
-                    c.setdefault("stats", {})[key] = c.get("stats", {}).get(key, 0) + v
+                if msg.get("stats") is not None:
+                    st = c.setdefault("stats", {"pulls": 0})
+                    st["pulls"] += msg["pulls"]
+                    for key, v in msg["stats"].items():
+                        st[key] = st.get(key, 0) + v
                 if args.verbose:
                     print(f"  {transport} {rows:,}x{dim} {s} repeat {r}: pull "
                           f"{statistics.median(msg['pull']):.3g} ms, push {statistics.median(msg['push']):.3g} ms",
@@ -404,9 +411,10 @@ def table(res: Results, transport: str, rows_list: list[int], dims: list[int], s
             lines.append(f"values pulled at {rows:,} x {dim} after the same pushes: {v}")
     for (t, rows, dim, s), c in res.cells.items():
         if t == transport and c.get("stats"):
-            pulls = len(c["pull"])
-            lines.append(f"{s} at {rows:,} x {dim}, the shard's counters over the measured calls: "
-                         + ", ".join(f"{k} {v:,}" for k, v in sorted(c["stats"].items())) + f" ({pulls} timed pulls)")
+            st = dict(c["stats"])
+            pulls = st.pop("pulls")
+            lines.append(f"{s} at {rows:,} x {dim}, counters over its {pulls} pulls (warm-up included) and pushes: "
+                         + ", ".join(f"{k} {v:,}" for k, v in sorted(st.items())))
     return "\n".join(lines)
 
 
@@ -456,13 +464,15 @@ def format_perftest(res: Results, args: argparse.Namespace) -> str:
         for rows in sorted({r for (tt, r, d, s) in res.cells if tt == t and d == dim}):
             c = res.cells.get((t, rows, dim, "sparse-read"))
             me = res.median(t, rows, dim, "sparse-read", "pull")
-            if me is None or not c.get("unique"):
+            if me is None:
                 continue
-            per_row = me * 1e3 / c["unique"]
-            reads = c.get("stats", {}).get("one_sided_rows")
-            line += (f"\n    sparse-read at {rows:,} rows: {me:.3g} ms per pull of {c['unique']:.0f} unique rows = "
-                     f"{per_row:.1f} us a row; the unique rows at perftest's rate: {c['unique'] / rate * 1e3:.3g} ms"
-                     + (f"; {reads / len(c['pull']):.0f} rows READ per pull" if reads else ""))
+            st = c.get("stats") or {}
+            entries = st.get("one_sided_rows", 0) / max(1, st.get("pulls", 0))
+            # sparse.py's READ path: both buckets' keys of every key, each entry found, the header
+            reads = 2 * args.keys + entries + 1
+            line += (f"\n    sparse-read at {rows:,} rows: {me:.3g} ms a pull = {reads:,.0f} READs (2 bucket reads a key, "
+                     f"{entries:,.0f} entries, the header) at {reads / me * 1e3:,.0f} READs/s; at perftest's rate they "
+                     f"take {reads / rate * 1e3:.3g} ms")
         lines.append(line)
     return "\n".join(lines)
 
