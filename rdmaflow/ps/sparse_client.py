@@ -24,6 +24,7 @@ from rdmaflow.ps.sparse_layout import COUNTERS, FULL, HEAD, OP_ASSIGN, OP_PUSH, 
 from rdmaflow.ps.sparse_server import region_bytes, table_spec_format
 from rdmaflow.ps.sparse_table import (
     CHECK,
+    CHOICES,
     HEADER_WORDS,
     KEY,
     LIVE,
@@ -425,7 +426,7 @@ class SparseTable:
         return ok, found, self.fmt.rows_of(ent), fresh
 
     def _gather_read(self, sh: _Shard, k: torch.Tensor):
-        """Over UCX: READs of both buckets' keys, then of the entries found, then of the header;
+        """Over UCX: READs of the buckets' keys, then of the entries found, then of the header;
         an entry is copied in no particular order, so its check word verifies it."""
         L, fmt, n = self.layout, self.fmt, len(k)
         if n > self.spec["batch_rows"]:
@@ -439,7 +440,8 @@ class SparseTable:
                 for i, bb in enumerate(b.reshape(-1).tolist())]
         for f in futs:
             f.result(self.timeout)
-        cand = self.raw[L.read_keys: L.read_keys + n * 2 * bucket_bytes].view(torch.int64).view(n, 2, SLOTS, 2)
+        cand = self.raw[L.read_keys: L.read_keys + n * CHOICES * bucket_bytes].view(torch.int64)
+        cand = cand.view(n, CHOICES, SLOTS, 2)
         found, slot = find_in(cand, b, k)
         ent_at = keys_at + sh.nbuckets * SLOTS * 16
         idx = torch.nonzero(found).flatten().tolist()

@@ -130,7 +130,7 @@ res["stale"] = st["stale"]
 
 # -- a pull racing pushes of the same key: wholly old or wholly new, never a mix ----------------------
 K = torch.tensor([12345], dtype=torch.int64)
-ITER = 1500
+ITER = 2000
 if w == 0:
     hs = []
     for i in range(ITER):
