@@ -105,8 +105,8 @@ class Declared:
 
 
 class Sparse:
-    """A ``SparseTable`` (zeros, add) with rows 0..rows-1 pushed once (zeros), made with one
-    ``read_path``: "read" (one-sided: the shard's region mapped on one host, READs over UCX) or
+    """A ``SparseTable`` (zeros, add; sized for its rows, ``initial_rows``, as a user expecting
+    them would) with rows 0..rows-1 pushed once (zeros), made with one ``read_path``: "read" (one-sided: the shard's region mapped on one host, READs over UCX) or
     "request" (one batched request per shard). Each system has a table of its own, so that
     their pushes are timed and their values compared apart."""
 
@@ -114,7 +114,7 @@ class Sparse:
         from rdmaflow import ps
 
         self.table = ps.SparseTable(f"bench-{read_path}", dim=dim, dtype=torch.float32, initializer="zeros",
-                                    handler="add", read_path=read_path)
+                                    handler="add", read_path=read_path, initial_rows=rows)
         zeros = torch.zeros(fill_batch, dim)
         for lo in range(0, rows, fill_batch):
             keys = torch.arange(lo, min(rows, lo + fill_batch))

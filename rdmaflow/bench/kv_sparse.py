@@ -406,6 +406,9 @@ def table(res: Results, transport: str, rows_list: list[int], dims: list[int], s
     for (t, rows, dim, s), c in res.cells.items():
         if t == transport and c["status"] != "ok":
             lines.append(f"{s} at {rows:,} x {dim}: {c['status']}: {c['note']}")
+    for (t, rows, dim, s), c in res.cells.items():
+        if t == transport and c.get("check_error"):
+            lines.append(f"{s} at {rows:,} x {dim}: its check pull failed: {c['check_error']}")
     for (t, rows, dim), v in res.values.items():
         if t == transport and v:
             lines.append(f"values pulled at {rows:,} x {dim} after the same pushes: {v}")
@@ -430,15 +433,24 @@ def bars(res: Results, transports: list[str], dims: list[int]) -> list[dict]:
                 c = res.cells.get((t, BAR_ROWS, dim, s))
                 if c is None:
                     continue
-                why = "" if me is not None else f"{s} {c['status']}: {c['note']}"
-                x = _ratio(me, res.median(t, BAR_ROWS, dim, "declared", "pull"))
-                out.append({"transport": t, "dim": dim, "system": s, "peer": "declared", "ratio": x,
-                            "target": f"<= {most:g}x", "verdict": "n/a" if x is None else ("met" if x <= most else
-                                                                                          "missed"), "why": why})
-                for rpc in RPC:
-                    x = _ratio(res.median(t, BAR_ROWS, dim, rpc, "pull"), me)
-                    out.append({"transport": t, "dim": dim, "system": s, "peer": rpc, "ratio": x,
-                                "target": f">= {speedup:g}x faster", "verdict": h.verdict(x, speedup), "why": why})
+                for peer in ("declared", *RPC):
+                    theirs = res.median(t, BAR_ROWS, dim, peer, "pull")
+                    if me is None:
+                        why = f"{s} {c['status']}: {c['note']}"
+                    elif theirs is None:
+                        pc = res.cells.get((t, BAR_ROWS, dim, peer))
+                        why = f"{peer} not measured" + (f": {pc['status']}: {pc['note']}" if pc else "")
+                    else:
+                        why = ""
+                    if peer == "declared":
+                        x = _ratio(me, theirs)
+                        verdict = "n/a" if x is None else ("met" if x <= most else "missed")
+                        target = f"<= {most:g}x"
+                    else:
+                        x = _ratio(theirs, me)
+                        verdict, target = h.verdict(x, speedup), f">= {speedup:g}x faster"
+                    out.append({"transport": t, "dim": dim, "system": s, "peer": peer, "ratio": x,
+                                "target": target, "verdict": verdict, "why": why})
     return out
 
 
