@@ -43,7 +43,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "converge": ("rdmaflow.bench.converge",
                  "loss against wall-clock time on a real data set, rdmaflow next to DDP-gloo"),
     "kv": ("rdmaflow.bench.kv",
-           "key-value push/pull of N scalar keys in one request next to one tensor of the same bytes"),
+           ("key-value push/pull of N scalar keys in one request next to one tensor of the same bytes; "
+            "--sparse: Zipf ids from an embedding table, SparseTable next to KVStore and RPC dictionary servers")),
     "c10d": ("rdmaflow.bench.c10d",
              "torch.distributed over the rdmaflow backend next to gloo: P2P latency, stream, all_reduce"),
 }

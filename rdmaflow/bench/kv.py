@@ -12,6 +12,9 @@ each N, one key holding an N-float tensor (the keys after them). Per N it times,
 
 Each repeat is the median of ``--iters`` timed calls; the table shows the median over repeats
 [min-max] and the ratio keys/tensor, the target being at most 3x for N from 100 to 10,000.
+
+``--sparse`` runs :mod:`rdmaflow.bench.kv_sparse` instead: Zipf-distributed ids from an embedding
+table, ``SparseTable`` next to the declared store and dictionary servers over RPC.
 """
 from __future__ import annotations
 
@@ -35,14 +38,37 @@ CSV_COLUMNS = ("transport", "system", "point", "unit", "median", "min", "max", "
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    from rdmaflow.bench import kv_sparse
+
     flags.add_transport(ap)
-    ap.add_argument("--keys", default=DEFAULT_KEYS, help=f"numbers of keys per request (default {DEFAULT_KEYS})")
-    flags.add_repeats(ap, 7, "each the median of --iters calls (default 7)")
-    ap.add_argument("--iters", type=int, default=30, help="timed calls per repeat (default 30)")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed calls before each cell (default 5)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds the whole job may take per transport")
-    flags.add_out(ap, "bench-results/kv", "kv.csv and kv.png (default bench-results/kv)")
-    flags.add_quick(ap, "2 repeats of 3 calls")
+    ap.add_argument("--keys", default=None,
+                    help=f"numbers of keys per request (default {DEFAULT_KEYS}; --sparse: one number, default "
+                         f"{kv_sparse.DEFAULT_KEYS})")
+    flags.add_repeats(ap, None, "each the median of --iters calls (default 7); --sparse: interleaved rounds of "
+                                "--iters pulls and pushes per system (default 5)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per repeat (default 30; --sparse: 20)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed calls before each cell (default 5; --sparse: before each repeat, default 2)")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds the whole job may take per transport (--sparse: per call, plus setup)")
+    flags.add_out(ap, "bench-results/kv", "kv.csv and kv.png; --sparse: kv-sparse.csv and kv-sparse.json "
+                                          "(default bench-results/kv)")
+    flags.add_quick(ap, "2 repeats of 3 calls (--sparse: 1 repeat of 3, 10,000 rows x 16)")
+    ap.add_argument("--sparse", action="store_true",
+                    help="pulls and pushes of Zipf keys from an embedding table: SparseTable (both read paths) next "
+                         "to the declared KVStore and dictionary servers over TensorPipe RPC and gRPC (kv_sparse.py)")
+    flags.add_systems(ap, None, kv_sparse.SYSTEMS)
+    ap.add_argument("--rows", default=None,
+                    help=f"--sparse: table rows, one or several, comma-separated (1e6 = 1000000; default "
+                         f"{kv_sparse.DEFAULT_ROWS}; 10,000,000 runs the systems that fit --max-memory)")
+    ap.add_argument("--dims", default=None, help=f"--sparse: float32 per row (default {kv_sparse.DEFAULT_DIMS})")
+    ap.add_argument("--zipf", type=float, default=1.1, help="--sparse: the keys' Zipf exponent (default 1.1)")
+    flags.add_seed(ap, "the --sparse keys")
+    ap.add_argument("--max-memory", default=None, metavar="SIZE",
+                    help="--sparse: a system whose estimated memory exceeds this (K/M/G) is reported n/a at that "
+                         "size (default 60%% of MemAvailable)")
+    ap.add_argument("--no-perftest", action="store_true", help="--sparse: leave out ucx_perftest ucp_get over tcp")
+    flags.add_verbose(ap)
 
 
 # -- the job's processes ---------------------------------------------------------------------------
@@ -152,6 +178,14 @@ def plot(path: str, m: h.Measurements) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sparse:
+        from rdmaflow.bench import kv_sparse
+
+        return kv_sparse.run(args)
+    args.keys = args.keys or DEFAULT_KEYS
+    args.repeats = 7 if args.repeats is None else args.repeats
+    args.iters = 30 if args.iters is None else args.iters
+    args.warmup = 5 if args.warmup is None else args.warmup
     try:
         counts = sorted({int(x) for x in args.keys.split(",") if x.strip()})
     except ValueError:

@@ -12,6 +12,9 @@
 listed in :mod:`rdmaflow.bench.train_systems`): :mod:`.local`, :mod:`.ddp`,
 :mod:`.tensorpipe_ps` and :mod:`.grpc_ps` (parameter servers built on :mod:`.sync_shard`).
 
+``rdmaflow bench kv --sparse`` (an embedding table's pulls and pushes): :mod:`.dict_server`, a
+dictionary of rows served over TensorPipe RPC and gRPC.
+
 What they share is here: the gRPC channel options and the TensorPipe transports per
 benchmark transport.
 """
