@@ -91,6 +91,70 @@ class PeerProcess:
                 f.close()
 
 
+TRANSFER_WAIT = 60.0  # bound on any single answer from a transfer peer
+
+
+class TransferPeer(PeerProcess):
+    """tests/transfer_peer.py in its own process.
+
+    ``post`` sends a command without waiting, so that this process can send or receive while
+    the peer does the other half; ``answer`` collects the reply, ``failure`` an expected error.
+    """
+
+    def __init__(self, env: dict, timeout: float = TRANSFER_WAIT):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "transfer_peer.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env, start_new_session=True,
+        )
+        self.timeout = timeout
+        self.endpoint = self._read(timeout)["endpoint"]
+
+    def post(self, op: str, **kw) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, wait: float = TRANSFER_WAIT) -> dict:
+        r = self._read(wait)
+        if not r.get("ok"):
+            raise AssertionError(f"peer failed: {r.get('error_type')}: {r.get('error')}\n{r.get('tb', '')}")
+        return r
+
+    def failure(self, wait: float = TRANSFER_WAIT) -> dict:
+        """The answer to a command that was to fail: its error_type, error and state."""
+        r = self._read(wait)
+        assert not r.get("ok"), f"the peer's command succeeded: {r}"
+        return r
+
+    def call(self, op: str, timeout: float | None = None, wait: float = TRANSFER_WAIT, **kw) -> dict:
+        # ``timeout`` keeps PeerProcess.close()'s meaning (how long to wait for the answer).
+        self.post(op, **kw)
+        if op == "crash":
+            self.proc.wait(timeout or wait)
+            return {}
+        return self.answer(timeout or wait)
+
+    def crash(self) -> None:
+        self.post("crash")
+        self.proc.wait(TRANSFER_WAIT)
+
+
+def assert_all_verified(r: dict, n: int, what: str = "") -> None:
+    """A transfer peer's recv answer: n tensors received, every one right to the byte."""
+    assert r["first_mismatch"] is None, f"{what}: tensor {r['first_mismatch']['i']} is wrong: {r['first_mismatch']['what']}"
+    assert r["received"] == n and r["verified"] == n, f"{what}: {r}"
+
+
+def raises_within(exc, seconds: float, fn, *a, **kw):
+    """Runs fn, expects ``exc``, and that it came within ``seconds`` (no hang)."""
+    t0 = time.monotonic()
+    with pytest.raises(exc) as ei:
+        fn(*a, **kw)
+    took = time.monotonic() - t0
+    assert took < seconds, f"{exc.__name__} took {took:.1f} s"
+    return ei.value
+
+
 @pytest.fixture(autouse=True)
 def _stores_served_by_a_test_end_with_it():
     """A process holds the job stores it serves until it exits (rdmaflow/job.py); this one runs
