@@ -155,6 +155,58 @@ def raises_within(exc, seconds: float, fn, *a, **kw):
     return ei.value
 
 
+@pytest.fixture
+def tpeer(transport, job_secret):
+    """Starts transfer peers sharing this test's UCX transport and job secret; cleans them up."""
+    peers: list[TransferPeer] = []
+
+    def spawn(**env_extra) -> TransferPeer:
+        env = dict(os.environ)
+        env["RDMAFLOW_JOB_SECRET"] = job_secret
+        env.update({k: str(v) for k, v in env_extra.items()})
+        p = TransferPeer(env)
+        peers.append(p)
+        return p
+
+    yield spawn
+    for p in peers:
+        p.close()
+
+
+@pytest.fixture
+def dev(transport, job_secret):
+    """This process's device (after ``transport`` restricted UCX), with a 64 MiB arena."""
+    with local_device() as d:
+        d.create_arena(64 << 20)
+        yield d
+
+
+def send_static(s, seed: int, n: int, start: int = 0, in_arena=False, dev=None) -> None:
+    """Sends static tensors ``start`` .. ``start + n`` of sequence ``seed`` (transfer_peer.py);
+    ``in_arena``: born in ``dev``'s arena (True, or "alternate": every other one)."""
+    from transfer_peer import static_tensor
+
+    for i in range(start, start + n):
+        x = static_tensor(seed, i, s.shape, s.dtype)
+        if in_arena is True or (in_arena == "alternate" and i % 2 == 0):
+            y = dev.empty(s.shape, s.dtype)
+            y.copy_(x)
+            x = y
+        s.send(x, timeout=30)
+
+
+def recv_check(r, n: int, expect, start: int = 0) -> None:
+    """Receives n tensors in this process and checks each against ``expect(i)``; each one
+    (unless empty) lives in the receiver's registered arena."""
+    from transfer_peer import mismatch
+
+    for i in range(start, start + n):
+        got = r.recv(timeout=30)
+        bad = mismatch(got, expect(i))
+        assert bad is None, f"tensor {i} on '{r.name}': {bad}"
+        assert got.numel() == 0 or r.arena.contains(got), f"tensor {i} on '{r.name}' is not in the arena"
+
+
 @pytest.fixture(autouse=True)
 def _stores_served_by_a_test_end_with_it():
     """A process holds the job stores it serves until it exits (rdmaflow/job.py); this one runs

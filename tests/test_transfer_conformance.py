@@ -28,7 +28,7 @@ import pytest
 import torch
 from conftest import TRANSFER_WAIT as WAIT
 from conftest import TransferPeer, assert_all_verified, local_device, raises_within
-from transfer_peer import ALL_DTYPES, dynamic_tensor, mismatch, planned_tensor
+from transfer_peer import ALL_DTYPES, DTYPES, dynamic_spec, dynamic_tensor, mismatch, planned_tensor
 
 import rdmaflow
 from rdmaflow._ucx import transport_vars
@@ -221,7 +221,8 @@ class Cell:
     def check_path(self, s) -> None:
         """The sender took this cell's path."""
         direct = s._direct is not None
-        assert direct == (self.path == "direct"), f"{self}: the direct window is {'' if direct else 'not '}in use"
+        if self.path != "gpu-mapped":  # (a dynamic one's records take the direct window there over sm)
+            assert direct == (self.path == "direct"), f"{self}: the direct window is {'' if direct else 'not '}in use"
         if self.path == "ucx-slot":
             assert s._one_call, f"{self}: not the slot sender"
         if self.path == "ucx-general" and self.kind != "dynamic":
@@ -334,9 +335,13 @@ def test_every_size_arrives_to_the_byte(cell):
         depth, n = (2, 3) if small else (1, 2)
         plan = cell.plan([nbytes], "uint8")
         name, s = cell.pair_out([nbytes], "uint8", depth)
+        assert cell.kind != "static" or (s.shape, s.nbytes) == ((nbytes,), nbytes)
         cell.peer.post("recv", name=name, n=n, seed=nbytes, plan=plan)
         send_plan(cell, s, plan, nbytes, n)
-        assert_all_verified(cell.peer.answer(), n, f"{cell}, {nbytes} bytes")
+        got = cell.peer.answer()
+        assert_all_verified(got, n, f"{cell}, {nbytes} bytes")
+        if cell.kind == "dynamic" and nbytes:  # its receiver reads a CUDA tensor through the mapping, or not
+            assert got["gpu_mapped"] == (cell.path == "gpu-mapped"), f"{cell}: {got}"
         s.wait_consumed(timeout=WAIT)
         assert s.consumed() == n and s.has_credit()
     for nbytes in sizes:
@@ -345,6 +350,8 @@ def test_every_size_arrives_to_the_byte(cell):
         name, r = cell.pair_in([nbytes], "uint8", n)
         cell.peer.post("send", name=name, n=n, seed=nbytes + 1, plan=plan, on=cell.on, in_arena=bool(nbytes % 2))
         recv_plan(cell, r, plan, nbytes + 1, n)
+        if cell.kind == "dynamic" and nbytes:
+            assert (r._sender_gpu_map is not None) == (cell.path == "gpu-mapped"), f"{cell}"
         release(r)
         assert cell.peer.answer()["sent"] == n
 
@@ -376,6 +383,9 @@ def test_every_dtype_and_shape_arrives_to_the_byte(cell):
         release(r)
         peer.answer()
     if cell.kind == "dynamic":  # random shapes of rank 0 to 8 and dtypes, this process receiving
+        specs = [dynamic_spec(300, i) for i in range(60)]
+        assert {d for _, d in specs} == set(DTYPES.values()) and {len(sh) for sh, _ in specs} == set(range(9))
+        assert any(0 in sh for sh, _ in specs)
         name, r = cell.pair_in((), "float32")
         peer.post("send", name=name, n=60, seed=300, on=cell.on, in_arena=True)
         for i in range(60):
