@@ -91,6 +91,122 @@ class PeerProcess:
                 f.close()
 
 
+TRANSFER_WAIT = 60.0  # bound on any single answer from a transfer peer
+
+
+class TransferPeer(PeerProcess):
+    """tests/transfer_peer.py in its own process.
+
+    ``post`` sends a command without waiting, so that this process can send or receive while
+    the peer does the other half; ``answer`` collects the reply, ``failure`` an expected error.
+    """
+
+    def __init__(self, env: dict, timeout: float = TRANSFER_WAIT):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "transfer_peer.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env, start_new_session=True,
+        )
+        self.timeout = timeout
+        self.endpoint = self._read(timeout)["endpoint"]
+
+    def post(self, op: str, **kw) -> None:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, wait: float = TRANSFER_WAIT) -> dict:
+        r = self._read(wait)
+        if not r.get("ok"):
+            raise AssertionError(f"peer failed: {r.get('error_type')}: {r.get('error')}\n{r.get('tb', '')}")
+        return r
+
+    def failure(self, wait: float = TRANSFER_WAIT) -> dict:
+        """The answer to a command that was to fail: its error_type, error and state."""
+        r = self._read(wait)
+        assert not r.get("ok"), f"the peer's command succeeded: {r}"
+        return r
+
+    def call(self, op: str, timeout: float | None = None, wait: float = TRANSFER_WAIT, **kw) -> dict:
+        # ``timeout`` keeps PeerProcess.close()'s meaning (how long to wait for the answer).
+        self.post(op, **kw)
+        if op == "crash":
+            self.proc.wait(timeout or wait)
+            return {}
+        return self.answer(timeout or wait)
+
+    def crash(self) -> None:
+        self.post("crash")
+        self.proc.wait(TRANSFER_WAIT)
+
+
+def assert_all_verified(r: dict, n: int, what: str = "") -> None:
+    """A transfer peer's recv answer: n tensors received, every one right to the byte."""
+    assert r["first_mismatch"] is None, f"{what}: tensor {r['first_mismatch']['i']} is wrong: {r['first_mismatch']['what']}"
+    assert r["received"] == n and r["verified"] == n, f"{what}: {r}"
+
+
+def raises_within(exc, seconds: float, fn, *a, **kw):
+    """Runs fn, expects ``exc``, and that it came within ``seconds`` (no hang)."""
+    t0 = time.monotonic()
+    with pytest.raises(exc) as ei:
+        fn(*a, **kw)
+    took = time.monotonic() - t0
+    assert took < seconds, f"{exc.__name__} took {took:.1f} s"
+    return ei.value
+
+
+@pytest.fixture
+def tpeer(transport, job_secret):
+    """Starts transfer peers sharing this test's UCX transport and job secret; cleans them up."""
+    peers: list[TransferPeer] = []
+
+    def spawn(**env_extra) -> TransferPeer:
+        env = dict(os.environ)
+        env["RDMAFLOW_JOB_SECRET"] = job_secret
+        env.update({k: str(v) for k, v in env_extra.items()})
+        p = TransferPeer(env)
+        peers.append(p)
+        return p
+
+    yield spawn
+    for p in peers:
+        p.close()
+
+
+@pytest.fixture
+def dev(transport, job_secret):
+    """This process's device (after ``transport`` restricted UCX), with a 64 MiB arena."""
+    with local_device() as d:
+        d.create_arena(64 << 20)
+        yield d
+
+
+def send_static(s, seed: int, n: int, start: int = 0, in_arena=False, dev=None) -> None:
+    """Sends static tensors ``start`` .. ``start + n`` of sequence ``seed`` (transfer_peer.py);
+    ``in_arena``: born in ``dev``'s arena (True, or "alternate": every other one)."""
+    from transfer_peer import static_tensor
+
+    for i in range(start, start + n):
+        x = static_tensor(seed, i, s.shape, s.dtype)
+        if in_arena is True or (in_arena == "alternate" and i % 2 == 0):
+            y = dev.empty(s.shape, s.dtype)
+            y.copy_(x)
+            x = y
+        s.send(x, timeout=30)
+
+
+def recv_check(r, n: int, expect, start: int = 0) -> None:
+    """Receives n tensors in this process and checks each against ``expect(i)``; each one
+    (unless empty) lives in the receiver's registered arena."""
+    from transfer_peer import mismatch
+
+    for i in range(start, start + n):
+        got = r.recv(timeout=30)
+        bad = mismatch(got, expect(i))
+        assert bad is None, f"tensor {i} on '{r.name}': {bad}"
+        assert got.numel() == 0 or r.arena.contains(got), f"tensor {i} on '{r.name}' is not in the arena"
+
+
 @pytest.fixture(autouse=True)
 def _stores_served_by_a_test_end_with_it():
     """A process holds the job stores it serves until it exits (rdmaflow/job.py); this one runs

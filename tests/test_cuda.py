@@ -13,8 +13,7 @@ import random
 
 import pytest
 import torch
-from conftest import local_device
-from test_transfer import TransferPeer, assert_all_verified
+from conftest import TransferPeer, assert_all_verified, local_device
 from transfer_peer import dynamic_tensor, static_tensor
 
 import rdmaflow

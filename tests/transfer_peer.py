@@ -16,15 +16,18 @@ Commands (``op``):
   static_sender    remote, name, [shape, dtype, mode]   a StaticSender to ``remote``'s ``name``
   dynamic_sender   remote, name, [mode]
   bounded_receiver name, max_shape, dtype, depth    a BoundedReceiver (recv/send with a ``plan``)
-  bounded_sender   remote, name, max_shape, dtype   a BoundedSender
-  recv    name, n, seed, [start, sleep, sleep_before, plan, crash_after]
-          receives n transfers and checks each against tensor i of the sequence; answers
-          received / verified / first_mismatch (also in an error answer: how many came first)
+  bounded_sender   remote, name, max_shape, dtype, [mode]   a BoundedSender
+  recv    name, n, seed, [start, sleep, sleep_before, plan, crash_after, names]
+          receives n transfers and checks each against tensor i of the sequence (every byte);
+          answers received / verified / first_mismatch (also in an error answer: how many came
+          first); with ``names``, n rounds of one transfer from each of those receivers in turn
   send    name, n, seed, [start, in_arena, on, plan, crash_after, crash_wait, wait_consumed, sleep_before]
           (on "cuda": CUDA tensors, in the GPU arena with in_arena); recv answers the devices
           the tensors arrived on
   forge   remote, name, set     writes a metadata record of a float32[3, 4] tensor, with the
           fields in ``set`` replaced, and its flag, into a DynamicReceiver's next slot
+  close   name                  closes that sender or receiver (mid-stream, as a test asks)
+  wait_consumed name, [k]       a sender's wait_consumed(k); answers consumed, receiver_closed
   publish_raw name, hex         publishes arbitrary bytes under ``name``
   arena                         the arena's counters
   crash                         os._exit(17) at once;  exit: closes everything and ends
@@ -50,6 +53,11 @@ DTYPES = {
     "int64": torch.int64,
     "bool": torch.bool,
 }
+# Every dtype a transfer carries (rdmaflow.transfer.dtypes.WIRE_DTYPES), by name: what plans may
+# name. DTYPES above is the mix that random dynamic sequences draw from.
+ALL_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+    torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)}
 
 
 # -- the deterministic tensor sequences both processes regenerate -----------------------------
@@ -61,8 +69,15 @@ def make_values(seed: int, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
     if dtype == torch.int64:
         return torch.randint(-(2**62), 2**62, shape, generator=g, dtype=torch.int64)
-    if dtype in (torch.float32, torch.float16, torch.bfloat16):
-        return (torch.randn(shape, generator=g, dtype=torch.float32) * 100).to(dtype)
+    if dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        return (torch.randn(shape, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+                * 100).to(dtype)
+    if dtype in (torch.int8, torch.uint8, torch.int16, torch.int32):
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max + 1, shape, generator=g, dtype=dtype)
+    if dtype.is_complex:
+        real = torch.float64 if dtype == torch.complex128 else torch.float32
+        return torch.complex(torch.randn(shape, generator=g, dtype=real), torch.randn(shape, generator=g, dtype=real))
     raise ValueError(f"no generator for {dtype}")
 
 
@@ -94,7 +109,7 @@ def dynamic_tensor(seed: int, i: int, dtypes=None) -> torch.Tensor:
 def planned_tensor(seed: int, i: int, plan) -> torch.Tensor:
     """Tensor ``i`` of an explicit plan: a list of (shape, dtype name), used cyclically."""
     shape, name = plan[i % len(plan)]
-    return make_values(seed * 1_000_003 + i, tuple(shape), DTYPES[name])
+    return make_values(seed * 1_000_003 + i, tuple(shape), ALL_DTYPES[name])
 
 
 def expected(kind: str, seed: int, i: int, shape=None, dtype=None, dtypes=None, plan=None) -> torch.Tensor:
@@ -106,7 +121,7 @@ def expected(kind: str, seed: int, i: int, shape=None, dtype=None, dtypes=None, 
 
 
 def mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """None if ``got`` is ``want`` exactly (dtype, shape, every element); else what differs."""
+    """None if ``got`` is ``want`` exactly (dtype, shape, every byte); else what differs."""
     if not isinstance(got, torch.Tensor):
         return f"got a {type(got).__name__}, not a tensor"
     if got.dtype != want.dtype:
@@ -118,11 +133,13 @@ def mismatch(got: torch.Tensor, want: torch.Tensor) -> str | None:
         j = int(bad[0]) if len(bad) else -1
         return (f"{len(bad)} of {want.numel()} elements differ, first at flat index {j}: "
                 f"{got.reshape(-1)[j].item()} != {want.reshape(-1)[j].item()}")
+    if not torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+        return "equal values, other bytes (a zero's sign)"
     return None
 
 
 def parse_dtype(name):
-    return None if name is None else DTYPES[name]
+    return None if name is None else ALL_DTYPES[name]
 
 
 # -- the process ------------------------------------------------------------------------------
@@ -147,45 +164,53 @@ def main() -> None:
         out.flush()
 
     def receive(cmd) -> dict:
-        """Receives n transfers and checks each; the answer carries how many matched."""
-        r = receivers[cmd["name"]]
+        """Receives n transfers and checks each; the answer carries how many matched. With
+        ``names`` (several receivers) it takes one transfer from each of them in turn, n rounds:
+        round i's transfer from the j-th is tensor i * len(names) + j of the sequence."""
+        rs = [receivers[x] for x in cmd.get("names", [cmd.get("name")])]
         n, seed, start = cmd["n"], cmd.get("seed", 0), cmd.get("start", 0)
         timeout = cmd.get("timeout", DEFAULT_TIMEOUT)
         sleep = cmd.get("sleep", 0.0)
         crash_after = cmd.get("crash_after")
         dtypes = cmd.get("dtypes")
-        static = isinstance(r, StaticReceiver)
         state = {"received": 0, "verified": 0, "first_mismatch": None, "wait_s": None}
-        for i in range(start, start + n):
-            if crash_after is not None and state["received"] == crash_after:
-                os._exit(17)
-            if cmd.get("sleep_before"):
-                time.sleep(cmd["sleep_before"])  # a late READ: the sender must still hold the data
-            t0 = time.monotonic()
-            try:
-                t = r.recv(timeout=timeout)
-            except Exception as e:
-                state["wait_s"] = time.monotonic() - t0
-                e.state = state  # the answer says how many arrived before the error
-                raise
-            state["received"] += 1
-            state.setdefault("devices", set()).add(t.device.type)
-            if sleep:
-                time.sleep(sleep)  # a slow consumer: the sender must not overwrite t meanwhile
-            want = expected("static" if static and not cmd.get("plan") else "dynamic", seed, i, getattr(r, "shape", None),
-                            getattr(r, "dtype", None), dtypes, cmd.get("plan"))
-            bad = mismatch(t.cpu(), want)
-            if bad is None and static and cmd.get("check_slot", True):
-                where = dev.gpu_arena() if t.is_cuda else arena
-                bad = None if t.numel() == 0 or where.contains(t) else "the tensor is not in the arena"
-            if bad is None:
-                state["verified"] += 1
-            elif state["first_mismatch"] is None:
-                state["first_mismatch"] = {"i": i, "what": bad}
-            del t
-        if static and cmd.get("release", True):
-            r.release()
+        for round_ in range(start, start + n):
+            for j, r in enumerate(rs):
+                i = round_ * len(rs) + j
+                static = isinstance(r, StaticReceiver)
+                if crash_after is not None and state["received"] == crash_after:
+                    os._exit(17)
+                if cmd.get("sleep_before"):
+                    time.sleep(cmd["sleep_before"])  # a late READ: the sender must still hold the data
+                t0 = time.monotonic()
+                try:
+                    t = r.recv(timeout=timeout)
+                except Exception as e:
+                    state["wait_s"] = time.monotonic() - t0
+                    state["devices"] = sorted(state.get("devices", ()))
+                    e.state = state  # the answer says how many arrived before the error
+                    raise
+                state["received"] += 1
+                state.setdefault("devices", set()).add(t.device.type)
+                if sleep:
+                    time.sleep(sleep)  # a slow consumer: the sender must not overwrite t meanwhile
+                want = expected("static" if static and not cmd.get("plan") else "dynamic", seed, i,
+                                getattr(r, "shape", None), getattr(r, "dtype", None), dtypes, cmd.get("plan"))
+                bad = mismatch(t.cpu(), want)
+                if bad is None and static and cmd.get("check_slot", True):
+                    where = dev.gpu_arena() if t.is_cuda else arena
+                    bad = None if t.numel() == 0 or where.contains(t) else "the tensor is not in the arena"
+                if bad is None:
+                    state["verified"] += 1
+                elif state["first_mismatch"] is None:
+                    state["first_mismatch"] = {"i": i, "what": bad}
+                del t
+        for r in rs:
+            if isinstance(r, StaticReceiver) and cmd.get("release", True):
+                r.release()
         state["devices"] = sorted(state.get("devices", ()))
+        # A dynamic receiver that took CUDA tensors from a sender on this host mapped its GPU arena.
+        state["gpu_mapped"] = any(getattr(r, "_sender_gpu_map", None) is not None for r in rs)
         return state
 
     def send(cmd) -> dict:
@@ -314,7 +339,7 @@ def main() -> None:
             timeout = cmd.get("timeout", DEFAULT_TIMEOUT)
             if op == "static_receiver":
                 receivers[cmd["name"]] = StaticReceiver(
-                    dev, cmd["name"], tuple(cmd["shape"]), DTYPES[cmd["dtype"]],
+                    dev, cmd["name"], tuple(cmd["shape"]), ALL_DTYPES[cmd["dtype"]],
                     depth=cmd.get("depth", 1), timeout=timeout, cuda=cmd.get("cuda"))
                 reply(ok=True)
             elif op == "dynamic_receiver":
@@ -332,12 +357,13 @@ def main() -> None:
                 reply(ok=True)
             elif op == "bounded_receiver":
                 receivers[cmd["name"]] = BoundedReceiver(dev, cmd["name"], tuple(cmd["max_shape"]),
-                                                         DTYPES[cmd["dtype"]], depth=cmd.get("depth", 1),
+                                                         ALL_DTYPES[cmd["dtype"]], depth=cmd.get("depth", 1),
                                                          timeout=timeout)
                 reply(ok=True)
             elif op == "bounded_sender":
                 senders[cmd["name"]] = BoundedSender(dev, cmd["remote"], cmd["name"], tuple(cmd["max_shape"]),
-                                                     DTYPES[cmd["dtype"]], timeout=timeout)
+                                                     ALL_DTYPES[cmd["dtype"]], mode=cmd.get("mode", "auto"),
+                                                     timeout=timeout)
                 reply(ok=True)
             elif op == "recv":
                 reply(ok=True, **receive(cmd))
@@ -349,6 +375,17 @@ def main() -> None:
                 reply(ok=True, **pong(cmd))
             elif op == "forge":
                 reply(ok=True, **forge(cmd))
+            elif op == "close":  # a sender or receiver, mid-stream
+                (senders.get(cmd["name"]) or receivers[cmd["name"]]).close()
+                reply(ok=True)
+            elif op == "wait_consumed":
+                s = senders[cmd["name"]]
+                try:
+                    s.wait_consumed(cmd.get("k"), timeout=timeout)
+                except Exception as e:
+                    e.state = {"consumed": s.consumed(), "receiver_closed": s.receiver_closed}
+                    raise
+                reply(ok=True, consumed=s.consumed(), receiver_closed=s.receiver_closed)
             elif op == "publish_raw":
                 dev.publish(cmd["name"], bytes.fromhex(cmd["hex"]))
                 reply(ok=True)
