@@ -650,17 +650,16 @@ class Device : public std::enable_shared_from_this<Device> {
   // within = -1: bounded by connect_timeout alone; else by the shorter of the two (a caller's
   // shorter bound fails only that call: the handshake goes on for the others).
   std::shared_ptr<Peer> connect(const std::string& endpoint, double within = -1);
-  // After a handshake (the handshake thread): the control link, made on progress thread 0.
-  // open_link: ours to p, which it makes Ready (or Failed). accept_link: registers the link of
-  // a peer that proved it knows the secret (its endpoint is made at the peer's first message,
-  // am_cb); false (why set) if that did not happen within rpc_timeout (at most the handshake
-  // timeout).
+  // After a handshake (the handshake thread): the control link, made on progress thread 0,
+  // its endpoint from our control worker to the peer's worker 0. open_link: ours to p, which it
+  // makes Ready (or Failed). accept_link: the link of a peer that proved it knows the secret;
+  // false (why set) if it was not made within rpc_timeout (at most the handshake timeout).
   void open_link(const std::shared_ptr<Peer>& p, uint64_t token, uint64_t remote_token,
                  uint64_t remote_uuid, std::vector<std::string> worker_addrs);
   bool accept_link(uint64_t remote_token, uint64_t remote_uuid, const std::string& remote_endpoint,
                    const std::string& worker_addr, uint64_t* token, std::string* why);
-  // Progress thread 0: the endpoint to worker_addr and the link, registered under token (0:
-  // a fresh one); nullptr (why set) if UCX refused the endpoint.
+  // Progress thread 0: the endpoint to worker_addr (from the control worker) and the link,
+  // registered under token (0: a fresh one); nullptr (why set) if UCX refused the endpoint.
   Link* make_link(uint64_t token, uint64_t remote_token, const std::string& worker_addr,
                   std::string* why);
   bool connect_link(Link* l, const std::string& worker_addr, std::string* why);

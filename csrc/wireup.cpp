@@ -1,7 +1,7 @@
 // Wire-up: the control link between two devices (each side's UCX endpoint, with peer-failure
-// handling, to the other's worker 0), made once the handshake over the device's own tcp
-// listener ended (handshake.cpp); the dispatch of control messages; and what happens when a
-// link or a data endpoint fails.
+// handling, from its control worker to the other's worker 0: ProgressThread::control_handle),
+// made once the handshake over the device's own tcp listener ended (handshake.cpp); the
+// dispatch of control messages; and what happens when a link or a data endpoint fails.
 //
 // Handshake (docs/architecture.md, "Connecting"): HELLO(nonce_c) -> CHALLENGE(nonce_s) ->
 // AUTH(connector's MAC, its token and worker 0 address) -> WELCOME(acceptor's MAC, token,
