@@ -1,6 +1,6 @@
 // Device setup and teardown: validating the configuration (the job secret's strength), the UCX
-// context, the progress threads and the listener; close(); and how a failed operation's status
-// becomes an error.
+// context, the progress threads and the handshake listener; close(); and how a failed
+// operation's status becomes an error.
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -77,12 +77,6 @@ void Device::init(const DeviceConfig& cfg) {
   for (const char* name : {"TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"})
     if (!std::getenv((std::string("UCX_") + name).c_str()))
       ucp_config_modify(ucfg, name, seg.c_str());
-  // A fixed-port device restarts at once: the handshake listener binds with SO_REUSEADDR, so
-  // the connections its predecessor closed first (TIME-WAIT, about 60 s) do not hold the port.
-  // Linux still refuses a second live listener on it. An environment setting wins; a UCX
-  // without the setting ignores it and keeps the wait.
-  if (!std::getenv("UCX_TCP_CM_REUSEADDR") && !std::getenv("UCX_CM_REUSEADDR"))
-    ucp_config_modify(ucfg, "TCP_CM_REUSEADDR", "y");
   // Where the environment names no network device, those the caller chose: UCX's tcp
   // interfaces (and their data ports) then exist only on the device's own interface.
   const char* env_nets = std::getenv("UCX_NET_DEVICES");
@@ -111,38 +105,19 @@ void Device::init(const DeviceConfig& cfg) {
       threads_.emplace_back(std::make_unique<ProgressThread>(this, i, ctx_));
       set_am_handler(threads_.back()->handle(), kFlaggedAmId, flagged_cb, this);
     }
-    start_listening(ss, slen);
+    // Control messages arrive on progress thread 0's worker; handshakes on our own socket.
+    set_am_handler(threads_[0]->handle(), kAmId, am_cb, this);
+    handshaker_ = std::make_unique<Handshaker>(this, ss, slen);
+    endpoint_ = listening_endpoint(cfg_.endpoint, handshaker_->bound());
   } catch (...) {
-    if (listener_) ucp_listener_destroy(listener_);
-    listener_ = nullptr;
+    handshaker_.reset();
     threads_.clear();
     ucp_cleanup(ctx_);
     ctx_ = nullptr;
     throw;
   }
   for (auto& t : threads_) t->start();
-}
-
-// Control messages and connection requests arrive on progress thread 0's worker.
-void Device::start_listening(const sockaddr_storage& ss, socklen_t slen) {
-  set_am_handler(threads_[0]->handle(), kAmId, am_cb, this);
-
-  ucp_listener_params_t lp{};
-  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
-  lp.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-  lp.sockaddr.addrlen = slen;
-  lp.conn_handler.cb = conn_cb;
-  lp.conn_handler.arg = this;
-  ucs_status_t st = ucp_listener_create(threads_[0]->handle(), &lp, &listener_);
-  if (st != UCS_OK)
-    throw Error(ErrorKind::Invalid, "cannot listen on " + cfg_.endpoint + ": " +
-                                        (st == UCS_ERR_BUSY ? "the address is already in use" : ucs_error(st)));
-  ucp_listener_attr_t la{};
-  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
-  st = ucp_listener_query(listener_, &la);
-  if (st != UCS_OK)
-    throw Error(ErrorKind::Generic, "ucp_listener_query failed: " + ucs_error(st));
-  endpoint_ = listening_endpoint(cfg_.endpoint, la.sockaddr);
+  handshaker_->start();
 }
 
 Device::~Device() {
@@ -158,6 +133,8 @@ void Device::check_open() const {
 
 void Device::close() {
   if (closing_.exchange(true)) return;
+  // No handshake starts or ends any more (it may post to progress thread 0: it goes first).
+  if (handshaker_) handshaker_->stop();
   for (auto& t : threads_) t->stop();
   fail_all_rpcs("device " + endpoint_ + " was closed");
   std::vector<std::shared_ptr<Peer>> peers;

@@ -139,7 +139,6 @@ struct Peer {
   enum State { Connecting, Ready, Failed } state = Connecting;
   std::string error;
   bool auth_failed = false;
-  uint8_t nc[16] = {0};
   std::mutex m;
   std::condition_variable cv;
   std::map<int, std::shared_ptr<Channel>> channels;
@@ -224,6 +223,13 @@ class ProgressThread {
   // wakes one thread, not two. Shared so that a channel can count itself after the thread is gone.
   const std::shared_ptr<Drivers>& drivers() const { return drivers_; }
   ucp_worker_h handle() const { return w_; }
+  // Thread 0's second worker, which only makes the control links' endpoints (Link): each goes to
+  // a peer's worker 0, which makes none back to it. So every pair of workers that a control link
+  // joins has endpoints made by one side only; an endpoint made from each side between one pair
+  // of workers makes UCX 1.22's tcp transport take one tcp connection over with the other's, and
+  // a link reset at random followed (docs/architecture.md, "The control link"). Null on other
+  // threads; driven, armed and polled with w_ under the same worker lock.
+  ucp_worker_h control_handle() const { return cw_; }
   const std::string& address() const { return addr_; }
   int index() const { return idx_; }
   Device* device() const { return dev_; }
@@ -288,6 +294,8 @@ class ProgressThread {
   int idx_;
   ucp_worker_h w_ = nullptr;
   int efd_ = -1;
+  ucp_worker_h cw_ = nullptr;  // thread 0: the control worker (control_handle)
+  int cefd_ = -1;
   std::string addr_;
   std::thread thr_;
   std::atomic<bool> stop_{false};
@@ -309,17 +317,63 @@ class ProgressThread {
   std::vector<std::shared_ptr<Channel>> channels_;
 };
 
-// A control connection (side RPC) to or from a peer device; progress thread 0 only.
+// A control connection (side RPC) to or from a peer device, made once the handshake ended:
+// our endpoint, from our control worker to the peer's worker 0, carries what we send; the
+// peer's, from its control worker to our worker 0, what we receive (ProgressThread::
+// control_handle). Progress thread 0 only.
 struct Link {
   Device* dev = nullptr;
   ucp_ep_h ep = nullptr;
   bool client = false;           // we connected (peer set) or accepted
   std::shared_ptr<Peer> peer;    // client side
-  bool authed = false;
   bool dead = false;
-  uint8_t nc[16] = {0}, ns[16] = {0};
+  uint64_t token = 0;         // our messages' header names it (Device::links_'s key)
+  uint64_t remote_token = 0;  // the peer's, put in what we send
   uint64_t remote_uuid = 0;
   std::string remote_endpoint;
+};
+
+// The handshake listener and the thread that runs every handshake, accepted and opened
+// (handshake.cpp).
+class Handshaker {
+ public:
+  // Binds and listens on ss (Invalid when the address is in use); start() runs the thread.
+  Handshaker(Device* dev, const sockaddr_storage& ss, socklen_t slen);
+  ~Handshaker();
+  void start();
+  void stop();  // closes every handshake connection; their peers fail
+  const sockaddr_storage& bound() const { return bound_; }
+  double timeout() const { return timeout_; }
+  // Starts the handshake with p at ss; p ends Ready (Device::open_link) or Failed.
+  void connect(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen);
+
+ private:
+  struct Conn;
+  void open(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen, int tries,
+            Clock::time_point deadline);
+  void loop();
+  void wake();
+  void accept_all(std::vector<std::unique_ptr<Conn>>& conns, Clock::time_point* pause);
+  bool step(Conn& c, short revents);
+  bool server_frame(Conn& c, uint32_t type, const std::string& payload);
+  bool client_frame(Conn& c, uint32_t type, const std::string& payload);
+  bool lost(Conn& c);
+  bool malformed(Conn& c);
+  void fail_peer(Conn& c, const std::string& why, bool auth);
+  void refuse(const char* why);  // counts an accepted connection closed unauthenticated
+  void report(bool flush);       // the rate-limited line on stderr
+  Device* dev_;
+  int lfd_ = -1, wake_fd_ = -1;
+  sockaddr_storage bound_{};
+  double timeout_ = 5.0;
+  std::thread thread_;
+  std::mutex m_;
+  bool stop_ = false;
+  std::vector<std::unique_ptr<Conn>> incoming_;  // under m_: opened by connect()
+  // The handshake thread's only.
+  std::map<std::string, size_t> refused_;
+  bool reported_once_ = false;
+  Clock::time_point last_report_{};
 };
 
 // One outstanding side-RPC request, completed by the reply, the link's failure or a timeout.

@@ -13,31 +13,48 @@
 
 namespace rdmaflow {
 
-ProgressThread::ProgressThread(Device* dev, int idx, ucp_context_h ctx) : dev_(dev), idx_(idx) {
+namespace {
+// A worker in UCX's serialized mode and its wakeup fd; throws on failure.
+void make_worker(Device* dev, ucp_context_h ctx, ucp_worker_h* w, int* efd) {
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   NewTcpSockets tcp(dev->tcp_congestion_set());  // the tcp listener's accepted connections
-  ucs_status_t st = ucp_worker_create(ctx, &wp, &w_);
+  ucs_status_t st = ucp_worker_create(ctx, &wp, w);
   tcp.apply();
   if (st != UCS_OK)
     throw Error(ErrorKind::Generic, "ucp_worker_create failed: " + ucs_error(st));
-  st = ucp_worker_get_efd(w_, &efd_);
+  st = ucp_worker_get_efd(*w, efd);
   if (st != UCS_OK) {
-    ucp_worker_destroy(w_);
+    ucp_worker_destroy(*w);
+    *w = nullptr;
     throw Error(ErrorKind::Generic, "ucp_worker_get_efd failed: " + ucs_error(st));
   }
+}
+}  // namespace
+
+ProgressThread::ProgressThread(Device* dev, int idx, ucp_context_h ctx) : dev_(dev), idx_(idx) {
+  make_worker(dev, ctx, &w_, &efd_);
   ucp_worker_attr_t attr{};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-  st = ucp_worker_query(w_, &attr);
+  ucs_status_t st = ucp_worker_query(w_, &attr);
   if (st != UCS_OK) {
     ucp_worker_destroy(w_);
     throw Error(ErrorKind::Generic, "ucp_worker_query failed: " + ucs_error(st));
   }
   addr_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
   ucp_worker_release_address(w_, attr.address);
+  if (idx == 0) {
+    try {
+      make_worker(dev, ctx, &cw_, &cefd_);
+    } catch (...) {
+      ucp_worker_destroy(w_);
+      throw;
+    }
+  }
   park_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (park_fd_ < 0) {
+    if (cw_) ucp_worker_destroy(cw_);
     ucp_worker_destroy(w_);
     throw Error(ErrorKind::Generic, "eventfd failed");
   }
@@ -66,6 +83,7 @@ ProgressThread::~ProgressThread() {
     started().threads.erase(this);
   }
   if (thr_.joinable()) stop();
+  if (cw_) ucp_worker_destroy(cw_);
   if (w_) ucp_worker_destroy(w_);
   if (park_fd_ >= 0) close(park_fd_);
 }
@@ -191,6 +209,8 @@ bool ProgressThread::drive() {
   flush_dirty();
   unsigned n = 0;
   while (ucp_worker_progress(w_) != 0) ++n;
+  if (cw_)
+    while (ucp_worker_progress(cw_) != 0) ++n;
   post_deferred();
   flush_dirty();
   return did || n;
@@ -348,12 +368,13 @@ void ProgressThread::loop() {
       std::lock_guard<std::mutex> held(wm_);
       dev_->cuda_thread_context();  // arming queries CUDA events (cuda_copy)
       st = ucp_worker_arm(w_);
+      if (st == UCS_OK && cw_) st = ucp_worker_arm(cw_);
     }
     if (st == UCS_ERR_BUSY) continue;
     sleeping_.store(true, std::memory_order_seq_cst);
     if (qsize_.load(std::memory_order_seq_cst) == 0 && !stop_.load()) {
-      pollfd pfd{efd_, POLLIN, 0};
-      poll(&pfd, 1, 100);
+      pollfd pfd[2] = {{efd_, POLLIN, 0}, {cefd_, POLLIN, 0}};
+      poll(pfd, cw_ ? 2 : 1, 100);
     }
     sleeping_.store(false, std::memory_order_seq_cst);
     idle_since = Clock::now();
@@ -452,12 +473,17 @@ void ProgressThread::close_all() {
   }
   auto t0 = Clock::now();
   for (auto sp : reqs) {
-    while (ucp_request_check_status(sp) == UCS_INPROGRESS && seconds_since(t0) < 2.0)
+    while (ucp_request_check_status(sp) == UCS_INPROGRESS && seconds_since(t0) < 2.0) {
       ucp_worker_progress(w_);
+      if (cw_) ucp_worker_progress(cw_);
+    }
     ucp_request_free(sp);
   }
   flush_dirty();
-  for (int i = 0; i < 100; ++i) ucp_worker_progress(w_);
+  for (int i = 0; i < 100; ++i) {
+    ucp_worker_progress(w_);
+    if (cw_) ucp_worker_progress(cw_);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 //
 // Contract:
 //   Device       one ucp_context; num_cqs progress threads ("completion queues"), each with its
-//                own ucp_worker; a listener on thread 0 for the side RPC (publish/lookup).
+//                own ucp_worker; a tcp listener of its own for the handshake (handshake.cpp),
+//                then a control link on thread 0 for the side RPC (publish/lookup).
 //   MemRegion    local memory registered with UCX, host or GPU (cuda_device() >= 0); its
 //                descriptor carries address, length, memory type, packed remote key and owner,
 //                with a MAC made with the job secret. GPU memory never takes the same-host
@@ -166,6 +167,7 @@ class ProgressThread;
 class CopyPool;
 class FutureJoin;
 struct Link;
+class Handshaker;
 struct Mapping;
 struct Op;
 struct Peer;
@@ -616,12 +618,12 @@ class Device : public std::enable_shared_from_this<Device> {
  private:
   friend class Channel;
   friend class DirectWindow;
+  friend class Handshaker;
   friend class MemRegion;
   friend class ProgressThread;
   Device();
   // device.cpp
   void init(const DeviceConfig& cfg);
-  void start_listening(const sockaddr_storage& ss, socklen_t slen);
   void check_open() const;
   std::string op_error_message(Op* op, ucs_status_t st, ErrorKind* kind);
 
@@ -648,7 +650,19 @@ class Device : public std::enable_shared_from_this<Device> {
   // within = -1: bounded by connect_timeout alone; else by the shorter of the two (a caller's
   // shorter bound fails only that call: the handshake goes on for the others).
   std::shared_ptr<Peer> connect(const std::string& endpoint, double within = -1);
-  void open_link(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss, socklen_t slen);
+  // After a handshake (the handshake thread): the control link, made on progress thread 0,
+  // its endpoint from our control worker to the peer's worker 0. open_link: ours to p, which it
+  // makes Ready (or Failed). accept_link: the link of a peer that proved it knows the secret;
+  // false (why set) if it was not made within rpc_timeout (at most the handshake timeout).
+  void open_link(const std::shared_ptr<Peer>& p, uint64_t token, uint64_t remote_token,
+                 uint64_t remote_uuid, std::vector<std::string> worker_addrs);
+  bool accept_link(uint64_t remote_token, uint64_t remote_uuid, const std::string& remote_endpoint,
+                   const std::string& worker_addr, uint64_t* token, std::string* why);
+  // Progress thread 0: the endpoint to worker_addr (from the control worker) and the link,
+  // registered under token (0: a fresh one); nullptr (why set) if UCX refused the endpoint.
+  Link* make_link(uint64_t token, uint64_t remote_token, const std::string& worker_addr,
+                  std::string* why);
+  bool connect_link(Link* l, const std::string& worker_addr, std::string* why);
   std::shared_ptr<Peer> wait_connected(const std::shared_ptr<Peer>& p, double within);
   void send_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
   void handle_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload);
@@ -659,7 +673,6 @@ class Device : public std::enable_shared_from_this<Device> {
   std::vector<ucs_status_ptr_t> close_links();  // progress thread 0, at close
   static ucs_status_t am_cb(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
-  static void conn_cb(ucp_conn_request_h req, void* arg);
   // flagged.cpp: a flagged write arriving as an active message, on any worker.
   static ucs_status_t flagged_cb(void* arg, const void* header, size_t header_length, void* data,
                                  size_t length, const ucp_am_recv_param_t* param);
@@ -695,7 +708,7 @@ class Device : public std::enable_shared_from_this<Device> {
   uint64_t job_tag_ = 0;
   ucp_context_h ctx_ = nullptr;
   std::vector<std::unique_ptr<ProgressThread>> threads_;
-  ucp_listener_h listener_ = nullptr;
+  std::unique_ptr<Handshaker> handshaker_;
   std::atomic<bool> closing_{false};
   std::atomic<uint64_t> next_region_{1};
   std::atomic<int> cuda_ordinal_{-1};  // use_cuda_device
@@ -722,7 +735,7 @@ class Device : public std::enable_shared_from_this<Device> {
   std::atomic<uint64_t> revocations_{0};
   std::vector<std::shared_ptr<RegionMemory>> quarantine_;  // memory a silent peer may still write
   // Progress thread 0 only.
-  std::unordered_map<ucp_ep_h, Link*> links_;
+  std::unordered_map<uint64_t, Link*> links_;  // by token
   std::vector<Link*> dead_links_;  // kept until close: queued commands may still name them
 };
 

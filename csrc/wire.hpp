@@ -1,10 +1,18 @@
 // Wire formats: the control messages between devices and the region descriptor. Little-endian
 // host order (both ends run this code); every read is bounds-checked and throws Invalid.
 //
-// Control message: one UCP active message (id kAmId), header CtrlHeader, payload by type:
-//   HELLO(version u32, nonce_c[16], uuid u64, endpoint str)      client -> server
-//   CHALLENGE(nonce_s[16], uuid u64, mac[32])                    server -> client
-//   AUTH(mac[32]) / WELCOME(n u32, n x worker address str)       client -> server -> client
+// Handshake (handshake.cpp): frames on the device's own tcp listener, each
+// magic u32 (kHandshakeMagic), type u32, payload length u32, payload:
+//   HELLO(version u32, nonce_c[16], uuid_c u64, endpoint str)     connector -> acceptor
+//   CHALLENGE(nonce_s[16], uuid_s u64)                            acceptor -> connector
+//   AUTH(token_c u64, worker 0 address str, mac_c[32])            connector -> acceptor
+//   WELCOME(token_s u64, n u32, n x worker address str, mac_s[32]) acceptor -> connector
+//   REJECT(reason, raw bytes; kSecretMismatch for a wrong secret)  acceptor -> connector
+// mac_x = HMAC-SHA256(secret, label_x || nonce_c || nonce_s || uuid_c || uuid_s || the message
+// before the mac). The acceptor's first keyed byte follows the connector's proof.
+// Control message: one UCP active message (id kAmId) on the control link, header CtrlHeader
+// (its `link` the receiver's token from the handshake: a message naming no link is dropped),
+// payload by type:
 //   REJECT(reason, raw bytes)                                    either way
 //   LOOKUP(name str, claim u32, expected value str) / LOOKUP_REPLY(ok u32, value str, or why not)
 //   VALIDATE(region u64, addr u64, len u64) / VALIDATE_REPLY(ok u32, reason str)
@@ -26,7 +34,12 @@ namespace rdmaflow {
 
 constexpr uint16_t kAmId = 0x5246;  // "RF"
 constexpr uint32_t kCtrlMagic = 0x52464331;  // "RFC1"
-constexpr uint32_t kProtoVersion = 3;  // 2: OPEN_CHANNEL; 3: LOOKUP's claim
+constexpr uint32_t kProtoVersion = 4;  // 2: OPEN_CHANNEL; 3: LOOKUP's claim; 4: tcp handshake
+constexpr uint32_t kHandshakeMagic = 0x31484652;  // "RFH1"
+// The largest handshake payload an acceptor reads (a HELLO or an AUTH, with a worker address).
+constexpr size_t kMaxHandshakeFrame = 16 << 10;
+// REJECT's reason for a wrong secret: a fixed text, the same whatever the acceptor's secret.
+constexpr char kSecretMismatch[] = "job secret mismatch";
 constexpr char kDescMagic[4] = {'R', 'F', 'D', '1'};
 constexpr size_t kMacLen = 16;
 constexpr uint16_t kDescShared = 1;  // descriptor flag: same-host mapping block follows the rkey
@@ -82,6 +95,7 @@ struct CtrlHeader {
   uint32_t magic;
   uint32_t type;
   uint64_t req;
+  uint64_t link;  // the receiving link's token
 };
 
 struct Writer {
@@ -142,25 +156,14 @@ inline std::string mac16(const std::string& key, const std::string& body) {
   return std::string(reinterpret_cast<const char*>(d.data()), kMacLen);
 }
 
-// HMAC-SHA256(secret, label || nonce_c || nonce_s): each side's proof in the handshake.
-inline std::string handshake_mac(const std::string& key, const char* label, const uint8_t* nc,
-                                 const uint8_t* ns) {
+// HMAC-SHA256(secret, label || transcript || body): each side's proof in the handshake.
+inline std::string handshake_mac(const std::string& key, const char* label,
+                                 const std::string& transcript, const std::string& body) {
   std::string m(label);
-  m.append(reinterpret_cast<const char*>(nc), 16);
-  m.append(reinterpret_cast<const char*>(ns), 16);
+  m += transcript;
+  m += body;
   auto d = hmac_sha256(key, m.data(), m.size());
   return std::string(reinterpret_cast<const char*>(d.data()), 32);
-}
-
-// Reads the other side's handshake MAC (the rest of the message) and checks it in constant time.
-inline bool check_handshake_mac(Reader& rd, const std::string& key, const char* label,
-                                const uint8_t* nc, const uint8_t* ns) {
-  char mac[32];
-  rd.raw(mac, 32);
-  rd.end();
-  std::string want = handshake_mac(key, label, nc, ns);
-  return equal_ct(reinterpret_cast<const uint8_t*>(want.data()),
-                  reinterpret_cast<const uint8_t*>(mac), 32);
 }
 
 }  // namespace rdmaflow

@@ -1,10 +1,13 @@
-// Wire-up: the control link between two devices (one UCX endpoint with peer-failure handling,
-// opened by the connecting side through the peer's listener), its handshake, the dispatch of
-// control messages, and what happens when a link or a data endpoint fails.
+// Wire-up: the control link between two devices (each side's UCX endpoint, with peer-failure
+// handling, from its control worker to the other's worker 0: ProgressThread::control_handle),
+// made once the handshake over the device's own tcp listener ended (handshake.cpp); the
+// dispatch of control messages; and what happens when a link or a data endpoint fails.
 //
-// Handshake (docs/architecture.md, "Connecting"): HELLO(nonce_c) -> CHALLENGE(nonce_s, server
-// MAC) -> AUTH(client MAC) -> WELCOME(worker addresses). Each MAC is HMAC-SHA256 of the job
-// secret over both nonces, so each side proves it knows the secret without sending it.
+// Handshake (docs/architecture.md, "Connecting"): HELLO(nonce_c) -> CHALLENGE(nonce_s) ->
+// AUTH(connector's MAC, its token and worker 0 address) -> WELCOME(acceptor's MAC, token,
+// worker addresses). The acceptor sends nothing keyed by the secret before the connector's MAC
+// verified; each control message then names the receiver's token.
+#include <algorithm>
 #include <cstring>
 
 #include "internal.hpp"
@@ -41,7 +44,6 @@ std::shared_ptr<Peer> Device::connect(const std::string& endpoint, double within
     if (!p) {
       p = std::make_shared<Peer>();
       p->endpoint = endpoint;
-      random_bytes(p->nc, 16);
       peers_[endpoint] = p;
       fresh = true;
     }
@@ -57,48 +59,141 @@ std::shared_ptr<Peer> Device::connect(const std::string& endpoint, double within
       p->error = e.what();
       throw;
     }
-    if (!threads_[0]->post([this, p, ss, slen] { open_link(p, ss, slen); }))
-      throw Error(ErrorKind::Closed, "device is closed");
+    handshaker_->connect(p, ss, slen);
   }
   return wait_connected(p, within);
 }
 
-// Progress thread 0: opens the control link to p and sends HELLO.
-void Device::open_link(const std::shared_ptr<Peer>& p, const sockaddr_storage& ss,
-                       socklen_t slen) {
+Link* Device::make_link(uint64_t token, uint64_t remote_token, const std::string& worker_addr,
+                        std::string* why) {
+  if (token == 0) {
+    do random_bytes(&token, sizeof token);
+    while (token == 0 || links_.count(token));
+  } else if (links_.count(token)) {
+    *why = "its link token is in use";
+    return nullptr;
+  }
   Link* l = new Link;
   l->dev = this;
-  l->client = true;
-  l->peer = p;
-  std::memcpy(l->nc, p->nc, 16);
+  l->token = token;
+  l->remote_token = remote_token;
+  if (!connect_link(l, worker_addr, why)) {
+    delete l;
+    return nullptr;
+  }
+  links_[token] = l;
+  return l;
+}
+
+bool Device::connect_link(Link* l, const std::string& worker_addr, std::string* why) {
   ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
-  ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&ss);
-  ep.sockaddr.addrlen = slen;
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(worker_addr.data());
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   ep.err_handler.cb = link_err_cb;
   ep.err_handler.arg = l;
   ucp_ep_h h = nullptr;
-  ucs_status_t st = ucp_ep_create(threads_[0]->handle(), &ep, &h);
+  ucs_status_t st = ucp_ep_create(threads_[0]->control_handle(), &ep, &h);
   if (st != UCS_OK) {
-    delete l;
-    std::lock_guard<std::mutex> lk(p->m);
-    p->state = Peer::Failed;
-    p->error = "cannot connect to " + p->endpoint + ": " + ucs_error(st);
-    p->cv.notify_all();
-    return;
+    *why = "cannot create a UCX endpoint to it: " + ucs_error(st);
+    return false;
   }
   l->ep = h;
-  links_[h] = l;
-  p->link = l;
-  Writer w;
-  w.u32(kProtoVersion);
-  w.raw(l->nc, 16);
-  w.u64(uuid_);
-  w.str(endpoint_);
-  send_ctrl(l, HELLO, 0, w.s);
+  return true;
+}
+
+void Device::open_link(const std::shared_ptr<Peer>& p, uint64_t token, uint64_t remote_token,
+                       uint64_t remote_uuid, std::vector<std::string> worker_addrs) {
+  auto made = [this, p, token, remote_token, remote_uuid, addrs = std::move(worker_addrs)] {
+    std::string why;
+    Link* l = make_link(token, remote_token, addrs[0], &why);
+    std::unique_lock<std::mutex> lk(p->m);
+    if (!l) {
+      if (p->state == Peer::Connecting) {
+        p->state = Peer::Failed;
+        p->error = "cannot connect to " + p->endpoint + ": " + why;
+        p->cv.notify_all();
+      }
+      return;
+    }
+    l->client = true;
+    l->peer = p;
+    l->remote_uuid = remote_uuid;
+    l->remote_endpoint = p->endpoint;
+    if (p->state != Peer::Connecting) {  // every caller gave up: nobody uses the link
+      lk.unlock();
+      l->dead = true;
+      links_.erase(l->token);
+      dead_links_.push_back(l);
+      close_endpoint(l->ep, true, nullptr);
+      l->ep = nullptr;
+      return;
+    }
+    p->link = l;
+    p->uuid = remote_uuid;
+    p->num_workers = int(addrs.size());
+    p->worker_addrs = addrs;
+    p->state = Peer::Ready;
+    p->cv.notify_all();
+  };
+  if (!threads_[0]->post(std::move(made))) {
+    std::lock_guard<std::mutex> lk(p->m);
+    if (p->state == Peer::Connecting) {
+      p->state = Peer::Failed;
+      p->error = "device " + endpoint_ + " was closed";
+      p->cv.notify_all();
+    }
+  }
+}
+
+bool Device::accept_link(uint64_t remote_token, uint64_t remote_uuid,
+                         const std::string& remote_endpoint, const std::string& worker_addr,
+                         uint64_t* token, std::string* why) {
+  // Who runs first of the command below and a waiter that gave up: a link made after its
+  // handshake was refused would be one nobody uses.
+  struct Slot {
+    FutureState done;
+    std::atomic<int> state{0};  // 0: pending, 1: the command runs, 2: the waiter gave up
+    uint64_t token = 0;
+  };
+  auto slot = std::make_shared<Slot>();
+  if (!threads_[0]->post([this, slot, remote_token, remote_uuid, remote_endpoint, worker_addr] {
+        int pending = 0;
+        if (!slot->state.compare_exchange_strong(pending, 1)) return;
+        // Our endpoint to the connector's worker 0, from our control worker: the connector's
+        // own endpoint goes from its control worker to our worker 0, another pair of workers
+        // (ProgressThread::control_handle).
+        std::string why;
+        Link* l = make_link(0, remote_token, worker_addr, &why);
+        if (!l) {
+          slot->done.complete_error(ErrorKind::Peer, why);
+          return;
+        }
+        l->remote_uuid = remote_uuid;
+        l->remote_endpoint = remote_endpoint;
+        slot->token = l->token;
+        slot->done.complete_ok();
+      })) {
+    *why = "device " + endpoint_ + " is closing";
+    return false;
+  }
+  // The handshake thread waits here: no longer than a handshake may last.
+  const double bound = std::min(cfg_.rpc_timeout, handshaker_->timeout());
+  bool done = slot->done.wait(bound);
+  int pending = 0;
+  if (!done && !slot->state.compare_exchange_strong(pending, 2))
+    done = slot->done.wait(bound);  // the command was running: it ends within a UCX call
+  if (!done) {
+    *why = "device " + endpoint_ + " did not make the link within " + seconds_text(bound) + " s";
+    return false;
+  }
+  if (!slot->done.ok()) {
+    *why = slot->done.error();
+    return false;
+  }
+  *token = slot->token;
+  return true;
 }
 
 // Waits (up to connect_timeout, or within if that is shorter) for the handshake with p to end;
@@ -128,44 +223,18 @@ std::shared_ptr<Peer> Device::wait_connected(const std::shared_ptr<Peer>& p, dou
 }
 
 // ---------------------------------------------------------------------------------------------
-// The accepting side.
-
-void Device::conn_cb(ucp_conn_request_h req, void* arg) {
-  auto* d = static_cast<Device*>(arg);
-  if (d->closing_.load()) {
-    ucp_listener_reject(d->listener_, req);
-    return;
-  }
-  Link* l = new Link;
-  l->dev = d;
-  ucp_ep_params_t ep{};
-  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.conn_request = req;
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ep.err_handler.cb = link_err_cb;
-  ep.err_handler.arg = l;
-  ucp_ep_h h = nullptr;
-  if (ucp_ep_create(d->threads_[0]->handle(), &ep, &h) != UCS_OK) {
-    delete l;
-    return;
-  }
-  l->ep = h;
-  d->links_[h] = l;
-}
-
-// ---------------------------------------------------------------------------------------------
 // Control messages.
 
 void Device::send_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& payload) {
   if (!l->ep || l->dead) return;
-  auto* m = new std::pair<CtrlHeader, std::string>(CtrlHeader{kCtrlMagic, type, req}, payload);
+  auto* m = new std::pair<CtrlHeader, std::string>(CtrlHeader{kCtrlMagic, type, req, l->remote_token},
+                                                    payload);
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.cb.send = ctrl_sent_cb;
   p.user_data = m;
-  p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+  p.flags = UCP_AM_SEND_FLAG_EAGER;
   ucs_status_ptr_t sp = ucp_am_send_nbx(l->ep, kAmId, &m->first, sizeof(CtrlHeader),
                                         m->second.data(), m->second.size(), &p);
   if (sp == nullptr || UCS_PTR_IS_ERR(sp)) delete m;
@@ -174,18 +243,15 @@ void Device::send_ctrl(Link* l, uint32_t type, uint64_t req, const std::string& 
 ucs_status_t Device::am_cb(void* arg, const void* header, size_t header_length, void* data,
                                size_t length, const ucp_am_recv_param_t* param) {
   auto* d = static_cast<Device*>(arg);
-  if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) return UCS_OK;
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return UCS_OK;  // never sent by peers
-  auto it = d->links_.find(param->reply_ep);
+  CtrlHeader h{};
+  if (header_length != sizeof h) return UCS_OK;
+  std::memcpy(&h, header, sizeof h);
+  // Only a link made by a handshake is known; anything else is dropped.
+  auto it = h.magic == kCtrlMagic ? d->links_.find(h.link) : d->links_.end();
   if (it == d->links_.end()) return UCS_OK;
   Link* l = it->second;
-  CtrlHeader h{};
-  if (header_length != sizeof h || length > kMaxCtrlPayload) {
-    l->dead = true;
-    return UCS_OK;
-  }
-  std::memcpy(&h, header, sizeof h);
-  if (h.magic != kCtrlMagic) {
+  if (length > kMaxCtrlPayload) {
     l->dead = true;
     return UCS_OK;
   }
@@ -210,51 +276,13 @@ void Device::handle_ctrl(Link* l, uint32_t type, uint64_t req, const std::string
     handle_as_server(l, type, req, payload);
 }
 
-// Messages a link we accepted receives: the handshake's HELLO and AUTH, requests (once
-// authenticated) and the acknowledgements of our REVOKEs.
+// Messages a link we accepted receives: requests and the acknowledgements of our REVOKEs.
 void Device::handle_as_server(Link* l, uint32_t type, uint64_t req, const std::string& payload) {
   Reader rd(payload, "control message");
   switch (type) {
-    case HELLO: {
-      uint32_t ver = rd.num<uint32_t>();
-      rd.raw(l->nc, 16);
-      l->remote_uuid = rd.num<uint64_t>();
-      l->remote_endpoint = rd.str(1024);
-      rd.end();
-      if (ver != kProtoVersion) {
-        send_ctrl(l, REJECT, req, "protocol version " + std::to_string(ver) +
-                                      " is not supported (this device speaks " +
-                                      std::to_string(kProtoVersion) + ")");
-        return;
-      }
-      random_bytes(l->ns, 16);
-      Writer w;
-      w.raw(l->ns, 16);
-      w.u64(uuid_);
-      w.raw(handshake_mac(cfg_.secret, "rdmaflow-server", l->nc, l->ns).data(), 32);
-      send_ctrl(l, CHALLENGE, req, w.s);
-      return;
-    }
-    case AUTH: {
-      if (!check_handshake_mac(rd, cfg_.secret, "rdmaflow-client", l->nc, l->ns)) {
-        send_ctrl(l, REJECT, req,
-                  "job secret mismatch: device " + endpoint_ + " does not belong to your job");
-        return;
-      }
-      l->authed = true;
-      Writer w;
-      w.u32(uint32_t(threads_.size()));
-      for (auto& t : threads_) w.str(t->address());
-      send_ctrl(l, WELCOME, req, w.s);
-      return;
-    }
     case LOOKUP:
     case VALIDATE:
     case OPEN_CHANNEL: {
-      if (!l->authed) {
-        send_ctrl(l, REJECT, req, "not authenticated");
-        return;
-      }
       if (type == LOOKUP) {
         std::string name = rd.str(4096);
         uint32_t claim = rd.num<uint32_t>();
@@ -283,55 +311,15 @@ void Device::handle_as_server(Link* l, uint32_t type, uint64_t req, const std::s
   }
 }
 
-// Messages a link we opened receives: the handshake's CHALLENGE and WELCOME (or a REJECT),
-// replies to our requests, and REVOKEs of regions we validated.
+// Messages a link we opened receives: replies to our requests (or a REJECT) and REVOKEs of
+// regions we validated.
 void Device::handle_as_client(Link* l, uint32_t type, uint64_t req, const std::string& payload) {
   Reader rd(payload, "control message");
   auto peer = l->peer;
   switch (type) {
-    case CHALLENGE: {
-      rd.raw(l->ns, 16);
-      l->remote_uuid = rd.num<uint64_t>();
-      if (!check_handshake_mac(rd, cfg_.secret, "rdmaflow-server", l->nc, l->ns)) {
-        std::lock_guard<std::mutex> lk(peer->m);
-        peer->state = Peer::Failed;
-        peer->error = "job secret mismatch: the device at " + peer->endpoint +
-                      " does not belong to this job";
-        peer->auth_failed = true;
-        peer->cv.notify_all();
-        l->dead = true;
-        return;
-      }
-      Writer w;
-      w.raw(handshake_mac(cfg_.secret, "rdmaflow-client", l->nc, l->ns).data(), 32);
-      send_ctrl(l, AUTH, req, w.s);
-      return;
-    }
-    case WELCOME: {
-      uint32_t n = rd.num<uint32_t>();
-      if (n == 0 || n > 64) throw Error(ErrorKind::Invalid, "bad worker count");
-      std::vector<std::string> addrs;
-      for (uint32_t i = 0; i < n; ++i) addrs.push_back(rd.str(1 << 16));
-      rd.end();
-      l->authed = true;
-      std::lock_guard<std::mutex> lk(peer->m);
-      peer->uuid = l->remote_uuid;
-      peer->num_workers = int(n);
-      peer->worker_addrs = std::move(addrs);
-      peer->state = Peer::Ready;
-      peer->cv.notify_all();
-      return;
-    }
     case REJECT: {
       std::string why = payload;
       fail_rpcs_for(l, "rejected by " + peer->endpoint + ": " + why);
-      std::lock_guard<std::mutex> lk(peer->m);
-      if (peer->state == Peer::Connecting) {
-        peer->state = Peer::Failed;
-        peer->error = "the device at " + peer->endpoint + " refused the connection: " + why;
-        peer->auth_failed = why.find("secret") != std::string::npos;
-        peer->cv.notify_all();
-      }
       return;
     }
     case LOOKUP_REPLY:
@@ -389,11 +377,10 @@ void Device::on_link_error(Link* l, ucs_status_t st) {
       }
   }
   fail_rpcs_for(l, why);
+  if (links_.erase(l->token)) dead_links_.push_back(l);
   if (l->ep) {
     ucp_ep_h ep = l->ep;
     l->ep = nullptr;
-    links_.erase(ep);
-    dead_links_.push_back(l);
     threads_[0]->post([ep] { close_endpoint(ep, true, nullptr); });
   }
 }
@@ -409,10 +396,6 @@ void Device::on_data_ep_error(Channel* ch, ucs_status_t st) {
 
 std::vector<ucs_status_ptr_t> Device::close_links() {
   std::vector<ucs_status_ptr_t> reqs;
-  if (listener_) {
-    ucp_listener_destroy(listener_);
-    listener_ = nullptr;
-  }
   for (auto& kv : links_) {
     Link* l = kv.second;
     if (!l->ep) continue;

@@ -163,15 +163,18 @@ def cache_line_handoff_ns(cpu_a: int, cpu_b: int, seconds: float) -> float:
 
 class Device(_core.Device):
     """An RDMA device listening on ``endpoint`` (``host:port``; port 0 picks one). A fixed port
-    is free again as soon as the device holding it closed (``UCX_TCP_CM_REUSEADDR=y`` unless the
-    environment sets it); two live devices on one port are refused (``InvalidArgumentError``).
+    is free again as soon as the device holding it closed (its handshake listener binds with
+    ``SO_REUSEADDR``); two live devices on one port are refused (``InvalidArgumentError``).
 
     ``num_cqs`` completion queues, each a UCX worker with its own progress thread, and
     ``qps_per_peer`` queue pairs per peer, spread round-robin over them (Xue et al., Figure 4).
     The default of two lets a static send of 4 MiB or more over tcp travel as two halves on two
     workers' connections (docs/transfer.md); an idle worker's thread sleeps.
-    Peers must share ``secret`` (default: ``$RDMAFLOW_JOB_SECRET``; at least 16 bytes, not all
-    whitespace, e.g. ``secrets.token_hex(16)``) before any remote key is handed out. Progress threads sleep on UCX's wakeup fd when idle unless ``busy_poll``.
+    Peers must share ``secret`` (default: ``$RDMAFLOW_JOB_SECRET``) before any remote key is
+    handed out; one shorter than 16 bytes, or only whitespace, is refused (make one with
+    ``secrets.token_hex(16)``; docs/security.md). The handshake listener binds ``endpoint``'s
+    address alone and closes a connection that has not proved the secret within
+    ``$RDMAFLOW_HANDSHAKE_TIMEOUT`` seconds (default 5). Progress threads sleep on UCX's wakeup fd when idle unless ``busy_poll``.
     ``data_error_handling`` turns on UCX's peer-failure mode for data endpoints as well as the
     control link; it costs TCP puts much of their bandwidth, and a dead peer is detected
     without it.
