@@ -119,7 +119,7 @@ class KVLayout:
         # Every key has the same number of elements (scalars, rows of a table): requests then
         # index values as rows of that width instead of through per-element index lists.
         self.width = self.numel[0] if len(set(self.numel)) == 1 else None
-        self.shards = [KVServerArea([self.numel[j] for j in js], num_workers, self.itemsize, replicas)
+        self.shards = [KVServerArea([self.numel[j] for j in js], num_workers, self.itemsize, replicas, num_shards)
                        for js in self.shard_keys]
         self.worker = KVClientArea(self.shards, replicas)
 
@@ -155,7 +155,7 @@ def request_bytes(count: int, elements: int, itemsize: int) -> int:
 class KVServerArea:
     """Where things are in one shard's block (see kv.py's protocol); w numbers the workers."""
 
-    def __init__(self, numels: list[int], nw: int, itemsize: int, replicas: int = 1):
+    def __init__(self, numels: list[int], nw: int, itemsize: int, replicas: int = 1, ns: int = 1):
         n = self.n = len(numels)
         self.nw, self.itemsize = nw, itemsize
         self.numels = torch.tensor(numels, dtype=torch.int64)
@@ -178,18 +178,28 @@ class KVServerArea:
         self.reason_src = self.abort_src + U64
         self.total = self.abort_src + aligned(U64 + REASON)
         if replicas > 1:  # a replica's words (kv_replica.py); none with one copy: today's layout
-            # The record of a replication round: round | count | applied[nw] | rows[n] | values
-            self.rec = self.total
-            self.rec_rows = self.rec + U64 * (2 + nw)
-            self.rec_values = self.rec_rows + U64 * n
-            off = self.rec_values + vbytes
-            (self.commit, self.mround, self.commit_src, self.mround_src) = (off + i * U64 for i in range(4))
-            self.mapplied = off + 4 * U64
+            # Two slots for the record of a replication round, round | count | applied[nw] |
+            # rows[n] | values, used in turn: a record never overwrites the last committed one.
+            self.rec0 = self.total
+            self.rec_size = aligned(U64 * (2 + nw + n)) + vbytes
+            off = self.rec0 + 2 * self.rec_size
+            (self.commit, self.mround, self.mround_src, self.peek) = (off + i * U64 for i in range(4))
+            self.commit_src = off + 4 * U64  # u64[ns]: the commit word for each backup (its slot differs)
+            self.mapplied = self.commit_src + aligned(U64 * ns)
             self.takeover = self.mapplied + words
             self.total = self.takeover + words
 
     def push(self, w: int) -> int:
         return self.push_area + w * self.push_stride
+
+    def rec(self, slot: int) -> int:
+        return self.rec0 + slot * self.rec_size
+
+    def rec_rows(self, slot: int) -> int:
+        return self.rec(slot) + U64 * (2 + self.nw)
+
+    def rec_values(self, slot: int) -> int:
+        return self.rec(slot) + aligned(U64 * (2 + self.nw + self.n))
 
     def pull(self, w: int) -> int:
         return self.pull_area + w * self.pull_stride

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from rdmaflow import WRITE, InvalidArgumentError, RdmaflowError
+from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.kv_layout import U64, words
 
@@ -96,33 +96,35 @@ def replicate(rng, rows: torch.Tensor | None, timeout: float) -> None:
     count = len(rows)
     rng.round += 1
     rnd = rng.epoch << EPOCH_SHIFT | rng.round
-    head = words(raw, L.rec, 2 + nw + count)
+    head = words(raw, L.rec(0), 2 + nw)  # the record is built in slot 0 here, whatever slot it goes to
     head[0], head[1] = rnd, count
-    head[2 : 2 + nw] = rng.applied
-    head[2 + nw :] = rows
+    head[2:] = rng.applied
+    words(raw, L.rec_rows(0), count)[:] = rows
     where = rng._where(rows)
     k = rng._count(where)
-    values = raw[L.rec_values : L.rec_values + k * L.itemsize].view(rng.spec.dtype)
+    values = raw[L.rec_values(0) : L.rec_values(0) + k * L.itemsize].view(rng.spec.dtype)
     if isinstance(where, slice):
         values.copy_(rng.stored[where])
     else:
         torch.index_select(rng.stored, 0, where, out=values)
-    words(raw, L.commit_src, 1)[0] = rnd
     words(raw, L.mround_src, 1)[0] = rnd
+    commit_src = words(raw, L.commit_src, rng.spec.ns)
     spans = _spans(rng, rows, where, k)
     pending = []
     for b in list(rng.backups):
         futs = []
+        slot = b["slot"]
+        commit_src[b["proc"]] = rnd << 1 | slot
         try:
             post = _poster(rng, b, futs)
-            post(L.rec, L.rec, U64 * (2 + nw + count))
-            post(L.rec_values, L.rec_values, k * L.itemsize)
+            post(L.rec(0), L.rec(slot), U64 * (2 + nw + count))
+            post(L.rec_values(0), L.rec_values(slot), k * L.itemsize)
             b["channel"].fence()  # the record lands whole before its commit word
-            post(L.commit_src, L.commit, U64)
+            post(L.commit_src + U64 * b["proc"], L.commit, U64)
             b["channel"].fence()  # and the commit before any in-place value
             for a, e in spans:
                 post(a * L.itemsize, a * L.itemsize, (e - a) * L.itemsize)
-            post(L.rec + 2 * U64, L.mapplied, U64 * nw)
+            post(L.rec(0) + 2 * U64, L.mapplied, U64 * nw)
             b["channel"].fence()
             post(L.mround_src, L.mround, U64)
         except RdmaflowError as e:
@@ -134,9 +136,19 @@ def replicate(rng, rows: torch.Tensor | None, timeout: float) -> None:
         try:
             for f in futs:
                 f.result(deadline.left())
+            b["slot"] ^= 1  # the next record goes to the other slot: this one stays whole until then
         except RdmaflowError as e:  # a PeerError, or a backup that stopped answering: not a copy any more
             drop(rng, b, e)
     rng.stats["replicated"] = rng.stats.get("replicated", 0) + 1
+
+
+def first_slot(rng, b: dict, timeout: float) -> int:
+    """The record slot a new primary writes backup ``b`` first: the one its last committed
+    record is not in (one READ of its commit word)."""
+    L = rng.layout
+    b["channel"].memcpy(rng.region, rng.base + L.peek, b["remote"], b["base"] + L.commit, U64,
+                        READ).result(timeout)
+    return 1 - (int(words(rng.raw, L.peek, 1)[0]) & 1)
 
 
 def _poster(rng, b: dict, futs: list):
@@ -174,21 +186,22 @@ def drop(rng, b: dict, why) -> None:
 
 
 def redo(rng) -> torch.Tensor:
-    """A successor's first step: the mirror made whole (the last record applied again if it
-    landed whole and its in-place WRITEs may not have); returns the applied request numbers."""
+    """A successor's first step: the mirror made whole (the last committed record applied again
+    if its in-place WRITEs may not all have landed); returns the applied request numbers."""
     L, raw, nw = rng.layout, rng.raw, rng.nw
     commit, mround = int(words(raw, L.commit, 1)[0]), int(words(raw, L.mround, 1)[0])
     mapplied = words(raw, L.mapplied, nw)
-    if commit > mround:
-        head = words(raw, L.rec, 2 + nw)
+    slot = commit & 1
+    if commit >> 1 > mround:
+        head = words(raw, L.rec(slot), 2 + nw)
         count = int(head[1])
-        rows = words(raw, L.rec_rows, count).clone()
+        rows = words(raw, L.rec_rows(slot), count).clone()
         where = rng._where(rows)
-        values = raw[L.rec_values : L.rec_values + rng._count(where) * L.itemsize].view(rng.spec.dtype)
+        values = raw[L.rec_values(slot) : L.rec_values(slot) + rng._count(where) * L.itemsize].view(rng.spec.dtype)
         if isinstance(where, slice):
             rng.stored[where].copy_(values)
         else:
             rng.stored.index_copy_(0, where, values)
-        mapplied.copy_(head[2 : 2 + nw])
-        rng.stats["redone"] = 1
+        mapplied.copy_(head[2:])
+        rng.stats["redone"] = rng.stats.get("redone", 0) + 1
     return mapplied.clone()

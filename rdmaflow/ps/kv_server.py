@@ -12,7 +12,7 @@ import torch
 from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
-from rdmaflow.ps.kv_replica import candidates, owner, redo, replicate
+from rdmaflow.ps.kv_replica import candidates, drop, first_slot, owner, redo, replicate
 from rdmaflow.ps.protocol import ABORT, DONE, LEFT_WITHOUT_CLOSE
 from rdmaflow.ps.shard import ShardFailure
 from rdmaflow.transfer.common import pack_header, unpack_header
@@ -118,7 +118,8 @@ class KVShard:
     def copy_of(self, r: int, c: int) -> dict:
         """Where shard process c holds its copy of range r (a backup target)."""
         p = self.peers[c]
-        return {"proc": c, "ep": p["ep"], "remote": p["remote"], "base": p["ranges"][r], "channel": p["channel"]}
+        return {"proc": c, "ep": p["ep"], "remote": p["remote"], "base": p["ranges"][r], "channel": p["channel"],
+                "slot": 0}
 
     def _check_workers(self) -> None:
         for w, info in enumerate(self.workers):
@@ -288,7 +289,17 @@ class KVRange:
         self.released = 0
         self.epoch, self.round = epoch, 0
         sh = self.shard
-        self.backups = [sh.copy_of(self.r, c) for c in candidates(self.store, self.spec, self.r) if c != self.proc]
+        self.backups = []
+        for c in candidates(self.store, self.spec, self.r):
+            if c != self.proc:
+                b = sh.copy_of(self.r, c)
+                try:
+                    b["slot"] = first_slot(self, b, self.ctx.timeout)
+                except RdmaflowError as e:
+                    self.backups.append(b)
+                    drop(self, b, e)
+                    continue
+                self.backups.append(b)
         self.primary = True
         replicate(self, None, self.ctx.step_timeout)  # the other copies may hold a record this one lacks
         wl = self.spec.worker
@@ -299,6 +310,7 @@ class KVRange:
                 if f is not None:
                     self.inflight.append(f)
         self.stats["takeovers"] = self.stats.get("takeovers", 0) + 1
+        self.stats["took_over_at"] = time.monotonic()  # (the tests compare it with when they killed)
         print(f"rdmaflow ps: shard {self.proc} took over key range {self.r} (epoch {epoch})", file=sys.stderr,
               flush=True)
 
