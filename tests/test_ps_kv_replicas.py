@@ -16,7 +16,11 @@ import random
 import time
 
 import pytest
+import torch
 from test_ps_kv import COMMON, Job
+
+from rdmaflow.ps import kv_snapshot
+from rdmaflow.ps.kv_layout import declaration
 
 JOB_DEADLINE = 150.0  # seconds from the start of the jobs until every process must have exited
 
@@ -55,6 +59,7 @@ def body():
         expected[k] += prev[2]
     expected[mine] = own
     kv.barrier()
+    kv.save(pathlib.Path(__file__).with_suffix(".snapshot"))  # written by worker 0 once all are in
     final = kv.wait(kv.pull(torch.tensor(KEYS)))
     report(error=None, expected=expected, final=final.view(-1, 3).tolist(), ryw_bad=ryw_bad, pushes=i,
            failovers=kv.stats.get("failovers", 0))
@@ -133,13 +138,18 @@ def test_a_killed_primary_loses_no_acknowledged_push_over_tcp(jobs):
     started, deadline = jobs
     job = started["primary_dies"]
     killed = run_with_kills(job, JOBS["primary_dies"][5], deadline)
-    check_exact(job, [1])
+    res = check_exact(job, [1])
     # shard 2 serves range 1 now, within 5 s of the kill; shard 0 lost range 0's backup (shard 1)
     # and went on without it
     assert stats(job, 2).get("takeovers") == 1, stats(job, 2)
     assert stats(job, 2)["took_over_at"] - killed < 5.0, stats(job, 2)["took_over_at"] - killed
     assert stats(job, 0).get("backups_dropped") == 1, stats(job, 0)
     assert stats(job, 0)["replicated"] > 0
+    # save() after the failover: the file holds the same sums
+    keys = [int(k) for k in res[0]["expected"]]
+    decl = declaration(keys, [(3,)] * len(keys), torch.float64)
+    saved = kv_snapshot.load(str(job.path.with_suffix(".snapshot")), decl)
+    assert [t.tolist() for t in saved] == res[0]["final"]
 
 
 def test_two_primaries_killed_in_a_row_with_three_copies_over_sm(jobs):

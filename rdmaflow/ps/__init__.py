@@ -34,6 +34,7 @@ from rdmaflow.deadline import seconds_setting
 from rdmaflow.job import job_secret, route_address
 from rdmaflow.ps.context import Role, Store, resolve_role
 from rdmaflow.ps.kv import KVHandle, KVStore
+from rdmaflow.ps.kv_replica import replica_count
 from rdmaflow.ps.kv_server import check_handlers
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
 from rdmaflow.ps.worker import MODES, Worker
@@ -84,8 +85,6 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     step_timeout = seconds_setting(step_timeout, "step_timeout", "RDMAFLOW_PS_STEP_TIMEOUT", 300.0)
     role = resolve_role()
     if shard_replicas is not None:
-        from rdmaflow.ps.kv_replica import replica_count
-
         replica_count(shard_replicas, role.num_shards)  # checked here, used by the KVStore
     secret = job_secret()
     store = Store(role, timeout)
@@ -179,6 +178,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if ctx.optimizer_state == "closed":
             raise InvalidArgumentError("this job's DistributedOptimizer was closed, and its shards finished with it: "
                                        "a job has one DistributedOptimizer")
+        if replica_count(ctx.shard_replicas, ctx.role.num_shards) > 1:  # never a silent single copy
+            reason = ("replicated shards (ps.init(shard_replicas=), $RDMAFLOW_SHARD_REPLICAS, rdmaflow launch "
+                      "--shard-replicas) serve KVStore jobs only so far: a DistributedOptimizer job keeps one copy "
+                      "of each unit; start it with one copy")
+            ctx.store.abort(f"worker {ctx.role.index}: {reason}")
+            raise InvalidArgumentError(reason)
         if checkpoint_dir is None:
             checkpoint_dir = os.environ.get("RDMAFLOW_CHECKPOINT_DIR") or None
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,

@@ -442,9 +442,10 @@ class KVRange:
         touched = []
         for w in pushes:
             seq = int(p[w])
-            touched.append(self._apply(w).clone())
+            rows = self._apply(w)
             self.applied[w] = seq
             if self.backups:  # acknowledged below, once every backup holds it
+                touched.append(rows.clone())
                 continue
             self.ack_src[w] = seq
             f = self._post(w, self.base + self.layout.word(self.layout.ack_src, w), wl.ack + U64 * self.r, U64)
