@@ -169,3 +169,20 @@ def test_every_copy_of_a_range_dead_is_a_clear_error_on_every_worker(jobs):
         assert r["error"] and "key range 1 (the keys k with k % 3 == 1) is lost" in r["error"], (r, job.output())
     assert all(job.procs[r].returncode == 3 for r in range(3, 5)), job.output()
     assert job.procs[0].returncode == 1, "shard 0 should have stopped with the job"
+
+
+def test_the_replica_count_is_checked_and_the_argument_wins_over_the_environment(monkeypatch):
+    from rdmaflow import InvalidArgumentError
+    from rdmaflow.ps.kv_replica import REPLICAS_ENV, replica_count
+
+    monkeypatch.delenv(REPLICAS_ENV, raising=False)
+    assert replica_count(None, 3) == 1
+    monkeypatch.setenv(REPLICAS_ENV, "2")
+    assert replica_count(None, 3) == 2
+    assert replica_count(3, 3) == 3  # the argument wins
+    for bad, name in ((4, "replicas=4"), (0, "replicas=0"), (1.5, "replicas must"), (True, "replicas must")):
+        with pytest.raises(InvalidArgumentError, match=name):
+            replica_count(bad, 3)
+    monkeypatch.setenv(REPLICAS_ENV, "two")
+    with pytest.raises(InvalidArgumentError, match=r"\$RDMAFLOW_SHARD_REPLICAS must be a whole number"):
+        replica_count(None, 3)
