@@ -337,8 +337,8 @@ class KVStore:
                         recorded = store.abort(reason)
                         store.count_out()
                         raise WorkerFailure(reason if recorded in (None, reason) else f"the job was aborted: {recorded}")
-                    store.tcp.compare_set(store.ns + kv_replica.owner_key(r), text, f"{epoch + 1}:{live[0]}")
-                    epoch, c, _ = kv_replica.owner(store, r)  # the winner of the compare-and-set
+                    won = store.compare_set(kv_replica.owner_key(r), text, f"{epoch + 1}:{live[0]}")
+                    epoch, c = map(int, won.split(":"))  # this worker's choice, or another's that came first
                     if c == gone or self.copies[r][c]["channel"].failed:
                         continue
                 reason = self._abort_reason()

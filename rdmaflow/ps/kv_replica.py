@@ -63,7 +63,7 @@ def out_key(r: int, c: int) -> str:
 
 def owner(store, r: int) -> tuple[int, int, str]:
     """(epoch, shard, the key's text) of range r's primary; epoch 0 is its first, shard r."""
-    text = store.tcp.get(store.ns + owner_key(r)).decode() if store.check(owner_key(r)) else ""
+    text = store.get(owner_key(r)) if store.check(owner_key(r)) else ""
     if not text:
         return 0, r, ""
     e, c = text.split(":")
