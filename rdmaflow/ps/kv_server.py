@@ -158,8 +158,6 @@ class KVShard:
                     progressed = g._round() or progressed
                     if g.r == 0 and g._barrier():
                         progressed = True
-                elif replicated and g.rung():
-                    self._check_owners()
             if len(self.inflight) > 1024:
                 self.inflight = [f for f in self.inflight if not f.done()]
             if all_done and not progressed:
@@ -168,6 +166,11 @@ class KVShard:
             if now - last_check > POLL:
                 last_check = now
                 self._check_workers()
+                # a backup's takeover words, rung by the workers that elected it (every 50 ms: a
+                # backup does nothing per request)
+                rung = [g for g in self.ranges if replicated and not g.primary and g.rung()]  # each looked at
+                if rung:
+                    self._check_owners()
             if now - last_store > STORE_CHECK:
                 last_store = now
                 reason = self.store.abort_reason()  # (a store gone with shard 0 at the end is no error)
