@@ -327,6 +327,8 @@ class KVRange:
         except RdmaflowError as e:
             if int(self.done[w]) >= DONE:
                 return None  # that worker closed and left: nothing it waits for any more
+            if info["channel"].failed and not self.store.abort_reason():  # as _check_workers: the
+                self.store.declare_dead("worker", w)  # process serving the store need not wait for it
             raise ShardFailure(f"worker {w} at {info['ep']} died (shard {self.proc} cannot reach it: {e})"
                                f"{LEFT_WITHOUT_CLOSE}") from None
 
