@@ -170,6 +170,11 @@ class JobStore:
         n = int(self.get(key, timeout))
         return b"".join(self._do("get", self.tcp.get, f"{self.ns}{key}/{i}") for i in range(n)).decode()
 
+    def compare_set(self, key: str, expected: str, desired: str) -> str:
+        """Sets ``key`` to ``desired`` if it holds ``expected`` ("": not set), atomically; returns
+        what it holds afterwards (``desired``, or the value another process set first)."""
+        return self._do("compare_set", self.tcp.compare_set, self.ns + key, expected, desired).decode()
+
     def check(self, key: str) -> bool:
         """Whether ``key`` is set; never waits."""
         return self._do("check", self.tcp.check, [self.ns + key])

@@ -32,8 +32,9 @@ import torch
 from rdmaflow import Device, InvalidArgumentError, RdmaflowError
 from rdmaflow.deadline import seconds_setting
 from rdmaflow.job import job_secret, route_address
-from rdmaflow.ps.context import Role, Store, resolve_role
+from rdmaflow.ps.context import Role, Store, resolve_role, shard_incarnation
 from rdmaflow.ps.kv import KVHandle, KVStore
+from rdmaflow.ps.kv_replica import replica_count
 from rdmaflow.ps.kv_server import check_handlers
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
 from rdmaflow.ps.services import announce as announce_services
@@ -62,6 +63,7 @@ class PSContext:
     timeout: float
     step_timeout: float
     kv_state: str | None = None  # this job's KVStore: None (none made yet), "open" or "closed"
+    shard_replicas: int | None = None  # init's shard_replicas: a KVStore's replicas unless it names its own
     optimizer_state: str | None = None  # this job's DistributedOptimizer, the same way
     services: tuple[str, ...] | None = None  # what this worker declared (services.py); None: its first service
     services_agreed: bool = False  # whether they were checked against worker 0's (or written, on worker 0)
@@ -89,7 +91,7 @@ _CTX: PSContext | None = None
 
 def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,
          kv_handler=None, kv_batch_handler=None, sparse_handlers: dict | None = None,
-         services=None) -> PSContext:
+         services=None, shard_replicas: int | None = None) -> PSContext:
     """Joins the job. On a shard this serves until every worker is done, then exits the process
     (``exit_shards=False`` returns the shard's statistics instead); on a worker it returns the
     context that ``DistributedOptimizer`` or ``KVStore`` uses. ``kv_handler(key, stored, pushed)``
@@ -102,7 +104,11 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     ``services``: what the job's workers use, when it is more than one service, e.g.
     ``("optimizer", "sparse")`` for a ``DistributedOptimizer`` beside ``SparseTable``s; every
     worker gives the same (shards ignore it: they serve what worker 0 declared). Without it a job
-    runs the one service each worker makes first (services.py)."""
+    runs the one service each worker makes first (services.py).
+
+    ``shard_replicas``: how many shard processes hold a copy of each key range of a ``KVStore``
+    job (kv_replica.py; ``KVStore(replicas=)`` wins over it, it over ``$RDMAFLOW_SHARD_REPLICAS``;
+    worker 0's decides)."""
     global _CTX
     check_handlers(kv_handler, kv_batch_handler)
     sparse_handlers = check_user_handlers(sparse_handlers)
@@ -110,12 +116,22 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     timeout = seconds_setting(timeout, "timeout", "RDMAFLOW_PS_TIMEOUT", 60.0)
     step_timeout = seconds_setting(step_timeout, "step_timeout", "RDMAFLOW_PS_STEP_TIMEOUT", 300.0)
     role = resolve_role()
+    if shard_replicas is not None:
+        replica_count(shard_replicas, role.num_shards)  # checked here, used by the KVStore
+    if role.kind == "shard" and shard_incarnation() > 0:
+        # Rejoin (copying its ranges from a live copy) is not built: a restarted shard that set up
+        # afresh would publish an empty copy under its old name. It leaves before touching the job.
+        print(f"rdmaflow ps: shard {role.index} (restart {shard_incarnation()}) does not rejoin a running job "
+              "yet; it exits and the job goes on with one copy fewer of its ranges", file=sys.stderr, flush=True)
+        if exit_shards:
+            sys.exit(0)
+        return {"kind": "restarted", "rejoined": False}
     secret = job_secret()
     store = Store(role, timeout)
     host = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     device = Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
     ctx = PSContext(role, store, device, timeout, step_timeout, sparse_handlers=sparse_handlers,
-                    services=services)
+                    services=services, shard_replicas=shard_replicas)
     if role.kind == "shard":
         from rdmaflow.ps.kv import KVShard
         from rdmaflow.ps.services import serve
@@ -206,6 +222,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if ctx.optimizer_state == "closed":
             raise InvalidArgumentError("this job's DistributedOptimizer was closed, and its shards finished with it: "
                                        "a job has one DistributedOptimizer")
+        if replica_count(ctx.shard_replicas, ctx.role.num_shards) > 1:  # never a silent single copy
+            reason = ("replicated shards (ps.init(shard_replicas=), $RDMAFLOW_SHARD_REPLICAS, rdmaflow launch "
+                      "--shard-replicas) serve KVStore jobs only so far: a DistributedOptimizer job keeps one copy "
+                      "of each unit; start it with one copy")
+            ctx.store.abort(f"worker {ctx.role.index}: {reason}")
+            raise InvalidArgumentError(reason)
         if checkpoint_dir is None:
             checkpoint_dir = os.environ.get("RDMAFLOW_CHECKPOINT_DIR") or None
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,

@@ -22,7 +22,8 @@ unit: the default handler as one vectorised ``index_add_`` over the request, a u
 Modules: kv_layout.py (the declaration; KVLayout, KVServerArea, KVClientArea: where everything
 is), kv_request.py (a push or pull checked and cut by shard), kv_client.py (KVStore, the
 worker), kv_server.py (KVShard),
-kv_snapshot.py (the file ``save()`` writes and ``init=`` reads).
+kv_snapshot.py (the file ``save()`` writes and ``init=`` reads), kv_replica.py (replicated key
+ranges and their failover).
 
 The data path is one-sided, like the rest of the parameter server (see protocol.py): the
 side RPC and the c10d store are used at setup only, and by ``save()``, whose worker 0 tells the
@@ -93,6 +94,15 @@ worker's push flags were delivered, then WRITEs its barrier number to shard 0, w
 back to every worker once all live workers entered it; one that times out READs shard 0's done
 and barrier words to name the live workers that had not entered it. ``close()`` WRITEs DONE (after a fence)
 into every shard's done word; a shard applies what is left and exits when every worker is done.
+
+Replicas (``KVStore(..., replicas=R)``, kv_replica.py): shard process c holds the block of its own
+key range and a mirror block of each of the R-1 ranges before it. The primary of a range
+acknowledges a push, and answers a pull, only once it has WRITTEN the round's record and new
+values into every live backup's mirror and the WRITEs completed; a worker's ``wait(push)``,
+``barrier()`` and ``close()`` then wait for the acknowledgement. When a primary's channel fails,
+the workers elect its successor in the job's store, ring it, and send it again their
+unacknowledged push and pending pull of that range; it skips request numbers its copy applied.
+With R = 1 none of this exists: the layout and the data path are the ones above.
 """
 from __future__ import annotations
 
