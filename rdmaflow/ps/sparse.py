@@ -13,9 +13,9 @@ sparse_layout.py (request areas and words), sparse_handlers.py (add, SparseAdagr
 sparse_server.py (SparseShard, the shard's service), sparse_client.py (SparseTable, the worker).
 docs/parameter-server.md, "Sparse tables", draws the protocol: who writes what where.
 
-Placement: key k lives on shard ``shard_of(k)`` (a hash), in one of its two buckets there
-(two-choice bucketized hashing, 8 slots a bucket). A shard's table is one registered region per
-epoch: header, keys array, entries ``[version, key, check, row, state]``.
+Placement: key k lives on shard ``shard_of(k)`` (a hash), in one of its three buckets there
+(bucketized hashing with three choices, 8 slots a bucket). A shard's table is one registered
+region per epoch: header, keys array, entries ``[version, key, check, row, state]``.
 
 Push (worker w to shard s, at most ``batch_rows`` rows per request, one in flight per shard)::
 
@@ -27,7 +27,7 @@ Push (worker w to shard s, at most ``batch_rows`` rows per request, one in fligh
                                                  version even;  WRITE n << 1 | refused -> ack[s]
 
 Pull, one-sided (the region mapped on one host, or READs over UCX): wait until this worker's
-pushes to s are acked (read-your-writes); fetch both buckets' keys; find the slot; fetch the
+pushes to s are acked (read-your-writes); fetch its buckets' keys; find the slot; fetch the
 entry (mapped: versions, entries, versions, three ordered loads; READ: the check word);
 fetch the header: a region that is no longer LIVE, or of another epoch, means the table moved:
 look up the epoch it names and read again. An entry that does not verify goes as a request;

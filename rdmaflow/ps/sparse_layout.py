@@ -61,7 +61,7 @@ class SparseClientArea:
         self.pull_stage = [s * per + shard.push_stride for s in range(ns)]
         self.landing = [s * per + shard.push_stride + shard.pull_stride for s in range(ns)]
         off = ns * per
-        # Where one-sided READs of a shard's table land (the READ path): both buckets' keys, then
+        # Where one-sided READs of a shard's table land (the READ path): the buckets' keys, then
         # the entries, then the header, of up to batch_rows keys.
         self.read_keys = off
         self.read_entries = off + aligned(batch_rows * 2 * 16 * 8)

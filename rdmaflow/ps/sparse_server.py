@@ -369,7 +369,6 @@ class SparseShard:
 
     def serve(self) -> None:
         self.store.set(f"ep/shard/{self.id}", self.dev.endpoint)
-        self.store.set(f"sparse/ep/shard/{self.id}", "1")
         now = time.monotonic()
         last_progress = last_check = last_store = now
         while True:
@@ -378,7 +377,7 @@ class SparseShard:
             for t in self.tables:  # every table's round, whatever the others did
                 progressed |= t.round()
             now = time.monotonic()
-            if now - last_store > STORE_CHECK or not self.tables:
+            if now - last_store > STORE_CHECK:  # new tables, and the job's abort
                 last_store = now
                 if self._discover():
                     continue

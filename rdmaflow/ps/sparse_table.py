@@ -1,5 +1,5 @@
 """A sparse table's hash table as both sides see it: the layout of one shard's table region,
-the hashes that place a key (on a shard, in two buckets), the entries' self-check, the
+the hashes that place a key (on a shard, in three buckets), the entries' self-check, the
 initializers, and the vectorized lookup. No I/O: the shard (sparse_server.py) writes a region,
 a worker (sparse_client.py) reads a copy of it or maps it. The protocol is in sparse.py.
 
