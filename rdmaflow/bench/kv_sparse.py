@@ -299,14 +299,16 @@ def run_batch(batch: list[tuple[str, list[str]]], transport: str, rows: int, dim
 
 def compare_values(res: Results, transport: str, rows: int, dim: int) -> str:
     """"agree" when every system that answered the check pulled the same rows, else what differs."""
-    got = {s: c["check"] for (t, r, d, s), c in res.cells.items()
-           if (t, r, d) == (transport, rows, dim) and c.get("check")}
+    mine = {s: c for (t, r, d, s), c in res.cells.items() if (t, r, d) == (transport, rows, dim)}
+    got = {s: c["check"] for s, c in mine.items() if c.get("check")}
+    failed = [s for s, c in mine.items() if c.get("check_error")]
+    tail = f" ({', '.join(failed)}: the check pull failed)" if failed else ""
     if len(got) < 2:
-        return ""
+        return f"not compared{tail}" if failed else ""
     ref = next(iter(got.values()))["sha256"]
     if all(v["sha256"] == ref for v in got.values()):
-        return "agree"
-    return "differ: " + ", ".join(f"{s} sum {v['sum']:g}" for s, v in got.items())
+        return f"agree{' among the others' if failed else ''}{tail}"
+    return "differ: " + ", ".join(f"{s} sum {v['sum']:g}" for s, v in got.items()) + tail
 
 
 def run_perftest(transport: str, dims: list[int], args: argparse.Namespace, res: Results) -> None:
@@ -411,7 +413,7 @@ def table(res: Results, transport: str, rows_list: list[int], dims: list[int], s
             lines.append(f"{s} at {rows:,} x {dim}: {c['status']}: {c['note']}")
     for (t, rows, dim, s), c in res.cells.items():
         if t == transport and c.get("check_error"):
-            lines.append(f"{s} at {rows:,} x {dim}: its check pull failed: {c['check_error']}")
+            lines.append(f"{s} at {rows:,} x {dim}: its check pull ({2 * keys:,} keys) failed: {c['check_error']}")
     for (t, rows, dim), v in res.values.items():
         if t == transport and v:
             lines.append(f"values pulled at {rows:,} x {dim} after the same pushes: {v}")
@@ -561,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(format_bars(bars(res, transports, dims)))
     print(f"\nCSV: {os.path.join(args.out, 'kv-sparse.csv')}, JSON: {os.path.join(args.out, 'kv-sparse.json')}")
-    failed = [c for c in res.cells.values() if c["status"] == "failed"]
+    failed = [c for c in res.cells.values() if c["status"] == "failed" or c.get("check_error")]
     differ = [v for v in res.values.values() if v.startswith("differ")]
     return 130 if interrupted else (1 if failed or differ else 0)
 
