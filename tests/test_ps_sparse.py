@@ -66,6 +66,7 @@ def test_sparse_table_job(jobs, transport):
     for w, r in enumerate(results):
         # every row pushed by both workers, read back exactly (every byte), on every worker
         assert r["exact"] and r["rows"] > 1000, r
+        assert r["batched_exact"], "a pull of many requests of batch_rows keys each reads back exactly"
         # bad input: InvalidArgumentError naming the problem, nothing sent
         e = r["errors"]
         assert all(v != "no error" for v in e.values()), e

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rdmaflow.ps.kv_layout import REASON, U64
 from rdmaflow.ps.protocol import aligned
-from rdmaflow.ps.sparse_table import TableFormat
+from rdmaflow.ps.sparse_table import CHOICES, SLOTS, TableFormat
 
 HEAD = 2 * U64  # a request's header: count, op
 OP_PUSH, OP_ASSIGN = 0, 1  # apply the handler; set rows and state as given (a snapshot's restore)
@@ -64,7 +64,7 @@ class SparseClientArea:
         # Where one-sided READs of a shard's table land (the READ path): the buckets' keys, then
         # the entries, then the header, of up to batch_rows keys.
         self.read_keys = off
-        self.read_entries = off + aligned(batch_rows * 2 * 16 * 8)
+        self.read_entries = off + aligned(batch_rows * CHOICES * SLOTS * 16)  # every choice's bucket of keys
         self.read_header = self.read_entries + aligned(batch_rows * fmt.entry_bytes)
         off = self.read_header + aligned(64)
         words = aligned(U64 * ns)

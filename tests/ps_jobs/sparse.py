@@ -51,6 +51,8 @@ small = ps.SparseTable("small", dim=4, max_rows_per_shard=10, read_path=READ_PAT
 ada = ps.SparseTable("ada", dim=3, handler=ps.SparseAdagrad(lr=0.5, eps=1e-6, initial_accumulator_value=0.1),
                      initializer=ps.Constant(1.0), read_path=READ_PATH)  # noqa: F821
 user = ps.SparseTable("user", dim=2, dtype=torch.float16, handler="scale_set", read_path=READ_PATH)  # noqa: F821
+# requests of at most 48 rows: a pull's READs land for a whole batch (every bucket choice of 48 keys)
+batched = ps.SparseTable("batched", dim=8, batch_rows=48, read_path=READ_PATH)  # noqa: F821
 
 # -- bad input, before anything moves ------------------------------------------------------------------
 bad = {
@@ -97,6 +99,10 @@ got = emb.wait(emb.pull(keys))
 res["exact"] = bool(torch.equal(got, want))
 res["rows"] = len(keys)
 emb.barrier()
+if w == 0:
+    batched.wait(batched.push(keys, want))
+batched.barrier()
+res["batched_exact"] = bool(torch.equal(batched.wait(batched.pull(keys)), want))
 
 # -- a pull of present keys on the one-sided path sends no request (between barriers: no one else) ---
 before = emb.stats()
@@ -196,7 +202,7 @@ emb.save(OUT)  # noqa: F821
 if w == 0:
     snap_keys = torch.cat([keys, torch.tensor([123456789], dtype=torch.int64)])
     torch.save({"keys": snap_keys, "rows": emb.wait(emb.pull(snap_keys))}, OUT + ".expected.pt")  # noqa: F821
-for t in (emb, race, inits, small, ada, user):
+for t in (emb, race, inits, small, ada, user, batched):
     t.barrier()
     t.close()
 report(**res)
