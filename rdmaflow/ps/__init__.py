@@ -34,6 +34,7 @@ from rdmaflow.deadline import seconds_setting
 from rdmaflow.job import job_secret, route_address
 from rdmaflow.ps.context import Role, Store, resolve_role
 from rdmaflow.ps.kv import KVHandle, KVStore
+from rdmaflow.ps.kv_replica import replica_count
 from rdmaflow.ps.kv_server import check_handlers
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
 from rdmaflow.ps.worker import MODES, Worker
@@ -49,6 +50,7 @@ class PSContext:
     timeout: float
     step_timeout: float
     kv_state: str | None = None  # this job's KVStore: None (none made yet), "open" or "closed"
+    shard_replicas: int | None = None  # init's shard_replicas: a KVStore's replicas unless it names its own
     optimizer_state: str | None = None  # this job's DistributedOptimizer, the same way
 
     @property
@@ -67,23 +69,28 @@ _CTX: PSContext | None = None
 
 
 def init(*, timeout: float | None = None, step_timeout: float | None = None, exit_shards: bool = True,
-         kv_handler=None, kv_batch_handler=None) -> PSContext:
+         kv_handler=None, kv_batch_handler=None, shard_replicas: int | None = None) -> PSContext:
     """Joins the job. On a shard this serves until every worker is done, then exits the process
     (``exit_shards=False`` returns the shard's statistics instead); on a worker it returns the
     context that ``DistributedOptimizer`` or ``KVStore`` uses. ``kv_handler(key, stored, pushed)``
     is what the shards of a ``KVStore`` job apply to each key of a push (default: ``stored +=
     pushed``, over a whole request at once); ``kv_batch_handler(keys, stored, pushed)`` instead
-    gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py)."""
+    gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py).
+    ``shard_replicas``: how many shard processes hold a copy of each key range of a ``KVStore``
+    job (kv_replica.py; ``KVStore(replicas=)`` wins over it, it over ``$RDMAFLOW_SHARD_REPLICAS``;
+    worker 0's decides)."""
     global _CTX
     check_handlers(kv_handler, kv_batch_handler)
     timeout = seconds_setting(timeout, "timeout", "RDMAFLOW_PS_TIMEOUT", 60.0)
     step_timeout = seconds_setting(step_timeout, "step_timeout", "RDMAFLOW_PS_STEP_TIMEOUT", 300.0)
     role = resolve_role()
+    if shard_replicas is not None:
+        replica_count(shard_replicas, role.num_shards)  # checked here, used by the KVStore
     secret = job_secret()
     store = Store(role, timeout)
     host = route_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
     device = Device(f"{host}:0", secret=secret, connect_timeout=min(timeout, 30.0), rpc_timeout=timeout)
-    ctx = PSContext(role, store, device, timeout, step_timeout)
+    ctx = PSContext(role, store, device, timeout, step_timeout, shard_replicas=shard_replicas)
     if role.kind == "shard":
         from rdmaflow.ps.kv import KVShard, job_kind
         from rdmaflow.ps.shard import Shard
@@ -171,6 +178,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if ctx.optimizer_state == "closed":
             raise InvalidArgumentError("this job's DistributedOptimizer was closed, and its shards finished with it: "
                                        "a job has one DistributedOptimizer")
+        if replica_count(ctx.shard_replicas, ctx.role.num_shards) > 1:  # never a silent single copy
+            reason = ("replicated shards (ps.init(shard_replicas=), $RDMAFLOW_SHARD_REPLICAS, rdmaflow launch "
+                      "--shard-replicas) serve KVStore jobs only so far: a DistributedOptimizer job keeps one copy "
+                      "of each unit; start it with one copy")
+            ctx.store.abort(f"worker {ctx.role.index}: {reason}")
+            raise InvalidArgumentError(reason)
         if checkpoint_dir is None:
             checkpoint_dir = os.environ.get("RDMAFLOW_CHECKPOINT_DIR") or None
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,

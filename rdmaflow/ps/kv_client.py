@@ -12,10 +12,11 @@ import torch
 
 from rdmaflow import READ, WRITE, InvalidArgumentError, PeerError, RdmaflowError, RemoteRegion, TimeoutError
 from rdmaflow.deadline import Deadline, checked_timeout
-from rdmaflow.ps import kv_snapshot
+from rdmaflow.ps import kv_replica, kv_snapshot
 from rdmaflow.ps.checkpoint import resuming
 from rdmaflow.ps.context import dumps
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
+from rdmaflow.ps.kv_replica import replica_count
 from rdmaflow.ps.kv_request import Request, short
 from rdmaflow.ps.protocol import DONE
 from rdmaflow.ps.worker import WorkerFailure
@@ -29,12 +30,13 @@ ARENA_SLACK = 16 << 20  # room left in a worker's arena for tensors it pushes wi
 class KVHandle:
     """What ``push`` and ``pull`` return; pass it to ``KVStore.wait``."""
 
-    __slots__ = ("_futs", "_keep", "_parts", "_request", "_result", "done", "keys", "kind")
+    __slots__ = ("_acks", "_futs", "_keep", "_parts", "_request", "_result", "done", "keys", "kind")
 
     def __init__(self, kind: str, request: Request):
         self.kind, self.keys, self._request = kind, request.keys, request
         self._futs: list = []
         self._parts: list[_PullPart] = []
+        self._acks: list[tuple[int, int]] = []  # with replicas: (range, push number) acknowledged at wait
         self._keep: list = []  # tensors sent without a copy, alive until the WRITEs completed
         self.done = False
         self._result = None
@@ -78,7 +80,7 @@ class KVStore:
     one thread waiting for a slow shard does not hold back another's pushes and pulls."""
 
     def __init__(self, keys, shapes, dtype: torch.dtype = torch.float32, *, init=None, ctx=None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, replicas: int | None = None):
         if ctx is None:
             from rdmaflow import ps
 
@@ -118,7 +120,9 @@ class KVStore:
             decl = declaration(keys, shapes, dtype)
             if init is not None and self.id == 0:
                 init = kv_snapshot.load(os.fspath(init), decl) if snapshot else self._check_init(decl, keys, init)
-            self._setup(decl, init if self.id == 0 else None)
+            if self.id == 0:  # worker 0's setting is the job's (kv_replica.replica_count)
+                replicas = replica_count(ctx.shard_replicas if replicas is None else replicas, self.role.num_shards)
+            self._setup(decl, init if self.id == 0 else None, replicas)
         except Exception as e:
             # A peer lost during setup (a shard that closed its device) is most likely a
             # consequence of the job's abort: then that is what to report.
@@ -147,11 +151,11 @@ class KVStore:
         return out
 
     # -- setup ------------------------------------------------------------------------------------
-    def _setup(self, decl: dict, init) -> None:
+    def _setup(self, decl: dict, init, replicas: int | None) -> None:
         store, role = self.store, self.role
         store.set(f"ep/worker/{self.id}", self.dev.endpoint)
         if self.id == 0:
-            store.set_large("kv/spec", dumps(dict(decl, init=init is not None)))  # ~15 bytes a key
+            store.set_large("kv/spec", dumps(dict(decl, init=init is not None, replicas=replicas)))  # ~15 bytes a key
             store.set("config", dumps({"kind": "kv"}))
         cfg = json.loads(store.get("config"))
         if cfg.get("kind") != "kv":
@@ -162,7 +166,8 @@ class KVStore:
         if job_decl != decl:
             raise InvalidArgumentError(
                 f"worker {self.id}'s key declaration differs from worker 0's: {describe_difference(decl, job_decl)}")
-        self.spec = spec = KVLayout(decl, role.num_shards, role.num_workers)
+        self.replicas = int(job.get("replicas", 1))
+        self.spec = spec = KVLayout(decl, role.num_shards, role.num_workers, self.replicas)
         self.dtype, self.keys = spec.dtype, spec.keys
         L = self.layout = spec.worker
         self.arena = self.dev.ensure_arena(L.total + ARENA_SLACK)
@@ -196,18 +201,27 @@ class KVStore:
         self._pending: list[_PullPart | None] = [None] * ns
         self._unflushed: list = []  # futures of push flags not yet known to be visible
         self._held: list = []  # (the futures of a push's WRITEs, the arena tensors it sends from)
+        # The last push (staged bytes, arena parts (offset, bytes), their tensors) and pull (bytes)
+        # staged for each range: what a failover sends the range's successor again.
+        self._staged: list[tuple | None] = [None] * ns
+        self._pull_bytes = [0] * ns
         self.dev.publish("ps/kv/worker", pack_header({"total": L.total, "base": self.base}, self.region.descriptor()))
         store.set(f"ready/worker/{self.id}", "1")
-        self.shards = []
-        for s in range(ns):
-            ep = store.get(f"ep/shard/{s}")
-            store.wait([f"ready/shard/{s}"])
+        # copies[r][c]: where shard process c holds key range r; shards[r]: the copy that serves it
+        self.copies: list[dict[int, dict]] = [{} for _ in range(ns)]
+        for c in range(ns):
+            ep = store.get(f"ep/shard/{c}")
+            store.wait([f"ready/shard/{c}"])
             meta, desc = unpack_header(self.dev.lookup(ep, "ps/kv/shard", self.ctx.timeout), "ps/kv/shard")
-            if int(meta["total"]) != spec.shards[s].total:
-                raise WorkerFailure(f"shard {s} computed a layout of {meta['total']} bytes, this worker "
-                                    f"{spec.shards[s].total}: are all processes running the same rdmaflow?")
-            self.shards.append({"ep": ep, "remote": RemoteRegion.from_descriptor(desc),
-                                "base": int(meta["base"]), "layout": spec.shards[s], "channel": self.dev.channel(ep)})
+            remote, channel = RemoteRegion.from_descriptor(desc), self.dev.channel(ep)
+            for r, (base, total) in meta["ranges"].items():
+                r = int(r)
+                if int(total) != spec.shards[r].total:
+                    raise WorkerFailure(f"shard {c} computed a layout of {total} bytes for key range {r}, this "
+                                        f"worker {spec.shards[r].total}: are all processes running the same rdmaflow?")
+                self.copies[r][c] = {"proc": c, "ep": ep, "remote": remote, "base": int(base),
+                                     "layout": spec.shards[r], "channel": channel}
+        self.shards = [self.copies[r][r] for r in range(ns)]
         # The shards are serving (and have read worker 0's initial values) once this returns.
         store.wait([f"kv/serving/{s}" for s in range(ns)])
 
@@ -245,6 +259,9 @@ class KVStore:
                                 f"{reason or self.store.aborted() or 'see its output'}")
         sh = self.shards[s]
         if sh["channel"].failed:
+            if self.replicas > 1:
+                self._failover(s)
+                return False
             raise self._fail(f"shard {s} at {sh['ep']} died while worker {self.id} waited for {what}", dead_shard=s)
         return False
 
@@ -281,8 +298,89 @@ class KVStore:
             except TimeoutError:
                 raise TimeoutError(f"{what} did not reach shard {s} within {deadline.timeout:g} s") from None
             except PeerError as e:
+                if self.replicas > 1:  # what the dead primary owed goes to its successor
+                    self._failover(s)
+                    continue
                 raise self._fail(f"shard {s} at {self.shards[s]['ep']} died while worker {self.id} waited "
                                  f"for {what}: {e}", dead_shard=s) from None
+
+    def _wait_acks(self, deadline: Deadline) -> None:
+        """With replicas: waits until every range acknowledged this worker's last push to it (every
+        live copy holds it); a barrier covers such pushes only, since a failover may redo others."""
+        if self.replicas > 1:
+            for s, seq in enumerate(self.push_seq):
+                self._wait_word(self.ack, s, seq, s, f"shard {s}'s acknowledgement of a push", deadline)
+
+    def _failover(self, r: int) -> None:
+        """Range r's primary is gone (its channel failed): agrees with the others, through the
+        job's store, on its successor (the first holder of the range, in succession order, that
+        is neither declared dead nor dropped), rings it, and sends it again what the dead one may
+        not have answered (kv_replica.py). WorkerFailure, and the job aborted, when no copy of the
+        range is left. Another thread that did it already leaves nothing to do."""
+        with self._lock:
+            store, spec = self.store, self.spec
+            deadline = Deadline(self.timeout)
+            while self.shards[r]["channel"].failed:
+                if deadline.passed():
+                    raise TimeoutError(f"worker {self.id} could not agree on a successor for key range {r} within "
+                                       f"{deadline.timeout:g} s")
+                gone = self.shards[r]["proc"]
+                store.declare_dead("shard", gone)
+                epoch, c, text = kv_replica.owner(store, r)
+                while c != gone and (self.copies[r][c]["channel"].failed or kv_replica.dead(store, c)):
+                    store.declare_dead("shard", c)  # its successor died too: elect among the rest
+                    gone = c
+                if c == gone:
+                    live = [x for x in kv_replica.candidates(store, spec, r) if not self.copies[r][x]["channel"].failed]
+                    if not live:
+                        reason = kv_replica.lost_message(spec, r)
+                        recorded = store.abort(reason)
+                        store.count_out()
+                        raise WorkerFailure(reason if recorded in (None, reason) else f"the job was aborted: {recorded}")
+                    store.tcp.compare_set(store.ns + kv_replica.owner_key(r), text, f"{epoch + 1}:{live[0]}")
+                    epoch, c, _ = kv_replica.owner(store, r)  # the winner of the compare-and-set
+                    if c == gone or self.copies[r][c]["channel"].failed:
+                        continue
+                reason = self._abort_reason()
+                if reason:
+                    raise WorkerFailure(f"the job was aborted: {reason}")
+                self.shards[r] = self.copies[r][c]
+                try:
+                    self._resend(r, epoch)
+                except PeerError:
+                    continue  # the successor died meanwhile: its channel failed, elect again
+                self.stats["failovers"] = self.stats.get("failovers", 0) + 1
+
+    def _resend(self, r: int, epoch: int) -> None:
+        """Sends range r's new primary what this worker's last push and pull to it were, unless
+        answered (it skips a push its copy applied already: request numbers), the barrier this
+        worker last entered (range 0 relays barriers), then rings its takeover word."""
+        L, sl, t = self.layout, self.spec.shards[r], self.shards[r]
+        ch, futs = t["channel"], []
+
+        def post(local: int, remote: int, nbytes: int) -> None:
+            futs.append((r, ch.memcpy(self.region, local, t["remote"], t["base"] + remote, nbytes, WRITE)))
+
+        if self.push_seq[r] > int(self.ack[r]) and self._staged[r] is not None:
+            nbytes, direct, _ = self._staged[r]
+            post(self.base + L.push_stage[r], sl.push(self.id), nbytes)
+            at = sl.push(self.id) + nbytes
+            for off, n in direct:
+                post(off, at, n)
+                at += n
+            ch.fence()
+            post(self.base + L.push_src + U64 * r, sl.word(sl.push_flag, self.id), U64)
+        part = self._pending[r]
+        if part is not None and not part.done and int(self.reply[r]) < part.seq:
+            post(self.base + L.pull_stage[r], sl.pull(self.id), self._pull_bytes[r])
+            ch.fence()
+            post(self.base + L.pull_src + U64 * r, sl.word(sl.pull_flag, self.id), U64)
+        if r == 0 and self.barrier_seq:
+            post(self.base + L.barrier_src, sl.word(sl.barrier, self.id), U64)
+        words(self.raw, L.takeover_src, len(self.shards))[r] = epoch
+        ch.fence()
+        post(self.base + L.takeover_src + U64 * r, sl.takeover + U64 * self.id, U64)
+        self._unflushed.extend(futs)
 
     @contextlib.contextmanager
     def _locked_when(self, op: str | None, due, deadline: Deadline):
@@ -319,6 +417,9 @@ class KVStore:
         try:
             return s, sh["channel"].memcpy(self.region, local_off, sh["remote"], sh["base"] + remote_off, nbytes, WRITE)
         except PeerError as e:
+            if self.replicas > 1 and sh["channel"].failed:
+                self._failover(s)
+                return self._write(s, local_off, remote_off, nbytes, what)
             raise self._fail(f"shard {s} at {sh['ep']} is unreachable from worker {self.id} ({what}): {e}") from None
 
     # -- the API ----------------------------------------------------------------------------------
@@ -394,6 +495,9 @@ class KVStore:
                 torch.cat([req.tensors[p].reshape(-1) for p in order[:n_copied].tolist()], out=out)
         remote = spec.shards[s].push(self.id)
         nbytes = head + copied_elements * spec.itemsize
+        if self.replicas > 1:
+            self._staged[s] = (nbytes, [(off, numel * spec.itemsize) for (_, off), numel in
+                                        zip(direct, numels[n_copied:].tolist())], [req.tensors[p] for p, _ in direct])
         h._futs.append(self._write(s, self.base + stage, remote, nbytes, "push"))
         at = remote + nbytes
         for (_, off), numel in zip(direct, numels[n_copied:].tolist()):
@@ -406,6 +510,8 @@ class KVStore:
         pair = self._write(s, self.base + L.push_src + U64 * s, sl.word(sl.push_flag, self.id), U64, "push")
         h._futs.append(pair)
         self._unflushed.append(pair)
+        if self.replicas > 1:
+            h._acks.append((s, self.push_seq[s]))
 
     def pull(self, keys, outs=None) -> KVHandle:
         """Asks the keys' shards for their values, one request per shard; ``wait`` copies them into
@@ -433,7 +539,8 @@ class KVStore:
         for s, positions in parts:
             sel = positions if positions is not None else torch.arange(len(req))
             stage = L.pull_stage[s]
-            nbytes = self._stage_indices(stage, spec.local_tensor.index_select(0, req.j.index_select(0, sel)))
+            nbytes = self._pull_bytes[s] = self._stage_indices(
+                stage, spec.local_tensor.index_select(0, req.j.index_select(0, sel)))
             sl = spec.shards[s]
             h._futs.append(self._write(s, self.base + stage, sl.pull(self.id), nbytes, "pull"))
             self.shards[s]["channel"].fence()  # behind the request, and this worker's pushes: read-your-writes
@@ -481,6 +588,8 @@ class KVStore:
         deadline = Deadline(self.timeout if timeout is None else timeout)
         what = f"{handle.kind} of keys {short(handle.keys)}"
         self._wait_futures(list(handle._futs), deadline, what)
+        for s, seq in handle._acks:  # with replicas: a push is done once every copy of its range holds it
+            self._wait_word(self.ack, s, seq, s, f"shard {s}'s acknowledgement of a push", deadline)
         # A pull's replies, then their copy out of the landing areas, unless a pull made
         # meanwhile copied them out already (part.done); after close() too, which copies them.
         with self._locked_when(None, lambda: self._replies(handle._parts), deadline):
@@ -527,6 +636,7 @@ class KVStore:
             if not self._in_barrier:
                 self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
                 self._unflushed = []
+                self._wait_acks(deadline)
                 self.barrier_seq += 1
                 self.barrier_src[0] = self.barrier_seq
                 shard0 = self.spec.shards[0]
@@ -628,12 +738,14 @@ class KVStore:
                 if part is not None:
                     self._complete(part, deadline)
             self._wait_futures(self._unflushed, deadline, f"worker {self.id}'s pushes")
+            self._wait_acks(deadline)
         except RdmaflowError:
             pass  # the job is failing already; still tell the shards this worker is done
         self._unflushed = []
         self.done_src[0] = DONE
         futs = []
-        for sh in getattr(self, "shards", []):
+        # DONE into every copy of every range: a backup that takes over later knows who left
+        for sh in (c for copies in getattr(self, "copies", []) for c in copies.values()):
             if sh["channel"].failed:
                 continue
             try:

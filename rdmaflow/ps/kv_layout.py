@@ -91,8 +91,9 @@ class KVLayout:
     numbers the declared keys ascending; key j lives on shard ``shard_of[j]`` as that shard's
     key ``local[j]``; a shard packs its keys' values densely in key order (``offset``)."""
 
-    def __init__(self, decl: dict, num_shards: int, num_workers: int):
+    def __init__(self, decl: dict, num_shards: int, num_workers: int, replicas: int = 1):
         self.decl = decl
+        self.replicas = replicas
         self.dtype = DTYPES[decl["dtype"]]
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.keys = [int(k) for k, _ in decl["keys"]]
@@ -118,9 +119,18 @@ class KVLayout:
         # Every key has the same number of elements (scalars, rows of a table): requests then
         # index values as rows of that width instead of through per-element index lists.
         self.width = self.numel[0] if len(set(self.numel)) == 1 else None
-        self.shards = [KVServerArea([self.numel[j] for j in js], num_workers, self.itemsize)
+        self.shards = [KVServerArea([self.numel[j] for j in js], num_workers, self.itemsize, replicas, num_shards)
                        for js in self.shard_keys]
-        self.worker = KVClientArea(self.shards)
+        self.worker = KVClientArea(self.shards, replicas)
+
+    def holders(self, r: int) -> list[int]:
+        """The shard processes that hold key range r (the keys of shard r): its first primary,
+        then its backups in the order they succeed it (kv_replica.py)."""
+        return [(r + i) % self.ns for i in range(self.replicas)]
+
+    def held_by(self, c: int) -> list[int]:
+        """The key ranges shard process c holds a copy of: its own first, then those it backs up."""
+        return [(c - i) % self.ns for i in range(self.replicas)]
 
 
 def element_index(offsets: torch.Tensor, numels: torch.Tensor, rows: torch.Tensor, width: int | None) -> torch.Tensor:
@@ -145,7 +155,7 @@ def request_bytes(count: int, elements: int, itemsize: int) -> int:
 class KVServerArea:
     """Where things are in one shard's block (see kv.py's protocol); w numbers the workers."""
 
-    def __init__(self, numels: list[int], nw: int, itemsize: int):
+    def __init__(self, numels: list[int], nw: int, itemsize: int, replicas: int = 1, ns: int = 1):
         n = self.n = len(numels)
         self.nw, self.itemsize = nw, itemsize
         self.numels = torch.tensor(numels, dtype=torch.int64)
@@ -167,9 +177,29 @@ class KVServerArea:
         self.abort_src = off + 7 * words
         self.reason_src = self.abort_src + U64
         self.total = self.abort_src + aligned(U64 + REASON)
+        if replicas > 1:  # a replica's words (kv_replica.py); none with one copy: today's layout
+            # Two slots for the record of a replication round, round | count | applied[nw] |
+            # rows[n] | values, used in turn: a record never overwrites the last committed one.
+            self.rec0 = self.total
+            self.rec_size = aligned(U64 * (2 + nw + n)) + vbytes
+            off = self.rec0 + 2 * self.rec_size
+            (self.commit, self.mround, self.mround_src, self.peek) = (off + i * U64 for i in range(4))
+            self.commit_src = off + 4 * U64  # u64[ns]: the commit word for each backup (its slot differs)
+            self.mapplied = self.commit_src + aligned(U64 * ns)
+            self.takeover = self.mapplied + words
+            self.total = self.takeover + words
 
     def push(self, w: int) -> int:
         return self.push_area + w * self.push_stride
+
+    def rec(self, slot: int) -> int:
+        return self.rec0 + slot * self.rec_size
+
+    def rec_rows(self, slot: int) -> int:
+        return self.rec(slot) + U64 * (2 + self.nw)
+
+    def rec_values(self, slot: int) -> int:
+        return self.rec(slot) + aligned(U64 * (2 + self.nw + self.n))
 
     def pull(self, w: int) -> int:
         return self.pull_area + w * self.pull_stride
@@ -184,7 +214,7 @@ class KVServerArea:
 class KVClientArea:
     """Where things are in a worker's block (see kv.py's protocol); s numbers the shards."""
 
-    def __init__(self, shards: list[KVServerArea]):
+    def __init__(self, shards: list[KVServerArea], replicas: int = 1):
         ns = len(shards)
         off, self.push_stage, self.pull_stage, self.landing = 0, [], [], []
         for sh in shards:  # per shard: where requests are staged, where its replies land
@@ -203,6 +233,9 @@ class KVClientArea:
         sh0 = shards[0]
         self.peek = self.barrier + aligned(4 * U64)
         self.total = self.peek + sh0.barrier - sh0.done + aligned(U64 * sh0.nw)
+        if replicas > 1:  # the epoch this worker rings a successor's takeover word with, per range
+            self.takeover_src = self.total
+            self.total += words
 
 
 def words(raw: torch.Tensor, off: int, count: int) -> torch.Tensor:
