@@ -178,19 +178,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if ctx.optimizer_state == "closed":
             raise InvalidArgumentError("this job's DistributedOptimizer was closed, and its shards finished with it: "
                                        "a job has one DistributedOptimizer")
-        if replica_count(ctx.shard_replicas, ctx.role.num_shards) > 1:  # never a silent single copy
-            reason = ("replicated shards (ps.init(shard_replicas=), $RDMAFLOW_SHARD_REPLICAS, rdmaflow launch "
-                      "--shard-replicas) serve KVStore jobs only so far: a DistributedOptimizer job keeps one copy "
-                      "of each unit; start it with one copy")
-            ctx.store.abort(f"worker {ctx.role.index}: {reason}")
-            raise InvalidArgumentError(reason)
+        replicas = replica_count(ctx.shard_replicas, ctx.role.num_shards)
+        if replicas > 1:  # never a silent single copy: what is not built says so
+            where = shard_device or os.environ.get("RDMAFLOW_PS_SHARD_DEVICE") or "cpu"
+            missing = (f"mode={mode!r}" if mode != "sync" else
+                       f"shard_device={where!r}" if where != "cpu" else None)
+            if missing:
+                reason = (f"replicated shards (R={replicas}: ps.init(shard_replicas=), $RDMAFLOW_SHARD_REPLICAS, "
+                          "rdmaflow launch --shard-replicas) of a DistributedOptimizer are built for mode='sync' "
+                          f"on CPU shards only; {missing} is not supported yet: start this job with one copy")
+                ctx.store.abort(f"worker {ctx.role.index}: {reason}")
+                raise InvalidArgumentError(reason)
         if checkpoint_dir is None:
             checkpoint_dir = os.environ.get("RDMAFLOW_CHECKPOINT_DIR") or None
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,
                              block_bytes=block_bytes, overlap=overlap, zero_copy=zero_copy,
                              min_workers=min_workers, checkpoint_dir=checkpoint_dir,
                              checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
-                             shard_device=shard_device)
+                             shard_device=shard_device, replicas=replicas)
         ctx.optimizer_state = "open"
         self.ctx = ctx
         self.optimizer = optimizer
