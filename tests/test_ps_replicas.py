@@ -62,7 +62,7 @@ def shard_stats(job: Job, s: int) -> dict:
 
 def test_dense_replicas_bit_identical(tmp_path):
     jobs = {r: Job(f"dense_r{r}", script(r), 2, 2, "tcp", tmp_path) for r in (1, 2)}
-    refused = None
+    refused = Job("dense_async", script(2, "async"), 1, 2, "tcp", tmp_path)
     try:
         deadline = time.monotonic() + JOB_DEADLINE
         for job in jobs.values():
@@ -80,14 +80,12 @@ def test_dense_replicas_bit_identical(tmp_path):
             other = stats[1 - s]
             assert other["mirrors"][str(s)] == st["digest"], (s, stats)  # the backup's mirror = its primary
         assert "digest" not in shard_stats(jobs[1], 0)  # R = 1: nothing of the replicas runs
-        refused = Job("dense_async", script(2, "async"), 1, 2, "tcp", tmp_path)
-        refused.wait(time.monotonic() + JOB_DEADLINE)
+        refused.wait(deadline)
         (res,) = refused.results()
         assert res["error"].startswith("InvalidArgumentError") and "mode='async' is not supported yet" in res["error"]
     finally:
         for job in (*jobs.values(), refused):
-            if job is not None:
-                job.kill()
+            job.kill()
 
 
 if __name__ == "__main__":

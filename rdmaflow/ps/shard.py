@@ -168,7 +168,7 @@ class Shard(UnitOptimizers):
             state = checkpoint.load(self.ckpt_dir, self.start, self.id, role.num_shards, self.fingerprint())
             with torch.no_grad():
                 self.weights.copy_(state["weights"])
-            self.load_optimizers(state["optimizer"], self.start)
+            self.load_optimizers(state["optimizer"], self.start, ShardFailure)
         else:
             # Initial weights: worker 0's parameters.
             w0 = self.workers[0]

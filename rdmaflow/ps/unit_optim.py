@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rdmaflow import RdmaflowError
 from rdmaflow.ps.layout import runs_of, units_holding
 from rdmaflow.ps.optim import build_optimizer, describe_optimizer, hyper_values, set_hyper
 
@@ -34,11 +35,9 @@ class UnitOptimizers:
             params = [self.weights[u.shard_offset : u.shard_offset + u.numel] for u in chunk]
             self.optimizers.append((params, build_optimizer(optim, params)))
 
-    def load_optimizers(self, states: list, step: int) -> None:
+    def load_optimizers(self, states: list, step: int, error=RdmaflowError) -> None:
         if len(states) != len(self.optimizers):
-            from rdmaflow.ps.shard import ShardFailure
-
-            raise ShardFailure(f"checkpoint of step {step} has {len(states)} optimizer chunks, "
+            raise error(f"checkpoint of step {step} has {len(states)} optimizer chunks, "
                                f"this shard {len(self.optimizers)} (another RDMAFLOW_PS_CHUNK_BYTES?)")
         for (_, opt), st in zip(self.optimizers, states):
             opt.load_state_dict(st)
