@@ -78,7 +78,8 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
     gets a whole request: its keys and their stored and pushed values as tensors (see kv_server.py).
     ``shard_replicas``: how many shard processes hold a copy of each key range of a ``KVStore``
     job (kv_replica.py; ``KVStore(replicas=)`` wins over it, it over ``$RDMAFLOW_SHARD_REPLICAS``;
-    worker 0's decides)."""
+    worker 0's decides), or of each unit of a ``DistributedOptimizer`` in mode="sync" on CPU
+    shards (dense_replica.py: replication without failover so far; other modes refuse R > 1)."""
     global _CTX
     check_handlers(kv_handler, kv_batch_handler)
     timeout = seconds_setting(timeout, "timeout", "RDMAFLOW_PS_TIMEOUT", 60.0)
