@@ -108,7 +108,8 @@ def init(*, timeout: float | None = None, step_timeout: float | None = None, exi
 
     ``shard_replicas``: how many shard processes hold a copy of each key range of a ``KVStore``
     job (kv_replica.py; ``KVStore(replicas=)`` wins over it, it over ``$RDMAFLOW_SHARD_REPLICAS``;
-    worker 0's decides)."""
+    worker 0's decides), or of each unit of a ``DistributedOptimizer`` in mode="sync" on CPU
+    shards (dense_replica.py: replication without failover so far; other modes refuse R > 1)."""
     global _CTX
     check_handlers(kv_handler, kv_batch_handler)
     sparse_handlers = check_user_handlers(sparse_handlers)
@@ -222,19 +223,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if ctx.optimizer_state == "closed":
             raise InvalidArgumentError("this job's DistributedOptimizer was closed, and its shards finished with it: "
                                        "a job has one DistributedOptimizer")
-        if replica_count(ctx.shard_replicas, ctx.role.num_shards) > 1:  # never a silent single copy
-            reason = ("replicated shards (ps.init(shard_replicas=), $RDMAFLOW_SHARD_REPLICAS, rdmaflow launch "
-                      "--shard-replicas) serve KVStore jobs only so far: a DistributedOptimizer job keeps one copy "
-                      "of each unit; start it with one copy")
-            ctx.store.abort(f"worker {ctx.role.index}: {reason}")
-            raise InvalidArgumentError(reason)
+        replicas = replica_count(ctx.shard_replicas, ctx.role.num_shards)
+        if replicas > 1:  # never a silent single copy: what is not built says so
+            where = shard_device or os.environ.get("RDMAFLOW_PS_SHARD_DEVICE") or "cpu"
+            missing = (f"mode={mode!r}" if mode != "sync" else
+                       f"shard_device={where!r}" if where != "cpu" else None)
+            if missing:
+                reason = (f"replicated shards (R={replicas}: ps.init(shard_replicas=), $RDMAFLOW_SHARD_REPLICAS, "
+                          "rdmaflow launch --shard-replicas) of a DistributedOptimizer are built for mode='sync' "
+                          f"on CPU shards only; {missing} is not supported yet: start this job with one copy")
+                ctx.store.abort(f"worker {ctx.role.index}: {reason}")
+                raise InvalidArgumentError(reason)
+            if ctx.role.index == 0:  # the copies are real, the failover is not: say so once, at the start
+                print(f"rdmaflow ps: DistributedOptimizer units replicated on {replicas} shards; failover of a "
+                      "dense shard is not built yet, so a shard's death still ends the job "
+                      "(docs/parameter-server.md, 'The dense protocol')", file=sys.stderr, flush=True)
         if checkpoint_dir is None:
             checkpoint_dir = os.environ.get("RDMAFLOW_CHECKPOINT_DIR") or None
         self.worker = Worker(ctx, model, optimizer, mode=mode, staleness=staleness, policy=policy,
                              block_bytes=block_bytes, overlap=overlap, zero_copy=zero_copy,
                              min_workers=min_workers, checkpoint_dir=checkpoint_dir,
                              checkpoint_every=checkpoint_every, log_every=log_every, progress=progress,
-                             shard_device=shard_device)
+                             shard_device=shard_device, replicas=replicas)
         ctx.optimizer_state = "open"
         self.ctx = ctx
         self.optimizer = optimizer

@@ -19,8 +19,9 @@ from rdmaflow.deadline import Deadline
 from rdmaflow.job import env_int
 from rdmaflow.ps import checkpoint
 from rdmaflow.ps.context import profile_stream
-from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest, units_holding
-from rdmaflow.ps.optim import build_optimizer, describe_optimizer, hyper_fields, hyper_values, set_hyper
+from rdmaflow.ps.dense_replica import Backups, Mirror, MirrorLayout, primaries_of, source_bytes
+from rdmaflow.ps.layout import MIN_CHUNK_BYTES, PLACEMENT_VERSION, make_plan, runs_of, spec_digest
+from rdmaflow.ps.optim import hyper_fields
 from rdmaflow.ps.protocol import (
     ABORT,
     DONE,
@@ -34,6 +35,7 @@ from rdmaflow.ps.protocol import (
     write_runs_then_flag,
 )
 from rdmaflow.ps.services import stop_others, stopping
+from rdmaflow.ps.unit_optim import UnitOptimizers
 from rdmaflow.transfer import FLOAT_DTYPES, Word, pack_header, unpack_header, wait_flag
 from rdmaflow.transfer.common import stream_done
 
@@ -44,7 +46,7 @@ class ShardFailure(RdmaflowError):
     pass
 
 
-class Shard:
+class Shard(UnitOptimizers):
     def __init__(self, ctx):
         self.ctx = ctx
         self.role = ctx.role
@@ -53,6 +55,7 @@ class Shard:
         self.dev = ctx.device
         self.stats = {"steps": 0, "max_gap": 0, "applied": [], "replies": 0, "reply_writes": 0}
         self.dead: set[int] = set()
+        self.replicas, self.mirrors, self.backups = 1, [], None  # dense_replica.py, when R > 1
 
     # -- setup --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -76,15 +79,6 @@ class Shard:
                   f"only: this {self.mode} job writes none", file=sys.stderr, flush=True)
         self.plan = make_plan(spec, role.num_shards, self.config["policy"], int(self.config["block_bytes"]))
         self.units = self.plan.units_of(self.id)
-        self.chunks = self.plan.chunks_of(self.id, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES))
-        self.chunk_runs = [runs_of(chunk) for chunk in self.chunks]  # one WRITE each
-        # Per chunk, per unit: the parameters [first, last) it holds part of (to skip the units
-        # whose parameters have no gradient).
-        starts = [info.offset for info in self.plan.params]
-        held = [[units_holding(starts, u.offset, u.offset + u.numel) for u in chunk] for chunk in self.chunks]
-        self.unit_params = [(torch.tensor([r.start for r in rs], dtype=torch.long),
-                             torch.tensor([r.stop for r in rs], dtype=torch.long)) for rs in held]
-        self._skipped_for: tuple | None = None  # (has, skip): the last answer of skipped()
         self.dtype = FLOAT_DTYPES[self.plan.dtype]
         self.itemsize = self.plan.itemsize
         n = self.plan.shard_numel(self.id)
@@ -93,10 +87,24 @@ class Shard:
         self.hyper_fields = hyper_fields(self.config["optim"])
         self.layout = L = ShardLayout(n, self.itemsize, self.nw, 2 if self.switching else 1, len(self.hyper_fields),
                                       len(self.plan.params))
+        # Replicas (dense_replica.py): this shard's backups, and its mirrors of the units of the
+        # R - 1 shards before it, in the same arena (one per device).
+        self.replicas = int(self.config.get("replicas") or 1)
+        primaries = primaries_of(self.id, role.num_shards, self.replicas)
+        extra_bytes = 0
+        if self.replicas > 1:
+            if self.mode != "sync" or self.config.get("shard_device", "cpu") == "cuda":
+                raise ShardFailure("replicated shards of a DistributedOptimizer are built for mode='sync' on CPU "
+                                   "shards only")
+            extra_bytes = sum(MirrorLayout(self.plan.shard_numel(p), self.itemsize, L.hyper_count,
+                                           L.param_count).total + 4096 for p in primaries)
+            extra_bytes += source_bytes(L.hyper_count, L.param_count, self.replicas - 1) + 4096
         # A region of this service's own, not the device's one arena: a job's other services
         # (services.py) and a KVStore's arena tensors size theirs independently.
-        arena = self.arena = Arena(self.dev.alloc_region(L.total + (1 << 20)))
+        arena = self.arena = Arena(self.dev.alloc_region(L.total + extra_bytes + (1 << 20)))
         self.block = arena.allocate(L.total)
+        self.mirrors = [Mirror(self, p, arena) for p in primaries]
+        self.backups = Backups(self, arena, self.replicas) if self.replicas > 1 else None
         self.base = self.block.offset
         raw = torch.frombuffer(self.block, dtype=torch.uint8, count=L.total)
         raw[L.push :].zero_()
@@ -105,7 +113,7 @@ class Shard:
         # offsets in a block of its GPU arena (the host block's part before L.push is then unused).
         self.on_gpu = self.config.get("shard_device", "cpu") == "cuda"
         data, self.data_region, self.data_base = raw, arena.region, self.base
-        extra = {}
+        extra = {"mirrors": {str(m.p): m.block.offset for m in self.mirrors}} if self.mirrors else {}
         if self.on_gpu:
             gpu = self.dev.create_arena(L.push + (1 << 20), device="cuda")
             self.gpu_block = gpu.allocate(L.push)
@@ -158,26 +166,12 @@ class Shard:
                                  "base": int(meta["base"]), "layout": WorkerLayout.from_dict(meta["layout"]),
                                  "channel": self.dev.channel(ep)})
         self.region = arena.region
-        # One optimizer per chunk, so that a chunk's weights can be updated and sent while the
-        # next chunk is computed (the optimizers are elementwise: the same numbers as one).
-        self.spans = []
-        self.optimizers = []
-        for chunk in self.chunks:
-            lo = chunk[0].shard_offset
-            hi = chunk[-1].shard_offset + chunk[-1].numel
-            self.spans.append((lo, hi))
-            params = [self.weights[u.shard_offset : u.shard_offset + u.numel] for u in chunk]
-            self.optimizers.append((params, build_optimizer(self.config["optim"], params)))
+        self.build_optimizers(self.id, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES), self.config["optim"])
         if self.start:
             state = checkpoint.load(self.ckpt_dir, self.start, self.id, role.num_shards, self.fingerprint())
             with torch.no_grad():
                 self.weights.copy_(state["weights"])
-            states = state["optimizer"]
-            if len(states) != len(self.optimizers):
-                raise ShardFailure(f"checkpoint of step {self.start} has {len(states)} optimizer chunks, "
-                                   f"this shard {len(self.optimizers)} (another RDMAFLOW_PS_CHUNK_BYTES?)")
-            for (_, opt), st in zip(self.optimizers, states):
-                opt.load_state_dict(st)
+            self.load_optimizers(state["optimizer"], self.start, ShardFailure)
         else:
             # Initial weights: worker 0's parameters.
             w0 = self.workers[0]
@@ -186,9 +180,11 @@ class Shard:
                                          w0["remote"], src + u.offset * isz, u.numel * isz, READ)
                     for u in runs_of(self.units)]
             wait_all(futs, self.ctx.timeout)
-        # The hyperparameters in use: the job's, or those a checkpoint brought back.
-        desc = describe_optimizer(self.optimizers[0][1]) if self.optimizers else self.config["optim"]
-        self.hyper_start = self.hyper_in_use = hyper_values(desc["hyper"], self.hyper_fields)
+        self.start_hyper(self.config["optim"])
+        for m in self.mirrors:
+            m.start(self.start, int(self.config.get("chunk_bytes") or MIN_CHUNK_BYTES))
+        if self.backups is not None:
+            self.backups.connect(unpack_header)
         self.applied = [self.start] * self.nw
         self.answered = [self.start] * self.nw
         self.done = [False] * self.nw
@@ -293,49 +289,10 @@ class Shard:
             return self.push[w].get()
         return None
 
-    def apply_chunk(self, k: int, grads: torch.Tensor, skip=()) -> None:
-        """Runs the optimizer on chunk k; ``grads`` is laid out like the chunk's weights. The
-        units at positions ``skip`` have no gradient: the optimizer leaves them alone."""
-        params, opt = self.optimizers[k]
-        lo = self.spans[k][0]
-        for j, (p, u) in enumerate(zip(params, self.chunks[k])):
-            p.grad = None if j in skip else grads[u.shard_offset - lo : u.shard_offset - lo + u.numel]
-        opt.step()
-
     def record(self, w: int, t: int) -> tuple[list[float], torch.Tensor] | None:
         """Worker w's step record for its push t: (hyperparameters, which parameters have a
         gradient), or None if it wrote none (its push flag came after it)."""
         return read_record(self.records[w][t % self.layout.slots], self.layout.hyper_count, self.layout.param_count)
-
-    def skipped(self, records: list) -> list[set[int]] | None:
-        """Per chunk, the positions of its units that no parameter with a gradient touches in the
-        pushes of ``records`` (torch's optimizer skips a parameter whose grad is None); None if
-        there are none."""
-        if any(r is None for r in records):
-            return None  # a push without a record has every gradient
-        has = records[0][1].clone()
-        for r in records[1:]:
-            has |= r[1]
-        if bool(has.all()):
-            return None
-        if self._skipped_for is not None and torch.equal(self._skipped_for[0], has):
-            return self._skipped_for[1]  # a model's unused parameters are the same step after step
-        with_grad = torch.zeros(len(has) + 1, dtype=torch.long)
-        torch.cumsum(has, 0, out=with_grad[1:])  # parameters with a gradient before each index
-        skip = [set(torch.nonzero(with_grad[hi] == with_grad[lo]).flatten().tolist()) for lo, hi in self.unit_params]
-        skip = skip if any(skip) else None
-        self._skipped_for = (has, skip)
-        return skip
-
-    def use_hyper(self, record) -> None:
-        """Runs the optimizer with a record's hyperparameters; without them (no record, or the
-        worker's are still the job's), with those it started with (the job's, or a checkpoint's)."""
-        values = self.hyper_start if record is None or record[0] is None else record[0]
-        if values == self.hyper_in_use:
-            return
-        for _, opt in self.optimizers:
-            set_hyper(opt, self.hyper_fields, values)
-        self.hyper_in_use = values
 
     def apply(self, grads: torch.Tensor, scale: float, skip=None) -> None:
         for k, (lo, hi) in enumerate(self.spans):
@@ -381,7 +338,9 @@ class Shard:
             for w in ws:
                 self.applied[w] = t
                 self._to_worker(w, self._reply_begin, w)
-            for k, (lo, hi) in enumerate(self.spans):
+            if self.backups is not None:
+                self._step_replicated(t, ws, records, skip)
+            for k, (lo, hi) in enumerate(self.spans if self.backups is None else ()):
                 agg = self.aggregate[lo:hi]
                 if len(ws) == 1:
                     # Applied from the slot itself, as async mode does: the worker writes it again
@@ -398,7 +357,7 @@ class Shard:
                 self.apply_chunk(k, agg, () if skip is None else skip[k])
                 for w in ws:
                     self._to_worker(w, self._reply_chunk, w, t + 1, k + 1)
-            if not self.spans:
+            if not self.spans and self.backups is None:
                 for w in ws:
                     self._to_worker(w, self._reply_chunk, w, t + 1, 0)
             self.stats["steps"] += 1
@@ -406,6 +365,45 @@ class Shard:
             prof["update_and_send"] += time.monotonic() - t1
             if self.ckpt_every and t % self.ckpt_every == 0:
                 self.save(t)  # while the workers compute the next step
+
+    def _step_replicated(self, t: int, ws: list[int], records: list, skip) -> None:
+        """Step t with backups: the mean gradient of every chunk first, then the step's record
+        and mean gradient WRITEn to every backup; chunk 0's optimizer step runs while they travel,
+        and no weights go to a worker before every live backup holds them (``Backups.wait``)."""
+        aggs = []
+        for lo, hi in self.spans:
+            agg = self.aggregate[lo:hi]
+            if len(ws) == 1:
+                agg = self.gslots[ws[0]][0][lo:hi]
+            elif len(ws) == 2:
+                torch.lerp(self.gslots[ws[0]][0][lo:hi], self.gslots[ws[1]][0][lo:hi], 0.5, out=agg)
+            else:
+                torch.add(self.gslots[ws[0]][0][lo:hi], self.gslots[ws[1]][0][lo:hi], out=agg)
+                for w in ws[2:]:
+                    agg.add_(self.gslots[w][0][lo:hi])
+                agg.mul_(1.0 / len(ws))
+            aggs.append(agg)
+        L = self.layout
+        src = self.base + (L.gslot(ws[0], 0) if len(ws) == 1 else L.aggregate)
+        values = records[0][0] if records[0] is not None else None  # the hyperparameters use_hyper took
+        if any(r is None for r in records):
+            has = [True] * L.param_count
+        else:
+            merged = records[0][1].clone()
+            for r in records[1:]:
+                merged |= r[1]
+            has = merged.tolist()
+        pending = self.backups.send(t, values, has, src)
+        for k, agg in enumerate(aggs):
+            self.apply_chunk(k, agg, () if skip is None else skip[k])
+            if k == 0:
+                self.backups.wait(pending)
+            for w in ws:
+                self._to_worker(w, self._reply_chunk, w, t + 1, k + 1)
+        if not self.spans:
+            self.backups.wait(pending)
+            for w in ws:
+                self._to_worker(w, self._reply_chunk, w, t + 1, 0)
 
     def run_async(self) -> None:
         """Applies each worker's gradient on arrival. With staleness s >= 0 (bounded staleness),
@@ -492,6 +490,11 @@ class Shard:
                 for f in self._reply_futs[w]:
                     f.wait(deadline.left())
             self.stats["applied"] = list(self.applied)
+            for m in self.mirrors:
+                m.stop(self.ctx.timeout)
+            if self.replicas > 1:  # what tests compare: a mirror is its primary's state, bit for bit
+                self.stats["digest"] = self.digest()
+                self.stats["mirrors"] = {str(m.p): m.digest() for m in self.mirrors}
             if os.environ.get("RDMAFLOW_PS_PROFILE"):
                 print(json.dumps({"event": "ps_profile", "shard": self.id, "steps": self.stats["steps"],
                                   **self.stats.get("profile", {})}), file=profile_stream(), flush=True)

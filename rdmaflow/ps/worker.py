@@ -129,7 +129,8 @@ class Worker:
                  staleness: int = 0, policy: str = "block", block_bytes: int = 1 << 20,
                  overlap: bool = True, zero_copy: bool = True, min_workers: int | None = None,
                  checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 log_every: int = 0, progress: bool | None = None, shard_device: str | None = None):
+                 log_every: int = 0, progress: bool | None = None, shard_device: str | None = None,
+                 replicas: int = 1):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         staleness, block_bytes = checked_staleness(mode, staleness), integer(block_bytes, "block_bytes")
@@ -175,7 +176,7 @@ class Worker:
                "overlap": self.overlap, "min_workers": nw if min_workers is None else int(min_workers),
                "checkpoint_dir": os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
                "checkpoint_every": int(checkpoint_every), "optim": describe_optimizer(optimizer),
-               "shard_device": shard_device,
+               "shard_device": shard_device, "replicas": int(replicas),
                # Tuning: the smallest chunk of pipelined weight delivery (tests use tiny ones).
                "chunk_bytes": int(os.environ.get("RDMAFLOW_PS_CHUNK_BYTES", MIN_CHUNK_BYTES))}
         try:
@@ -430,6 +431,9 @@ class Worker:
         """Raises for shard ``s`` found gone: PeerError ``msg``, unless the job was aborted
         already (the shard may have stopped for that reason, and is then not the cause: the
         reason on record is said instead)."""
+        if int(getattr(self, "cfg", {}).get("replicas") or 1) > 1:
+            msg += ("; its units have a backup, but failover of a DistributedOptimizer's shards is not built yet: "
+                    "the job stops (resume it from a checkpoint)")
         reason = self.store.fail_with(msg, ("shard", s))
         if reason:
             raise WorkerFailure(f"the job was aborted: {reason}") from None
