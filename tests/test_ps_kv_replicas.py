@@ -231,8 +231,9 @@ def test_a_successor_redoes_the_last_whole_record_and_never_a_torn_one():
     assert redo(rng).tolist() == [4, 6] and rng.stored.tolist() == [2.0] * 8
 
 
-def test_a_distributed_optimizer_asked_for_replicas_refuses_and_aborts_the_job(monkeypatch):
-    """The dense protocol keeps one copy: asked for more, it says so instead of running unreplicated."""
+def test_a_distributed_optimizer_asked_for_replicas_where_they_are_not_built_refuses_and_aborts_the_job(monkeypatch):
+    """The dense protocol replicates mode="sync" on CPU shards only: asked for copies elsewhere, it
+    says so instead of running unreplicated."""
     from types import SimpleNamespace
 
     from rdmaflow import InvalidArgumentError, ps
@@ -242,6 +243,6 @@ def test_a_distributed_optimizer_asked_for_replicas_refuses_and_aborts_the_job(m
     ctx = SimpleNamespace(is_worker=True, kv_state=None, optimizer_state=None, shard_replicas=2,
                           role=SimpleNamespace(num_shards=2, index=0), store=SimpleNamespace(abort=aborted.append))
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(InvalidArgumentError, match="serve KVStore jobs only so far"):
-        ps.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), ctx=ctx)
+    with pytest.raises(InvalidArgumentError, match="mode='async' is not supported yet"):
+        ps.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="async", ctx=ctx)
     assert aborted and "worker 0: replicated shards" in aborted[0]
