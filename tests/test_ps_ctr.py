@@ -38,6 +38,8 @@ def test_the_ctr_job_learns_as_the_single_process_model_does(tmp_path):
     loss = sum(r["loss"] for r in workers) / 2
     first = sum(r["first_loss"] for r in workers) / 2
     assert abs(loss - single["loss"]) <= 0.05 * single["loss"], (workers, single)
-    assert abs(first - single["first_loss"]) <= 1e-5, (workers, single)  # the same samples, the same start
+    # The same samples and the same start: float32 sums in another order differ by ~1e-5 (CI saw 1.6e-5);
+    # another start or other samples differ by percents.
+    assert abs(first - single["first_loss"]) <= 1e-4 * single["first_loss"], (workers, single)
     assert loss < first - 0.03, (workers, single)  # it learned
     assert all(r["table"] == "sparse" for r in workers), workers
