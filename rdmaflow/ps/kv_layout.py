@@ -152,31 +152,72 @@ def request_bytes(count: int, elements: int, itemsize: int) -> int:
     return U64 * (1 + count) + elements * itemsize
 
 
-class KVServerArea:
+class RequestAreas:
+    """A shard block's request areas and per-worker words, as every key-value-style shard lays
+    them out (kv.py's protocol; a sparse table's shard, sparse.py, follows it): from ``start``,
+    per worker a push area, a pull area and a reply source; from ``flags`` on (zeroed at setup)
+    seven words per worker; ``extra`` bytes of the service's own; the abort word and its reason.
+    w numbers the workers."""
+
+    def _lay_out(self, start: int, nw: int, push_stride: int, pull_stride: int, value_stride: int,
+                 extra: int = 0) -> int:
+        self.nw = nw
+        self.push_stride, self.pull_stride, self.value_stride = push_stride, pull_stride, value_stride
+        self.push_area = start
+        self.pull_area = self.push_area + nw * push_stride
+        self.reply_src = self.pull_area + nw * pull_stride
+        words = aligned(U64 * nw)
+        off = self.flags = self.reply_src + nw * value_stride  # everything from here on starts zeroed
+        (self.push_flag, self.pull_flag, self.ack_src, self.reply_flag_src, self.done, self.barrier,
+         self.barrier_src) = (off + i * words for i in range(7))
+        self.abort_src = off + 7 * words + aligned(extra)
+        self.reason_src = self.abort_src + U64
+        self.total = self.abort_src + aligned(U64 + REASON)
+        return off + 7 * words  # where the extra bytes are
+
+    def push(self, w: int) -> int:
+        return self.push_area + w * self.push_stride
+
+    def pull(self, w: int) -> int:
+        return self.pull_area + w * self.pull_stride
+
+    def reply(self, w: int) -> int:
+        return self.reply_src + w * self.value_stride
+
+    def word(self, array: int, w: int) -> int:
+        return array + U64 * w
+
+
+class RequestWords:
+    """The tensors over a block's per-worker words (RequestAreas), as the shard's loop reads and
+    writes them; for the shard-side objects of kv_server.py and sparse_server.py."""
+
+    def _view_words(self, raw: torch.Tensor, L: RequestAreas) -> None:
+        nw = L.nw
+        self.push_flags = words(raw, L.push_flag, nw)
+        self.pull_flags = words(raw, L.pull_flag, nw)
+        self.ack_src = words(raw, L.ack_src, nw)
+        self.reply_flag_src = words(raw, L.reply_flag_src, nw)
+        self.done = words(raw, L.done, nw)
+        self.bflags = words(raw, L.barrier, nw)
+        self.barrier_src = words(raw, L.barrier_src, nw)
+        self.abort_src = words(raw, L.abort_src, 1)
+        self.applied = torch.zeros(nw, dtype=torch.int64)
+
+
+class KVServerArea(RequestAreas):
     """Where things are in one shard's block (see kv.py's protocol); w numbers the workers."""
 
     def __init__(self, numels: list[int], nw: int, itemsize: int, replicas: int = 1, ns: int = 1):
         n = self.n = len(numels)
-        self.nw, self.itemsize = nw, itemsize
+        self.itemsize = itemsize
         self.numels = torch.tensor(numels, dtype=torch.int64)
         self.offsets = torch.cumsum(self.numels, 0) - self.numels  # element offset of key i
         self.elements = int(self.numels.sum())
         vbytes = aligned(self.elements * itemsize)
         self.stored = 0
-        self.push_stride = aligned(request_bytes(n, self.elements, itemsize))
-        self.pull_stride = aligned(U64 * (1 + n))
-        self.value_stride = vbytes
-        self.push_area = vbytes
-        self.pull_area = self.push_area + nw * self.push_stride
-        self.reply_src = self.pull_area + nw * self.pull_stride
+        self._lay_out(vbytes, nw, aligned(request_bytes(n, self.elements, itemsize)), aligned(U64 * (1 + n)), vbytes)
         words = aligned(U64 * nw)
-        off = self.reply_src + nw * vbytes
-        self.flags = off            # everything from here on starts zeroed
-        (self.push_flag, self.pull_flag, self.ack_src, self.reply_flag_src, self.done, self.barrier,
-         self.barrier_src) = (off + i * words for i in range(7))
-        self.abort_src = off + 7 * words
-        self.reason_src = self.abort_src + U64
-        self.total = self.abort_src + aligned(U64 + REASON)
         if replicas > 1:  # a replica's words (kv_replica.py); none with one copy: today's layout
             # Two slots for the record of a replication round, round | count | applied[nw] |
             # rows[n] | values, used in turn: a record never overwrites the last committed one.
@@ -189,9 +230,6 @@ class KVServerArea:
             self.takeover = self.mapplied + words
             self.total = self.takeover + words
 
-    def push(self, w: int) -> int:
-        return self.push_area + w * self.push_stride
-
     def rec(self, slot: int) -> int:
         return self.rec0 + slot * self.rec_size
 
@@ -201,14 +239,6 @@ class KVServerArea:
     def rec_values(self, slot: int) -> int:
         return self.rec(slot) + aligned(U64 * (2 + self.nw + self.n))
 
-    def pull(self, w: int) -> int:
-        return self.pull_area + w * self.pull_stride
-
-    def reply(self, w: int) -> int:
-        return self.reply_src + w * self.value_stride
-
-    def word(self, array: int, w: int) -> int:
-        return array + U64 * w
 
 
 class KVClientArea:

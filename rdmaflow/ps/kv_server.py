@@ -11,7 +11,7 @@ import torch
 
 from rdmaflow import READ, WRITE, Arena, InvalidArgumentError, RdmaflowError, RemoteRegion
 from rdmaflow.deadline import Deadline
-from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, element_index, words
+from rdmaflow.ps.kv_layout import REASON, U64, KVLayout, RequestWords, element_index, words
 from rdmaflow.ps.kv_replica import candidates, drop, first_slot, owner, redo, replicate
 from rdmaflow.ps.protocol import ABORT, DONE, LEFT_WITHOUT_CLOSE
 from rdmaflow.ps.services import stop_others, stopping
@@ -228,7 +228,7 @@ class KVShard:
 
 
 
-class KVRange:
+class KVRange(RequestWords):
     """One key range's block in a shard process (kv.py's "shard s's block", plus a replica's
     words with replicas): its stored values, the workers' request areas and flags. The primary
     of the range serves it (``_round``); a backup's is a mirror its primary WRITEs into."""
@@ -253,15 +253,7 @@ class KVRange:
         self.key_tensor = spec.key_tensor[self.js] if self.n else spec.key_tensor[:0]
         self.offsets = L.offsets.tolist()  # for the per-key handler and _where
         self.numels = L.numels.tolist()
-        self.push_flags = words(raw, L.push_flag, self.nw)
-        self.pull_flags = words(raw, L.pull_flag, self.nw)
-        self.ack_src = words(raw, L.ack_src, self.nw)
-        self.reply_flag_src = words(raw, L.reply_flag_src, self.nw)
-        self.done = words(raw, L.done, self.nw)
-        self.bflags = words(raw, L.barrier, self.nw)
-        self.barrier_src = words(raw, L.barrier_src, self.nw)
-        self.abort_src = words(raw, L.abort_src, 1)
-        self.applied = torch.zeros(self.nw, dtype=torch.int64)
+        self._view_words(raw, L)
         self.replied = torch.zeros(self.nw, dtype=torch.int64)
         self.released = 0
         self.primary = r == shard.id

@@ -4,7 +4,7 @@ capacity (``batch_rows`` rows per request) and the job's size. The table's rows 
 in a region of their own (sparse_table.py). The protocol that uses them is in sparse.py."""
 from __future__ import annotations
 
-from rdmaflow.ps.kv_layout import REASON, U64
+from rdmaflow.ps.kv_layout import REASON, U64, RequestAreas
 from rdmaflow.ps.protocol import aligned
 from rdmaflow.ps.sparse_table import CHOICES, SLOTS, TableFormat
 
@@ -19,37 +19,13 @@ def push_bytes(fmt: TableFormat, rows: int) -> int:
     return HEAD + U64 * rows + rows * (fmt.row_bytes + 4 * fmt.state)
 
 
-class SparseShardArea:
+class SparseShardArea(RequestAreas):
     """One table's control block on a shard; w numbers the workers."""
 
     def __init__(self, fmt: TableFormat, batch_rows: int, nw: int):
-        self.nw, self.batch_rows = nw, batch_rows
-        self.push_stride = aligned(push_bytes(fmt, batch_rows))
-        self.pull_stride = aligned(HEAD + U64 * batch_rows)
-        self.value_stride = aligned(batch_rows * fmt.row_bytes)
-        self.push_area = 0
-        self.pull_area = nw * self.push_stride
-        self.reply_src = self.pull_area + nw * self.pull_stride
-        words = aligned(U64 * nw)
-        off = self.flags = self.reply_src + nw * self.value_stride  # zeroed from here on
-        (self.push_flag, self.pull_flag, self.ack_src, self.reply_flag_src, self.done, self.barrier,
-         self.barrier_src) = (off + i * words for i in range(7))
-        self.counters = off + 7 * words
-        self.abort_src = self.counters + aligned(U64 * COUNTERS)
-        self.reason_src = self.abort_src + U64
-        self.total = self.abort_src + aligned(U64 + REASON)
-
-    def push(self, w: int) -> int:
-        return self.push_area + w * self.push_stride
-
-    def pull(self, w: int) -> int:
-        return self.pull_area + w * self.pull_stride
-
-    def reply(self, w: int) -> int:
-        return self.reply_src + w * self.value_stride
-
-    def word(self, array: int, w: int) -> int:
-        return array + U64 * w
+        self.batch_rows = batch_rows
+        self.counters = self._lay_out(0, nw, aligned(push_bytes(fmt, batch_rows)), aligned(HEAD + U64 * batch_rows),
+                                      aligned(batch_rows * fmt.row_bytes), extra=U64 * COUNTERS)
 
 
 class SparseClientArea:

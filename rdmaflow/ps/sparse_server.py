@@ -14,7 +14,7 @@ import torch
 
 from rdmaflow import WRITE, RdmaflowError, RemoteRegion
 from rdmaflow.deadline import Deadline
-from rdmaflow.ps.kv_layout import REASON, U64, words
+from rdmaflow.ps.kv_layout import REASON, U64, RequestWords, words
 from rdmaflow.ps.protocol import ABORT, DONE, LEFT_WITHOUT_CLOSE
 from rdmaflow.ps.services import stop_others, stopping
 from rdmaflow.ps.shard import ShardFailure
@@ -51,7 +51,7 @@ def table_spec_format(spec: dict) -> TableFormat:
     return TableFormat(spec["dim"], FLOAT_DTYPES[spec["dtype"]], state_size(spec["handler"], spec["dim"]))
 
 
-class _Table:
+class _Table(RequestWords):
     """One table on this shard: its control block, its current region, its workers."""
 
     def __init__(self, shard: SparseShard, spec: dict):
@@ -68,16 +68,8 @@ class _Table:
         self.region = dev.alloc_region(L.total)
         raw = self.raw = region_bytes(self.region, L.total)
         raw[L.flags:].zero_()
-        self.push_flags = words(raw, L.push_flag, self.nw)
-        self.pull_flags = words(raw, L.pull_flag, self.nw)
-        self.ack_src = words(raw, L.ack_src, self.nw)
-        self.reply_flag_src = words(raw, L.reply_flag_src, self.nw)
-        self.done = words(raw, L.done, self.nw)
-        self.bflags = words(raw, L.barrier, self.nw)
-        self.barrier_src = words(raw, L.barrier_src, self.nw)
+        self._view_words(raw, L)
         self.counters = words(raw, L.counters, 4)   # pull requests, push requests, epoch, rows
-        self.abort_src = words(raw, L.abort_src, 1)
-        self.applied = torch.zeros(self.nw, dtype=torch.int64)
         self.replied = torch.zeros(self.nw, dtype=torch.int64)
         self.released = 0
         self.rows = 0
