@@ -182,9 +182,10 @@ def test_every_copy_of_a_range_dead_is_a_clear_error_on_every_worker(jobs):
 
 def test_the_replica_count_is_checked_and_the_argument_wins_over_the_environment(monkeypatch):
     from rdmaflow import InvalidArgumentError
-    from rdmaflow.ps.kv_replica import REPLICAS_ENV, replica_count
+    from rdmaflow.ps.context import REPLICAS_ENV, replica_count
 
     monkeypatch.delenv(REPLICAS_ENV, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the store outlives the shards
     assert replica_count(None, 3) == 1
     monkeypatch.setenv(REPLICAS_ENV, "2")
     assert replica_count(None, 3) == 2
@@ -192,6 +193,10 @@ def test_the_replica_count_is_checked_and_the_argument_wins_over_the_environment
     for bad, name in ((4, "replicas=4"), (0, "replicas=0"), (1.5, "replicas must"), (True, "replicas must")):
         with pytest.raises(InvalidArgumentError, match=name):
             replica_count(bad, 3)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")  # rank 0, a shard, would serve the store
+    with pytest.raises(InvalidArgumentError, match="serves the job's store"):
+        replica_count(2, 3)
+    assert replica_count(1, 3) == 1
     monkeypatch.setenv(REPLICAS_ENV, "two")
     with pytest.raises(InvalidArgumentError, match=r"\$RDMAFLOW_SHARD_REPLICAS must be a whole number"):
         replica_count(None, 3)

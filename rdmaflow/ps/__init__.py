@@ -32,9 +32,8 @@ import torch
 from rdmaflow import Device, InvalidArgumentError, RdmaflowError
 from rdmaflow.deadline import seconds_setting
 from rdmaflow.job import job_secret, route_address
-from rdmaflow.ps.context import Role, Store, resolve_role, shard_incarnation
+from rdmaflow.ps.context import Role, Store, replica_count, resolve_role, shard_incarnation
 from rdmaflow.ps.kv import KVHandle, KVStore
-from rdmaflow.ps.kv_replica import replica_count
 from rdmaflow.ps.kv_server import check_handlers
 from rdmaflow.ps.layout import DEFAULT_BLOCK_BYTES, POLICIES
 from rdmaflow.ps.services import announce as announce_services

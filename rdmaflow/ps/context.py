@@ -100,23 +100,40 @@ def store_outlives_shards() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def shard_replicas(role: Role | None = None) -> int:
-    """How many shard processes hold each unit (a primary and R-1 backups):
-    ``$RDMAFLOW_SHARD_REPLICAS``, which ``rdmaflow launch --shard-replicas`` sets; 1 when unset.
-    InvalidArgumentError when it is below 1, above ``role``'s shard count (if given), or above 1
-    while rank 0, a shard, serves the job's store (it would go with that shard)."""
-    r = env_int("RDMAFLOW_SHARD_REPLICAS", 1)
-    if r < 1:
-        raise InvalidArgumentError(f"$RDMAFLOW_SHARD_REPLICAS={r} must be at least 1 (1: no replicas)")
-    if role is not None and r > role.num_shards:
-        raise InvalidArgumentError(f"$RDMAFLOW_SHARD_REPLICAS={r} needs at least {r} shard processes; "
-                                   f"the job has {role.num_shards}")
+REPLICAS_ENV = "RDMAFLOW_SHARD_REPLICAS"
+
+
+def replica_count(value, num_shards: int | None) -> int:
+    """How many shard processes hold each unit or key range (a primary and R-1 backups): ``value``
+    (``KVStore(replicas=)``, ``ps.init(shard_replicas=)``), else ``$RDMAFLOW_SHARD_REPLICAS``
+    (which ``rdmaflow launch --shard-replicas`` sets), else 1. InvalidArgumentError when it is no
+    whole number, below 1, above ``num_shards`` (if given), or above 1 while rank 0, a shard,
+    serves the job's store (it would go with that shard)."""
+    name = "replicas"
+    if value is None:
+        value, name = os.environ.get(REPLICAS_ENV) or "1", f"${REPLICAS_ENV}"
+    try:
+        if isinstance(value, (bool, float)):
+            raise TypeError
+        r = int(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a whole number of copies, got {value!r}") from None
+    if r < 1 or (num_shards is not None and r > num_shards):
+        shards = "" if num_shards is None else f" in a job of {num_shards} shard{'s' if num_shards > 1 else ''}"
+        raise InvalidArgumentError(f"{name}={r}: a unit has 1 to {num_shards or 'as many as shards'} copies"
+                                   f"{shards} (one per shard process)")
     if r > 1 and not store_outlives_shards():
         raise InvalidArgumentError(
-            f"$RDMAFLOW_SHARD_REPLICAS={r}, but rank 0, a shard, serves the job's store, which would go with it: "
+            f"{name}={r}, but rank 0, a shard, serves the job's store, which would go with it: "
             "start the job with `rdmaflow launch --shard-replicas`, or serve the store elsewhere and set "
             "TORCHELASTIC_USE_AGENT_STORE=True")
     return r
+
+
+def shard_replicas(role: Role | None = None) -> int:
+    """The job's replica count from the environment (``replica_count``), checked against
+    ``role``'s shard count if given."""
+    return replica_count(None, None if role is None else role.num_shards)
 
 
 def max_shard_restarts() -> int:

@@ -14,9 +14,8 @@ from rdmaflow import READ, WRITE, InvalidArgumentError, PeerError, RdmaflowError
 from rdmaflow.deadline import Deadline, checked_timeout
 from rdmaflow.ps import kv_replica, kv_snapshot
 from rdmaflow.ps.checkpoint import resuming
-from rdmaflow.ps.context import dumps
+from rdmaflow.ps.context import dumps, replica_count
 from rdmaflow.ps.kv_layout import DTYPES, REASON, U64, KVLayout, declaration, describe_difference, key_of, words
-from rdmaflow.ps.kv_replica import replica_count
 from rdmaflow.ps.kv_request import Request, short
 from rdmaflow.ps.protocol import DONE
 from rdmaflow.ps.services import declare as declare_service
@@ -118,7 +117,7 @@ class KVStore:
             decl = declaration(keys, shapes, dtype)
             if init is not None and self.id == 0:
                 init = kv_snapshot.load(os.fspath(init), decl) if snapshot else self._check_init(decl, keys, init)
-            if self.id == 0:  # worker 0's setting is the job's (kv_replica.replica_count)
+            if self.id == 0:  # worker 0's setting is the job's (context.replica_count)
                 replicas = replica_count(ctx.shard_replicas if replicas is None else replicas, self.role.num_shards)
             self._setup(decl, init if self.id == 0 else None, replicas)
         except Exception as e:

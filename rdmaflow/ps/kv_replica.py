@@ -21,35 +21,14 @@ draws the protocol; this module holds its two halves that are not the plain key-
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from rdmaflow import READ, WRITE, InvalidArgumentError, RdmaflowError
+from rdmaflow import READ, WRITE, RdmaflowError
 from rdmaflow.deadline import Deadline
 from rdmaflow.ps.kv_layout import U64, words
 
-REPLICAS_ENV = "RDMAFLOW_SHARD_REPLICAS"
 EPOCH_SHIFT = 40  # a round number is epoch << 40 | the round within the epoch: later epochs rank higher
 SPAN_SLACK = 64 << 10  # bytes: touched keys this close together go as one in-place WRITE of their span
-
-
-def replica_count(value, num_shards: int) -> int:
-    """The job's replica count: ``value`` (KVStore's or ps.init's ``replicas``), else
-    ``$RDMAFLOW_SHARD_REPLICAS``, else 1; at least 1 and at most the number of shards."""
-    name = "replicas"
-    if value is None:
-        value, name = os.environ.get(REPLICAS_ENV) or "1", f"${REPLICAS_ENV}"
-    try:
-        if isinstance(value, (bool, float)):
-            raise TypeError
-        r = int(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{name} must be a whole number of copies, got {value!r}") from None
-    if not 1 <= r <= num_shards:
-        raise InvalidArgumentError(f"{name}={r}: a key range has 1 to {num_shards} copies in a job of "
-                                   f"{num_shards} shard{'s' if num_shards > 1 else ''} (one per shard process)")
-    return r
 
 
 def owner_key(r: int) -> str:
