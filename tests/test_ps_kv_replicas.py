@@ -244,6 +244,7 @@ def test_a_distributed_optimizer_asked_for_replicas_where_they_are_not_built_ref
     from rdmaflow import InvalidArgumentError, ps
 
     monkeypatch.delenv("RDMAFLOW_SHARD_REPLICAS", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the store outlives the shards
     aborted = []
     ctx = SimpleNamespace(is_worker=True, kv_state=None, optimizer_state=None, shard_replicas=2,
                           role=SimpleNamespace(num_shards=2, index=0), store=SimpleNamespace(abort=aborted.append))
